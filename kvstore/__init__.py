@@ -1,0 +1,1 @@
+"""KV block pool, prefix cache, tiers and transfer transports."""

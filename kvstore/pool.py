@@ -1,0 +1,143 @@
+"""The block pool: block ids, reference counts, and the prefix cache over them.
+
+A block is in exactly one of three states:
+
+    in use      ref_cnt > 0; owned by one or more sequences' block tables
+    cached      ref_cnt == 0, has a hash; in the free queue, reusable by a prefix hit
+    empty       ref_cnt == 0, no hash; in the free queue
+
+The free queue is the eviction order (front is evicted first). Freed blocks go
+to the back, so the least recently used are reused first, and a cached block
+keeps its contents until the moment it is handed out again.
+
+Who frees what:
+
+    allocate()/touch()  --> ref_cnt += 1 --> the caller's block table owns a reference
+    free()              --> ref_cnt -= 1 --> at 0 the block joins the free queue (still cached)
+    allocate() on a cached free block    --> its hash is evicted (a "removed" event)
+
+The pool never looks at tensors: it hands out ids, the KV cache holds the bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+
+
+class NoFreeBlocks(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, tier: str = "device"):
+        if num_blocks <= 0:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.tier = tier
+        self._ref_cnt = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.events = KvEventLog()
+        # counters: prefix-cache queries and hits, in blocks
+        self.queried_blocks = 0
+        self.hit_blocks = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_cnt[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes`` (no references taken)."""
+        out: list[int] = []
+        if not self.enable_caching:
+            return out
+        for h in hashes:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            out.append(bid)
+        self.queried_blocks += len(hashes)
+        self.hit_blocks += len(out)
+        return out
+
+    # -- mutations -----------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue, each with one reference."""
+        if n > len(self._free):
+            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self._free.popitem(last=False)
+            self._evict(bid)
+            self._ref_cnt[bid] = 1
+            out.append(bid)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on blocks found by a prefix hit (pulls cached ones off the free queue)."""
+        for bid in block_ids:
+            if self._ref_cnt[bid] == 0:
+                del self._free[bid]
+            self._ref_cnt[bid] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per block; give the ids in the order they should be evicted."""
+        for bid in block_ids:
+            rc = self._ref_cnt[bid]
+            if rc <= 0:
+                raise RuntimeError(f"block {bid} freed more often than taken")
+            self._ref_cnt[bid] = rc - 1
+            if rc == 1:
+                self._free[bid] = None
+
+    def cache(self, block_id: int, block_hash: int, parent: int | None) -> bool:
+        """Name a fully computed block by its chained hash. False if another block already has it."""
+        if not self.enable_caching or self._hash[block_id] is not None:
+            return False
+        if block_hash in self._cached:
+            return False
+        self._hash[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        self.events.append(BlockStored(block_hash, parent, self.tier))
+        return True
+
+    def evict_all_cached(self) -> None:
+        """Forget every cached block that is not in use (e.g. after the model is reloaded)."""
+        for bid in list(self._free):
+            self._evict(bid)
+
+    def _evict(self, bid: int) -> None:
+        h = self._hash[bid]
+        if h is not None:
+            self._hash[bid] = None
+            del self._cached[h]
+            self.events.append(BlockRemoved(h, self.tier))

@@ -1,0 +1,1 @@
+"""Files shipped with pdmesh (the tokenizer of the tiny model)."""

@@ -1,0 +1,232 @@
+"""Model and engine configuration, validated once when an engine starts."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be served; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> RopeConfig:
+        # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        merged = {**scaling, **params}
+        kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return cls(
+            theta=float(theta),
+            kind=kind,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelError(f"model directory {path} does not exist")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelError(f"{path} has no config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{cfg_file} is not a JSON object")
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        family = SUPPORTED_ARCHITECTURES.get(arch) if arch else cfg.get("model_type")
+        if family not in SUPPORTED_ARCHITECTURES.values():
+            name = arch or cfg.get("model_type") or "unknown"
+            raise ModelError(
+                f"unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            model = cls(
+                path=path,
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position=_max_position(cfg, family),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=family == "qwen3",
+                rope=RopeConfig.from_hf(cfg),
+                eos_token_ids=_eos_ids(path, cfg),
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ModelError):
+                raise
+            raise ModelError(f"{cfg_file} is malformed: {type(e).__name__}: {e}") from None
+        if model.num_heads % model.num_kv_heads:
+            raise ModelError(
+                f"num_attention_heads {model.num_heads} is not a multiple of num_key_value_heads {model.num_kv_heads}"
+            )
+        return model
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _max_position(cfg: dict, family: str) -> int:
+    n = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", family == "mistral")
+    if window and uses_window:
+        # Sliding-window attention is not implemented: serve contexts that fit the window.
+        n = min(n, int(window))
+    return n
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    sources = [cfg]
+    if gen.is_file():
+        try:
+            sources.insert(0, json.loads(gen.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass
+    for src in sources:
+        eos = src.get("eos_token_id")
+        if eos is None:
+            continue
+        for e in eos if isinstance(eos, list) else [eos]:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path
+    served_name: str | None = None  # the model name on the bus; defaults to the directory name
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda if available
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: what memory allows
+    kv_memory_fraction: float = 0.85  # GPU: share of free memory for KV after weights
+    cpu_kv_gib: float = 4.0  # CPU: cap for the KV pool when num_kv_blocks is not given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
+    kv_shm_path: str | None = None  # CPU: put the KV pool in this shared-memory file
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or Path(self.model).name

@@ -1,0 +1,267 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+One token budget per step. Running sequences go first (a decode takes one
+token, a half-prefilled prompt takes the next chunk), then waiting ones are
+admitted in order with their prefix-cache hits. When blocks run out, the most
+recently admitted running sequence is preempted by recompute: its blocks are
+freed (they stay cached, so the recompute is mostly a prefix hit) and it goes
+back to the front of the queue.
+
+The scheduler never touches tensors; ``SchedulerOutput`` is a plain value the
+runner executes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstore.manager import KVCacheManager
+from mesh.engine.sampler import SampledToken
+from mesh.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last row yields the next token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.samples]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list  # TokenLogprob per new token when logprobs were asked
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.remote: dict[str, Sequence] = {}  # WAITING_FOR_KV: a prefill worker writes their blocks
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until the caller releases them
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return self.remote.get(request_id) or self.held.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.find(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.remote.pop(request_id, None)
+        self.held.pop(request_id, None)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED_ABORTED
+        return seq
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.remote)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._grow_or_preempt(seq, n, out):
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        while not self.kv.grow(seq, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * bs, budget)
+            if not self.kv.can_admit(seq, hits, n):
+                break
+            self.waiting.popleft()
+            self.kv.admit(seq, hits)
+            grown = self.kv.grow(seq, n)
+            assert grown, "can_admit() promised these blocks"
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = len(hits) * bs
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    # -- remote prefill (decode side of disaggregation) ----------------------
+    def reserve_remote(self, seq: Sequence) -> bool:
+        """Allocate a new sequence's prompt blocks for a prefill worker to fill; False if they do not fit."""
+        hits = self.kv.match_prefix(seq)
+        n = seq.num_tokens - len(hits) * self.kv.block_size
+        if not self.kv.can_admit(seq, hits, n):
+            return False
+        self.kv.admit(seq, hits)
+        grown = self.kv.grow(seq, n)
+        assert grown, "can_admit() promised these blocks"
+        seq.num_cached_tokens = len(hits) * self.kv.block_size
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.remote[seq.request_id] = seq
+        return True
+
+    def complete_remote(self, request_id: str, first: SampledToken) -> StepOutput | None:
+        """The prefill worker wrote every prompt block and sampled the first token."""
+        seq = self.remote.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = seq.num_tokens
+        self.kv.cache_computed(seq)
+        seq.append_token(first.token_id, first.logprob)
+        self.check_stop(seq)
+        if seq.is_finished:
+            self.retire(seq)
+        else:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        return self.output_of(seq, [first])
+
+    def fail_remote(self, request_id: str) -> Sequence | None:
+        """No KV came: drop the promised blocks and prefill locally, ahead of newer requests."""
+        seq = self.remote.pop(request_id, None)
+        if seq is None:
+            return None
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        return seq
+
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
+        """Advance the scheduled sequences; ``sampled`` aligns with ``out.sampling_chunks``."""
+        results: list[StepOutput] = []
+        finished: list[Sequence] = []
+        samples = iter(sampled)
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed(seq)
+            if not chunk.samples:
+                continue
+            tok = next(samples)
+            seq.append_token(tok.token_id, tok.logprob)
+            self.check_stop(seq)
+            if seq.is_finished:
+                finished.append(seq)
+            results.append(self.output_of(seq, [tok]))
+        for seq in finished:
+            self.running.remove(seq)
+            self.retire(seq)
+        return results
+
+    def check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        last = seq.last_token_id
+        if (not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids:
+            seq.status = SeqStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.status = SeqStatus.FINISHED_LENGTH
+
+    def retire(self, seq: Sequence) -> None:
+        """A finished sequence gives its blocks back, unless its owner asked to hold them."""
+        if seq.hold_blocks:
+            self.held[seq.request_id] = seq
+        else:
+            self.kv.free(seq)
+
+    def release(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+    @staticmethod
+    def output_of(seq: Sequence, toks: list[SampledToken]) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[t.token_id for t in toks],
+            new_logprobs=[t.logprob for t in toks if t.logprob is not None],
+            finish_reason=seq.status.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )

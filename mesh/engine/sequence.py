@@ -1,0 +1,144 @@
+"""One request's state inside an engine: tokens, progress, blocks, status.
+
+Counters are stored (``num_computed_tokens``); everything else is derived.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mesh.engine.sampling import SamplingParams
+from mesh.hashing import block_hashes
+
+
+class SeqStatus(enum.IntEnum):
+    """Ordered so that ``status >= FINISHED_STOPPED`` means finished."""
+
+    WAITING = 0
+    WAITING_FOR_KV = 1  # blocks allocated; a prefill worker is writing them
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SeqStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SeqStatus.FINISHED_STOPPED: "stop",
+    SeqStatus.FINISHED_LENGTH: "length",
+    SeqStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives (token id, logprob), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    hash_seed: int
+    arrival: float = 0.0
+    priority: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table already named in the cache
+    num_preemptions: int = 0
+    hold_blocks: bool = False  # keep the blocks after finishing until released (prefill → transfer)
+    _hashes: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+    # -- derived ---------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until the whole known sequence (prompt, or prompt + outputs after a preemption) is computed
+        up to its last token."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def block_hashes(self, num_blocks: int | None = None) -> list[int]:
+        """Chained hashes of the first ``num_blocks`` full blocks (all full blocks by default)."""
+        full = self.num_tokens // self.block_size
+        want = full if num_blocks is None else min(num_blocks, full)
+        have = len(self._hashes)
+        if want > have:
+            parent = self._hashes[-1] if self._hashes else None
+            end = want * self.block_size
+            self._hashes.extend(
+                block_hashes(
+                    self.tokens_between(have * self.block_size, end),
+                    self.block_size,
+                    self.hash_seed,
+                    parent=parent,
+                )
+            )
+        return self._hashes[:want]
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)

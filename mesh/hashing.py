@@ -1,0 +1,54 @@
+"""The one block-hash function of pdmesh.
+
+Engine, kvstore, router and KV events all name a block by its chained hash:
+
+    h[0] = xxh3_64(le_u32(tokens of block 0), seed)
+    h[i] = xxh3_64(le_u64(h[i-1]) + le_u32(tokens of block i), seed)
+
+so ``h[i]`` names the whole prefix up to and including block ``i`` and prefix
+overlap is a walk until the first miss. Only full blocks are hashed. The seed
+is derived from the model name (LoRA adapters or a salt would extend it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import xxhash
+
+_SEED_OF_SEEDS = 1337
+
+
+@lru_cache(maxsize=64)
+def model_seed(model: str, salt: str = "") -> int:
+    """The hash seed for a model (and optional salt): stable across processes and hosts."""
+    return xxhash.xxh3_64_intdigest(f"{model}\x00{salt}".encode(), seed=_SEED_OF_SEEDS)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: int,
+    parent: int | None = None,
+    start_block: int = 0,
+) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+
+    ``parent`` is the hash of block ``start_block - 1`` (None when starting at
+    block 0), so a sequence that grows can hash only its new blocks.
+    """
+    n_full = len(token_ids) // block_size
+    if start_block >= n_full:
+        return []
+    tokens = np.asarray(token_ids[start_block * block_size : n_full * block_size], dtype="<u4")
+    out: list[int] = []
+    prev = parent
+    hasher = xxhash.xxh3_64_intdigest
+    for i in range(n_full - start_block):
+        chunk = tokens[i * block_size : (i + 1) * block_size].tobytes()
+        data = chunk if prev is None else prev.to_bytes(8, "little") + chunk
+        prev = hasher(data, seed=seed)
+        out.append(prev)
+    return out

@@ -1,0 +1,100 @@
+"""Tokenization and chat templates, from a model directory's own files.
+
+``tokenizer.json`` through HF ``tokenizers``; the chat template from
+``tokenizer_config.json`` rendered with Jinja2 in a sandbox, the way
+transformers renders it. A completion prompt is encoded with the tokenizer's
+special tokens (BOS where the model has one); a rendered chat template already
+contains them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from mesh.engine.config import ModelError
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed to render these messages."""
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        tok_file = model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelError(f"{model_dir} has no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:
+            raise ModelError(f"cannot load {tok_file}: {e}") from None
+        cfg_file = model_dir / "tokenizer_config.json"
+        cfg: dict = {}
+        if cfg_file.is_file():
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+        self.config = cfg
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(template)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _token_text(tok: object) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
