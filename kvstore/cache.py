@@ -12,6 +12,7 @@ the same host writes a decode worker's blocks in place (the ``shm`` transport).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -109,10 +110,9 @@ class KVCache:
     def close(self, unlink: bool = False) -> None:
         self.tensor = torch.empty(0)
         if self._mmap is not None:
-            try:
+            # a view may still be alive somewhere; then the mapping goes when it does
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes when it does
             self._mmap = None
         if unlink and self.shm_path:
             Path(self.shm_path).unlink(missing_ok=True)

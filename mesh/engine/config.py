@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -171,10 +172,8 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     gen = path / "generation_config.json"
     sources = [cfg]
     if gen.is_file():
-        try:
+        with contextlib.suppress(OSError, json.JSONDecodeError):
             sources.insert(0, json.loads(gen.read_text()))
-        except (OSError, json.JSONDecodeError):
-            pass
     for src in sources:
         eos = src.get("eos_token_id")
         if eos is None:

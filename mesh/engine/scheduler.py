@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvstore.manager import KVCacheManager
 from mesh.engine.sampler import SampledToken
-from mesh.engine.sequence import Sequence, SeqStatus
+from mesh.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,6 @@ def test_prefix_cache_hit_is_token_identical(llama_reference):
     assert second.num_cached_tokens == 96  # (100 - 1) // 8 full blocks
     assert first.output_token_ids == second.output_token_ids == expected[5]
     # a prompt sharing a prefix reuses the shared full blocks
-    shared = long_prompt[:50] + [7, 8, 9]
+    shared = [*long_prompt[:50], 7, 8, 9]
     (third,) = engine.generate([shared], SamplingParams(max_tokens=8, temperature=0.0))
     assert third.num_cached_tokens == 48

@@ -1,0 +1,109 @@
+"""Block pool, prefix cache and per-sequence block tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.events import BlockRemoved, BlockStored
+from kvstore.manager import KVCacheManager
+from kvstore.pool import BlockPool, NoFreeBlocks
+from mesh.engine.sampling import SamplingParams
+from mesh.engine.sequence import Sequence
+from mesh.hashing import block_hashes, model_seed
+
+
+def seq(tokens, bs=4, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams(), block_size=bs, hash_seed=model_seed("m"))
+
+
+def test_allocate_and_free_round_trip():
+    pool = BlockPool(4)
+    ids = pool.allocate(3)
+    assert len(set(ids)) == 3 and pool.num_free == 1
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(2)
+    pool.free(ids)
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError):
+        pool.free([ids[0]])
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru():
+    pool = BlockPool(3)
+    a, b, _c = pool.allocate(3)
+    pool.cache(a, 111, None)
+    pool.cache(b, 222, 111)
+    pool.free([b])  # b is least recently used
+    pool.free([a])
+    assert pool.match_prefix([111, 222]) == [a, b]  # freed but still cached
+    (reused,) = pool.allocate(1)
+    assert reused == b and pool.lookup(222) is None  # LRU evicted first
+    assert pool.match_prefix([111, 222]) == [a]
+    events = pool.events.drain()
+    assert events == [BlockStored(111, None, "device"), BlockStored(222, 111, "device"), BlockRemoved(222, "device")]
+
+
+def test_touch_takes_cached_block_off_the_free_queue():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache(a, 5, None)
+    pool.free([a])
+    assert pool.num_free == 2
+    pool.touch([a])
+    assert pool.num_free == 1 and pool.ref_count(a) == 1
+    pool.allocate(1)  # takes the other block, not the touched one
+    assert pool.lookup(5) == a
+
+
+def test_duplicate_hash_keeps_the_first_block():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, 9, None)
+    assert not pool.cache(b, 9, None)
+    assert pool.block_hash(b) is None
+
+
+def test_manager_matches_leaves_one_token_and_frees_tail_first():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    s = seq(range(12))  # exactly three full blocks
+    assert kv.grow(s, 12)
+    s.num_computed_tokens = 12
+    kv.cache_computed(s)
+    assert s.num_cached_blocks == 3
+    kv.free(s)
+    s2 = seq(range(12), rid="r2")
+    hits = kv.match_prefix(s2)
+    assert len(hits) == 2  # the last block is recomputed so that its logits exist
+    s3 = seq(range(13), rid="r3")
+    assert len(kv.match_prefix(s3)) == 3
+    # never-used blocks go first; then the tail block, which was freed first
+    pool.allocate(5)
+    tail = s3.block_hashes(3)[2]
+    pool.allocate(1)
+    assert pool.lookup(tail) is None
+    assert len(kv.match_prefix(s3)) == 2
+
+
+def test_can_admit_counts_reclaimed_cached_hits():
+    pool = BlockPool(3)
+    kv = KVCacheManager(pool, block_size=4)
+    s = seq(range(9))
+    kv.grow(s, 9)
+    s.num_computed_tokens = 9
+    kv.cache_computed(s)
+    kv.free(s)  # 2 cached blocks + 1 empty, all free
+    s2 = seq(range(9), rid="b")
+    hits = kv.match_prefix(s2)
+    assert len(hits) == 2
+    assert kv.can_admit(s2, hits, 1)  # needs 1 new block; 3 free minus 2 reclaimed = 1
+    assert not kv.can_admit(s2, hits, 5)
+
+
+def test_sequence_hashes_are_the_chained_block_hashes():
+    s = seq(range(10), bs=4)
+    assert s.block_hashes() == block_hashes(list(range(10)), 4, model_seed("m"))
+    s.append_token(10)
+    s.append_token(11)  # completes the third block
+    full = block_hashes(list(range(12)), 4, model_seed("m"))
+    assert s.block_hashes() == full and len(full) == 3
