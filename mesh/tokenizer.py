@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from mesh.engine.config import ModelError
+from mesh.engine.errors import ModelError
 
 
 class ChatTemplateError(ValueError):

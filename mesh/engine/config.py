@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mesh.engine.errors import ModelError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -25,10 +27,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-class ModelError(ValueError):
-    """A model directory that cannot be served; the message says why in one line."""
 
 
 @dataclass(frozen=True)

@@ -18,21 +18,18 @@ from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
 from mesh.engine.attention import create_backend, default_backend
 from mesh.engine.config import EngineConfig, ModelConfig
+from mesh.engine.errors import RequestError
 from mesh.engine.loader import load_model
 from mesh.engine.runner import ModelRunner
-from mesh.engine.sampler import SampledToken, Sampler
+from mesh.engine.sampler import Sampler
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
-from mesh.engine.sequence import Sequence
+from mesh.engine.sequence import SampledToken, Sequence
 from mesh.hashing import model_seed
 
 log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, bad token ids); the message is for the user."""
 
 
 class Engine:
@@ -115,12 +112,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        self.sampler.forget(request_id)
         return self.scheduler.abort(request_id)
 
     def release(self, request_id: str) -> None:
         """Free a finished sequence's held blocks (after its KV was sent)."""
-        self.sampler.forget(request_id)
         self.scheduler.release(request_id)
 
     def reserve_remote(self, seq: Sequence) -> bool:
@@ -143,9 +138,6 @@ class Engine:
             return []
         sampled = self.runner.execute(out)
         results = self.scheduler.update(out, sampled)
-        for r in results:
-            if r.finish_reason is not None:
-                self.sampler.forget(r.request_id)
         self.num_steps += 1
         return results
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mesh.engine.config import ModelConfig, ModelError
+from mesh.engine.config import ModelConfig
+from mesh.engine.errors import ModelError
 from mesh.engine.model import CausalLM, Rotary
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

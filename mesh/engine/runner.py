@@ -7,8 +7,9 @@ import torch
 
 from mesh.engine.attention import AttentionBackend, AttentionBatch
 from mesh.engine.model import CausalLM
-from mesh.engine.sampler import SampledToken, Sampler
+from mesh.engine.sampler import Sampler
 from mesh.engine.scheduler import SchedulerOutput
+from mesh.engine.sequence import SampledToken
 
 
 class ModelRunner:

@@ -1,33 +1,24 @@
 """Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Logprobs are those of the model's raw distribution (before penalties and
-temperature), as OpenAI reports them. A seeded request draws from its own
-generator, so its tokens do not depend on what else is in the batch.
+temperature), as OpenAI reports them. A seeded request draws its n-th token
+from a generator seeded by (seed, n): its tokens depend neither on what else is
+in the batch nor on which worker drew the previous ones (a prefill worker draws
+the first token, a decode worker the rest, a migrated request resumes anywhere).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from mesh.engine.sequence import Sequence, TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: TokenLogprob | None = None
+from mesh.engine.sequence import SampledToken, Sequence, TokenLogprob
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
-
-    def forget(self, request_id: str) -> None:
-        self._seeded.pop(request_id, None)
+        self._seeded = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """``logits [B, V]`` (float32), one row per sequence in ``seqs``."""
@@ -76,11 +67,8 @@ class Sampler:
             if s.params.seed is None:
                 unseeded.append(i)
                 continue
-            gen = self._seeded.get(s.request_id)
-            if gen is None:
-                gen = torch.Generator(device=x.device).manual_seed(s.params.seed)
-                self._seeded[s.request_id] = gen
-            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            self._seeded.manual_seed(token_seed(s.params.seed, s.num_output_tokens))
+            out[i] = torch.multinomial(probs[i], 1, generator=self._seeded)[0]
         if unseeded:
             out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self.generator).squeeze(1)
         return out
@@ -102,6 +90,11 @@ class Sampler:
             top = tuple(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k and top_ids else ()
             out.append(SampledToken(tok, TokenLogprob(chosen[i], top)))
         return out
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``."""
+    return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) & ((1 << 63) - 1)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

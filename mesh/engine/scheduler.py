@@ -17,8 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvstore.manager import KVCacheManager
-from mesh.engine.sampler import SampledToken
-from mesh.engine.sequence import SeqStatus, Sequence
+from mesh.engine.sequence import SampledToken, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

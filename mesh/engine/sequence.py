@@ -47,6 +47,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
