@@ -44,6 +44,26 @@ class KVCacheSpec:
     def total_bytes(self) -> int:
         return self.block_bytes * self.num_blocks
 
+    def to_dict(self) -> dict:
+        return {
+            "num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVCacheSpec:
+        dtype = getattr(torch, str(d["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown KV dtype {d['dtype']!r}")
+        return cls(int(d["num_layers"]), int(d["num_blocks"]), int(d["block_size"]),
+                   int(d["num_kv_heads"]), int(d["head_dim"]), dtype)
+
+    def same_layout(self, other: KVCacheSpec) -> bool:
+        """Blocks of one can be copied into the other (dtype may differ: the copy converts)."""
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim) == (
+            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
+
 
 class KVCache:
     """Owns the KV tensor; hands out per-layer views and whole-block copies."""
@@ -104,8 +124,23 @@ class KVCache:
         return self.tensor.index_select(2, idx)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         self.tensor.index_copy_(2, idx, data.to(self.device, self.spec.dtype))
+
+    def read_block_major(self, block_ids: list[int]) -> torch.Tensor:
+        """``[n, layers, 2, block_size, heads, dim]``, contiguous: each block's bytes in one piece."""
+        return self.read_blocks(block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_block_major(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.write_blocks(block_ids, data.permute(1, 2, 0, 3, 4, 5))
+
+    def copy_blocks_to(self, dst: KVCache, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy blocks into another cache in place, one strided copy per run of consecutive ids."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError("source and destination block lists differ in length")
+        for s0, d0, n in block_runs(src_ids, dst_ids):
+            dst.tensor[:, :, d0 : d0 + n].copy_(self.tensor[:, :, s0 : s0 + n])
 
     def close(self, unlink: bool = False) -> None:
         self.tensor = torch.empty(0)
@@ -116,6 +151,19 @@ class KVCache:
             self._mmap = None
         if unlink and self.shm_path:
             Path(self.shm_path).unlink(missing_ok=True)
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both id lists advance by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
 
 
 def _elem(dtype: torch.dtype) -> int:

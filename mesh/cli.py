@@ -45,12 +45,73 @@ def _add_model(sub) -> None:
     t.set_defaults(func=cmd_model_tiny)
 
 
+def add_pool_flags(p: argparse.ArgumentParser) -> None:
+    """Engine and KV pool flags shared by every role that runs an engine (and by ``mesh up``)."""
+    p.add_argument("--model", default=None, help="Hugging Face model directory")
+    p.add_argument("--served-name", default=None, help="model name on the bus and in the API (default: the directory name)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device-kv-blocks", type=int, default=None, help="cap the device KV pool (default: what memory allows)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
+
+
+def add_bus_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=None, help="NATS URL (default: $MESH_NATS_URL, or an embedded server for mesh up)")
+    p.add_argument("--ns", default=None, help="subject namespace (default: mesh)")
+
+
+def _add_worker(sub) -> None:
+    p = sub.add_parser("worker", help="run one worker")
+    p.add_argument("role", choices=["decode", "prefill", "mock"], help="mock: a decode worker on the mocker engine")
+    add_bus_flags(p)
+    add_pool_flags(p)
+    p.add_argument("--mock", action="store_true", help="use the mocker engine instead of a model")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--transports", default="shm,nats", help="KV transports to offer/use, e.g. shm,nats")
+    p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
+    p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
+    p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
+    p.set_defaults(func=cmd_worker)
+
+
+def _add_gateway(sub) -> None:
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    add_bus_flags(p)
+    p.add_argument("--model", action="append", default=[], help="model directory (tokenizer, chat template); repeatable")
+    p.add_argument("--served-name", action="append", default=[], help="name for each --model, in order")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-inflight", type=int, default=1024, help="admitted requests at once; beyond: 429")
+    p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.set_defaults(func=cmd_gateway)
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
+    add_bus_flags(p)
+    add_pool_flags(p)
+    p.add_argument("--mock", action="store_true", help="mocker workers instead of a model")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--transports", default=None, help="KV transports for the workers, e.g. shm,nats")
+    p.add_argument("--disagg-threshold", type=int, default=None)
+    p.set_defaults(func=cmd_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh", description="pdmesh: disaggregated prefill/decode serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_model(sub)
     _add_generate(sub)
+    _add_worker(sub)
+    _add_gateway(sub)
+    _add_up(sub)
     return parser
 
 
@@ -101,6 +162,108 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"{text}{completion}")
     return 0
+
+
+def engine_config(args: argparse.Namespace, mock: bool = False):
+    """The engine (or mocker) configuration from the pool flags."""
+    from mesh.config import settings
+
+    if mock:
+        from mesh.mocker.engine import MockConfig
+
+        kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
+        if args.device_kv_blocks:
+            kw["num_blocks"] = args.device_kv_blocks
+        if args.served_name:
+            kw["model_name"] = args.served_name
+        return MockConfig(**kw)
+    from mesh.engine.config import EngineConfig, ModelConfig
+
+    model = args.model or settings().model
+    if not model:
+        raise CliError("--model DIR is required (or MESH_MODEL)")
+    ModelConfig.from_dir(model)
+    return EngineConfig(
+        model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mesh.config import settings
+    from mesh.worker import WorkerSettings
+
+    mock = args.mock or args.role == "mock"
+    url = args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    ws = WorkerSettings(
+        nats_url=url, ns=args.ns or settings().ns, worker_id=args.worker_id,
+        engine=engine_config(args, mock=mock),
+        transports=tuple(t for t in args.transports.split(",") if t),
+        disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
+        prefill_capacity=args.prefill_capacity,
+    )
+    if args.role == "prefill":
+        from prefill.worker import PrefillWorker as cls
+    else:
+        from decode.worker import DecodeWorker as cls
+    asyncio.run(cls(ws).run())
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.service import Gateway, GatewayConfig
+    from mesh.config import settings
+
+    url = args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    models = args.model or ([settings().model] if settings().model else [])
+    for m in models:
+        if not Path(m).is_dir():
+            raise CliError(f"model directory {m} does not exist")
+    gw = Gateway(GatewayConfig(
+        nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
+        model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
+        default_max_tokens=args.default_max_tokens,
+    ))
+    config = uvicorn.Config(create_app(gw), host=args.host, port=args.port, loop="uvloop",
+                            http="httptools", log_level="warning", access_log=False)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mesh.up import UpPlan, default_model_dir, ensure_tiny_model, run_up
+
+    if args.prefill < 0 or args.decode < 1:
+        raise CliError("--decode must be >= 1 and --prefill >= 0")
+    model = None
+    if not args.mock:
+        model = args.model = str(args.model or ensure_tiny_model(default_model_dir()))
+        engine_config(args)  # validates the model directory and flags before anything starts
+    flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for name in ("device_kv_blocks", "dtype", "device", "served_name", "transports", "disagg_threshold"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.mock:
+        flags += ["--mock-speedup", str(args.mock_speedup)]
+    gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
+    plan = UpPlan(model=model, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
+                  port=args.port, nats_url=args.nats, ns=args.ns, worker_flags=flags,
+                  gateway_flags=gateway_flags)
+    return asyncio.run(run_up(plan))
 
 
 def main(argv: list[str] | None = None) -> int:

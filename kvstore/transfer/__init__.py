@@ -1,1 +1,107 @@
+"""KV transfer transports: how a prefill worker's blocks reach a decode worker's blocks.
 
+Two sides, one name per transport:
+
+    decode side  KvReceiver.params(request_id) -> what a sender needs (goes into the PrefillJob)
+                 KvReceiver.finish(request_id)  -> True once the bytes are in the destination blocks
+    prefill side KvSender.usable(params)        -> can this process reach the decode worker this way?
+                 KvSender.send(job, params, src, src_blocks) -> TransferResult
+
+The decode worker lists the transports it accepts, best first; the prefill
+worker uses the first one it can. Coordination (job, completion) is always a
+NATS message; only the bytes take the transport's path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any, Protocol
+
+from mesh.protocol import PrefillJob
+
+PREFERENCE = ("cuda_ipc", "nccl", "shm", "nats", "mock")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    transport: str
+    bytes: int
+    seconds: float
+    chunks: int = 0
+
+
+class KvSender(Protocol):
+    name: str
+
+    def usable(self, params: dict) -> bool: ...
+
+    async def send(self, job: PrefillJob, params: dict, src: Any, src_blocks: list[int]) -> TransferResult: ...
+
+
+class KvReceiver(Protocol):
+    name: str
+
+    def params(self, request_id: str, dest_blocks: list[int]) -> dict: ...
+
+    async def finish(self, request_id: str) -> bool: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+SENDERS: dict[str, Callable[..., KvSender]] = {}
+RECEIVERS: dict[str, Callable[..., KvReceiver]] = {}
+
+
+def register_sender(name: str):
+    def deco(factory):
+        SENDERS[name] = factory
+        return factory
+
+    return deco
+
+
+def register_receiver(name: str):
+    def deco(factory):
+        RECEIVERS[name] = factory
+        return factory
+
+    return deco
+
+
+_MODULES = {
+    "shm": "kvstore.transfer.shm",
+    "nats": "kvstore.transfer.nats_transport",
+    "mock": "kvstore.transfer.mock",
+    "cuda_ipc": "kvstore.transfer.cuda_ipc",
+    "nccl": "kvstore.transfer.nccl",
+}
+
+
+def _load(name: str) -> None:
+    # Imported on first use: the mock transport must not drag torch into mocker processes.
+    if name not in SENDERS and name in _MODULES:
+        import_module(_MODULES[name])
+
+
+def make_receiver(name: str, **kwargs) -> KvReceiver:
+    _load(name)
+    if name not in RECEIVERS:
+        raise ValueError(f"unknown transport {name!r}")
+    return RECEIVERS[name](**kwargs)
+
+
+def make_sender(name: str, **kwargs) -> KvSender:
+    _load(name)
+    if name not in SENDERS:
+        raise ValueError(f"unknown transport {name!r}")
+    return SENDERS[name](**kwargs)
+
+
+def ordered(names: list[str] | tuple[str, ...]) -> list[str]:
+    """Transport names in preference order (fastest first)."""
+    unknown = [n for n in names if n not in PREFERENCE]
+    if unknown:
+        raise ValueError(f"unknown transport {unknown[0]!r} (choose from {', '.join(PREFERENCE)})")
+    return [n for n in PREFERENCE if n in names]

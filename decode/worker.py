@@ -1,0 +1,318 @@
+"""The decode worker: owns each request from ``GenerateRequest`` to the last ``TokenChunk``.
+
+Per request:
+
+    generate --> prefix match --> uncached >= threshold and prefill pool free?
+                                    | yes                          | no
+                     reserve blocks, publish PrefillJob      prefill locally
+                                    |
+               PrefillDone (ok) --> bytes in place --> first token, decode on
+               PrefillDone (fail) or timeout ------> prefill locally
+
+Who frees the blocks of a remote prefill: the engine, once ``complete_remote``
+(they join the running sequence) or ``fail_remote`` (they are freed and the
+request is requeued) runs. Never before the prefill worker's deadline has
+passed or its PrefillDone has arrived, so a late write cannot land in blocks
+that belong to someone else. A cancel during a remote prefill is deferred the
+same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from kvstore.transfer import KvReceiver, make_receiver, ordered
+from mesh.engine.core import EngineCore
+from mesh.engine.errors import RequestError
+from mesh.engine.scheduler import StepOutput
+from mesh.engine.sequence import SampledToken, Sequence
+from mesh.prefill_queue import PrefillQueue
+from mesh.protocol import (
+    Cancel,
+    GenerateRequest,
+    LoadReport,
+    PrefillDone,
+    PrefillJob,
+    TokenChunk,
+    Usage,
+)
+from mesh.registry import Membership
+from mesh.worker import (
+    Window,
+    WorkerBase,
+    build_engine,
+    engine_logprob,
+    sampling_params,
+    wire_logprob,
+)
+
+log = logging.getLogger(__name__)
+
+# After a job's deadline, how long to wait before reusing its blocks (a copy already started may finish).
+DEADLINE_GRACE = 2.0
+
+
+@dataclass
+class Active:
+    request: GenerateRequest
+    reply: str
+    seq: Sequence
+    arrived: float
+    next_index: int = 0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    remote: asyncio.TimerHandle | None = None  # set while a prefill worker owns the blocks
+    cancelled: bool = False
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.active: dict[str, Active] = {}
+        self.receivers: dict[str, KvReceiver] = {}
+        self.prefill_loads: dict[str, LoadReport] = {}
+        self.membership: Membership | None = None
+        self.jobs: PrefillQueue | None = None
+        self.ttft = Window()
+        self.itl = Window()
+
+    # -- setup --------------------------------------------------------------------
+    def build(self) -> EngineCore:
+        shm = None
+        if "shm" in self.settings.transports and not self.settings.is_mock:
+            from kvstore.transfer.shm import remove_stale_files, shm_path
+
+            remove_stale_files()
+            shm = shm_path(self.worker_id)
+        return build_engine(self.settings, shm_path=shm)
+
+    def _transport_names(self) -> list[str]:
+        if self.settings.is_mock:
+            return ["mock"]
+        return ordered(self.settings.transports)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        bus, model = self.bus, self.engine.model_name
+        for name in self._transport_names():
+            rx = make_receiver(name, kv=self.engine.kv_cache, bus=bus, model=model, worker_id=self.worker_id)
+            if hasattr(rx, "start"):
+                await rx.start()
+            self.receivers[name] = rx
+        self.jobs = PrefillQueue(bus, model)
+        self.membership = Membership(bus, ttl=self.settings.registry_ttl)
+        await self.membership.start(wait=1.0)
+        stack.push_async_callback(self.membership.stop)
+        s = bus.subjects
+        subs = [
+            await bus.subscribe(s.generate(model, self.worker_id), self._on_generate, GenerateRequest),
+            await bus.subscribe(s.cancel(model, self.worker_id), self._on_cancel, Cancel),
+            await bus.subscribe(s.kv_ready(model, self.worker_id), self._on_kv_ready, PrefillDone),
+            await bus.subscribe(s.load_model(model), self._on_load, LoadReport),
+        ]
+        for sub in subs:
+            stack.push_async_callback(_unsubscribe, sub)
+
+    def card(self):
+        card = super().card()
+        card.capacity = self.engine.scheduler.config.max_num_seqs
+        kv = self.engine.kv_cache
+        if kv is not None and kv.shm_path:
+            from kvstore.transfer.shm import host_id
+
+            card.transports = {"shm": {"path": kv.shm_path, "host": host_id()}, "nats": {}}
+        elif kv is not None:
+            card.transports = {"nats": {}}
+        return card
+
+    def load(self, engine):
+        report = super().load(engine)
+        report.capacity = engine.scheduler.config.max_num_seqs
+        report.ttft_ms = self.ttft.mean() * 1000
+        report.itl_ms = self.itl.mean() * 1000
+        return report
+
+    def in_flight(self) -> int:
+        return len(self.active)
+
+    # -- requests -----------------------------------------------------------------
+    async def _on_generate(self, req: GenerateRequest, raw) -> None:
+        if not raw.reply:
+            log.warning("generate %s without a reply subject: dropped", req.request_id)
+            return
+        if self.status != "ready":
+            await self._fail(raw.reply, req.request_id, "worker is draining", 503)
+            return
+        if req.model != self.engine.model_name:
+            await self._fail(raw.reply, req.request_id, f"model {req.model!r} is not served here", 404)
+            return
+        if req.request_id in self.active:
+            await self._fail(raw.reply, req.request_id, "duplicate request id", 409)
+            return
+        try:
+            params = sampling_params(req.sampling)
+            seq = self.engine.new_sequence(req.token_ids, params, request_id=req.request_id)
+        except (RequestError, ValueError) as e:
+            await self._fail(raw.reply, req.request_id, str(e), 400)
+            return
+        self.counters.requests += 1
+        act = Active(req, raw.reply, seq, time.monotonic())
+        self.active[req.request_id] = act
+        want_remote = seq.num_prompt_tokens >= self.settings.disagg_threshold and self._prefill_free()
+        threshold = self.settings.disagg_threshold
+
+        def admit(engine: EngineCore):
+            if want_remote and engine.num_uncached_tokens(seq) >= threshold and engine.reserve_remote(seq):
+                return list(seq.block_table), seq.num_cached_tokens
+            engine.add(seq)
+            return None
+
+        reservation = await self.loop.call(admit)
+        if reservation is None:
+            self.counters.bump("local_prefill")
+        else:
+            await self._send_job(act, *reservation)
+
+    async def _send_job(self, act: Active, block_table: list[int], num_cached: int) -> None:
+        rid = act.request.request_id
+        dest = block_table[num_cached // self.engine.block_size :]
+        timeout = self.settings.prefill_timeout
+        job = PrefillJob(
+            request_id=rid, model=self.engine.model_name, token_ids=act.request.token_ids,
+            decode_worker=self.worker_id, num_cached_tokens=num_cached, dest_block_ids=dest,
+            transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
+            deadline=time.time() + timeout, block_size=self.engine.block_size,
+            sampling=act.request.sampling,
+        )
+        loop = asyncio.get_running_loop()
+        act.remote = loop.call_later(timeout + DEADLINE_GRACE, self._on_prefill_timeout, rid)
+        try:
+            await self.jobs.publish(job)
+            self.counters.bump("remote_prefill_sent")
+        except Exception as e:
+            # Nobody took the job, so nobody can write the blocks: prefill locally now.
+            log.warning("could not queue prefill job %s: %s", rid, e)
+            await self._fallback(act)
+
+    def _on_prefill_timeout(self, rid: str) -> None:
+        act = self.active.get(rid)
+        if act is not None and act.remote is not None:
+            log.warning("no prefill result for %s in time: prefilling locally", rid)
+            self.counters.bump("remote_prefill_timeout")
+            task = asyncio.create_task(self._fallback(act))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    async def _fallback(self, act: Active) -> None:
+        rid = act.request.request_id
+        self._end_remote(act)
+        if act.cancelled:
+            await self._abort(rid)
+            return
+        self.counters.bump("local_prefill_fallback")
+        await self.loop.call(lambda e: e.fail_remote(rid))
+
+    def _end_remote(self, act: Active) -> None:
+        if act.remote is not None:
+            act.remote.cancel()
+            act.remote = None
+        for rx in self.receivers.values():
+            rx.forget(act.request.request_id)
+
+    async def _on_kv_ready(self, done: PrefillDone, raw) -> None:
+        act = self.active.get(done.request_id)
+        if act is None or act.remote is None:
+            return  # late: already fell back or cancelled
+        ok = done.ok and done.transport in self.receivers
+        if ok:
+            ok = await self.receivers[done.transport].finish(done.request_id)
+        if not ok:
+            log.warning("prefill of %s failed (%s): prefilling locally", done.request_id, done.error)
+            self.counters.bump("remote_prefill_failed")
+            await self._fallback(act)
+            return
+        self._end_remote(act)
+        if act.cancelled:
+            await self._abort(done.request_id)
+            return
+        self.counters.bump("remote_prefill_done")
+        self.counters.bump(f"transport_{done.transport}")
+        first = SampledToken(done.token_id, engine_logprob(done.logprob))
+        out = await self.loop.call(lambda e: e.complete_remote(done.request_id, first))
+        if out is not None:
+            await self._emit(out)
+
+    async def _on_cancel(self, msg: Cancel, raw) -> None:
+        act = self.active.get(msg.request_id)
+        if act is None:
+            return
+        act.cancelled = True
+        self.counters.cancelled += 1
+        if act.remote is None:  # else: freed once the prefill worker is done with the blocks
+            await self._abort(msg.request_id)
+
+    async def _abort(self, rid: str) -> None:
+        self.active.pop(rid, None)
+        await self.loop.call(lambda e: e.abort(rid))
+
+    # -- streaming ----------------------------------------------------------------
+    async def handle_outputs(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            await self._emit(out)
+
+    async def _emit(self, out: StepOutput) -> None:
+        act = self.active.get(out.request_id)
+        if act is None or act.cancelled:
+            return
+        now = time.monotonic()
+        if act.next_index == 0:
+            act.first_token_at = now
+            self.ttft.add(now - act.arrived)
+        elif act.last_token_at:
+            self.itl.add((now - act.last_token_at) / max(1, len(out.new_token_ids)))
+        act.last_token_at = now
+        chunk = TokenChunk(
+            request_id=out.request_id, index=act.next_index, token_ids=out.new_token_ids,
+            logprobs=[wire_logprob(lp) for lp in out.new_logprobs], finish_reason=out.finish_reason,
+            worker=self.worker_id,
+        )
+        if act.next_index == 0 or out.finish_reason is not None:
+            chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        act.next_index += 1
+        if out.finish_reason is not None:
+            self.active.pop(out.request_id, None)
+            self.counters.finished += 1
+        await self.bus.publish(act.reply, chunk)
+
+    async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:
+        self.counters.errors += 1
+        await self.bus.publish(
+            reply, TokenChunk(rid, 0, finish_reason="error", error=message, error_status=status,
+                              worker=self.worker_id)
+        )
+
+    # -- the prefill pool -----------------------------------------------------------
+    async def _on_load(self, report: LoadReport, raw) -> None:
+        if report.role == "prefill":
+            self.prefill_loads[report.worker_id] = report
+
+    def _prefill_free(self) -> bool:
+        """Is there a live prefill worker with room? (the decision is per request, the data per second)"""
+        cards = [c for c in self.membership.cards(self.engine.model_name, "prefill") if c.status == "ready"]
+        if not cards:
+            return False
+        capacity = sum(c.capacity for c in cards)
+        busy = sum(r.active_jobs for w, r in self.prefill_loads.items() if any(c.worker_id == w for c in cards))
+        mine = sum(1 for a in self.active.values() if a.remote is not None)
+        return mine < capacity and busy < capacity
+
+
+async def _unsubscribe(sub) -> None:
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()

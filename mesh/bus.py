@@ -1,0 +1,107 @@
+"""One NATS connection per process: subjects, the codec, timeouts, and no crashing handlers.
+
+Every subscription handler gets a decoded message; bytes that do not decode
+are logged and dropped, and an exception in a handler is logged, never
+allowed to kill the subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from mesh.protocol import DecodeError, Subjects, decode, encode
+from mesh.tracing import outgoing_headers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Handler = Callable[[Any, Msg], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, nc: Client, subjects: Subjects):
+        self.nc = nc
+        self.subjects = subjects
+        self.js = nc.jetstream(timeout=5.0)
+        self.dropped = 0  # undecodable messages received
+
+    @classmethod
+    async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0) -> Bus:
+        conn: list[Client] = []
+
+        def closing() -> bool:
+            return bool(conn) and (conn[0].is_closed or conn[0].is_draining)
+
+        async def on_error(e: Exception) -> None:
+            if not closing():
+                log.warning("nats: %s", e)
+
+        async def on_disconnect() -> None:
+            if not closing():
+                log.warning("nats: disconnected from %s", url)
+
+        async def on_reconnect() -> None:
+            log.info("nats: reconnected to %s", url)
+
+        nc = await nats.connect(
+            servers=[url],
+            name=name,
+            connect_timeout=timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+        conn.append(nc)
+        return cls(nc, Subjects(ns))
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def publish(self, subject: str, msg: Any, reply: str = "", headers: dict | None = None) -> None:
+        await self.nc.publish(subject, encode(msg), reply=reply, headers=outgoing_headers(headers))
+
+    async def request(self, subject: str, msg: Any, expect: type[T], timeout: float) -> T:
+        reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=outgoing_headers())
+        return decode(reply.data, expect)
+
+    async def subscribe(
+        self, subject: str, handler: Handler, expect: type | None = None, queue: str = "",
+        pending_msgs_limit: int = 65536,
+    ) -> Subscription:
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = decode(raw.data, expect)
+            except DecodeError as e:
+                self.dropped += 1
+                log.warning("dropped a message on %s: %s", raw.subject, e)
+                return
+            try:
+                await handler(msg, raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("handler for %s failed", raw.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=pending_msgs_limit)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout)
+        except (TimeoutError, nats.errors.Error):
+            await self.nc.close()

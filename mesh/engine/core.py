@@ -1,0 +1,137 @@
+"""The part of an engine that is not the model: requests, blocks, scheduling.
+
+``EngineCore`` owns the block pool, the scheduler and the request lifecycle
+(local prefill, remote prefill, hold-and-release for prefill workers). A
+subclass supplies ``execute()``: the real engine runs the model, the mocker
+sleeps per a timing model. Workers talk to either through this interface, so
+the mocker speaks exactly the worker protocol. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from kvstore.manager import KVCacheManager
+from kvstore.pool import BlockPool
+from mesh.engine.errors import RequestError
+from mesh.engine.sampling import SamplingParams
+from mesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
+from mesh.engine.sequence import SampledToken, Sequence
+from mesh.hashing import model_seed
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    model_name: str
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+    enable_prefix_caching: bool = True
+
+
+class EngineCore:
+    def __init__(self, core: CoreConfig):
+        self.core_config = core
+        self.model_name = core.model_name
+        self.block_size = core.block_size
+        self.vocab_size = core.vocab_size
+        self.pool = BlockPool(core.num_blocks, enable_caching=core.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, core.block_size)
+        # A lone sequence must always fit the pool, or preemption could never make room for it.
+        self.max_model_len = min(core.max_model_len, core.num_blocks * core.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=core.max_num_seqs,
+                max_num_batched_tokens=core.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_ids=core.eos_token_ids,
+            ),
+            self.kv_manager,
+        )
+        self.hash_seed = model_seed(core.model_name)
+        self.num_steps = 0
+        self.kv_cache = None  # engines with real KV bytes set this (transports need it)
+        self._ids = itertools.count()
+
+    # -- the one thing a subclass provides --------------------------------------
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        raise NotImplementedError
+
+    # -- requests ---------------------------------------------------------------
+    def new_sequence(
+        self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        return Sequence(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=prompt,
+            params=params,
+            block_size=self.block_size,
+            hash_seed=self.hash_seed,
+        )
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished sequence's held blocks (after its KV was sent)."""
+        self.scheduler.release(request_id)
+
+    def num_uncached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens a prefill would compute, after this engine's prefix cache."""
+        return seq.num_tokens - len(self.kv_manager.match_prefix(seq)) * self.block_size
+
+    def reserve_remote(self, seq: Sequence) -> bool:
+        return self.scheduler.reserve_remote(seq)
+
+    def complete_remote(self, request_id: str, first: SampledToken) -> StepOutput | None:
+        return self.scheduler.complete_remote(request_id, first)
+
+    def fail_remote(self, request_id: str) -> Sequence | None:
+        return self.scheduler.fail_remote(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- stepping ---------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        sampled = self.execute(out)
+        results = self.scheduler.update(out, sampled)
+        self.num_steps += 1
+        return results
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[Sequence]:
+        """Run prompts to completion; sequences come back in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for s in seqs:
+            self.add(s)
+        while any(not s.is_finished for s in seqs):
+            if not self.has_work:
+                raise RuntimeError("engine idle with unfinished sequences")
+            self.step()
+        return seqs

@@ -1,0 +1,111 @@
+"""Runs an engine in a thread of its own, driven from asyncio.
+
+The event loop never waits on a model step. It hands the engine thread
+closures (``call``); the thread runs them between steps, in order, and
+resolves their futures on the event loop. Step outputs are delivered to the
+loop with ``call_soon_threadsafe``.
+
+    asyncio side                      engine thread
+    ------------                      -------------
+    await loop.call(fn) --queue-->    fn(engine) between two steps
+                      <--future--     result / exception
+    on_outputs(outs)  <--------       engine.step()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Steppable(Protocol):
+    @property
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list: ...
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Steppable,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list], None],
+        after_step: Callable[[Any], None] | None = None,
+        name: str = "engine",
+    ):
+        self.engine = engine
+        self.loop = loop
+        self.on_outputs = on_outputs
+        self.after_step = after_step  # runs in the engine thread after every step (stats snapshots)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_seconds = 0.0  # duration of the last step
+        self.failure: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run ``fn(engine)`` in the engine thread between steps."""
+        fut = self.loop.create_future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if self._stop.is_set() or not self.engine.has_work:
+                    continue
+                t0 = time.perf_counter()
+                outs = self.engine.step()
+                self.step_seconds = time.perf_counter() - t0
+                if self.after_step is not None:
+                    self.after_step(self.engine)
+                if outs:
+                    self.loop.call_soon_threadsafe(self.on_outputs, outs)
+        except BaseException as e:  # a broken engine must be visible, not a silent dead thread
+            self.failure = e
+            log.exception("engine thread died")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                self.loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                self.loop.call_soon_threadsafe(_set_result, fut, result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

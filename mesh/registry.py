@@ -1,0 +1,175 @@
+"""The worker registry: cards in a JetStream KV bucket, with a TTL.
+
+A worker puts its card when it starts and refreshes it every ``ttl / 3``; on a
+clean exit it deletes it. The bucket's max age drops cards nobody refreshes,
+and every watcher also expires them locally (a KV watch is not told when a
+value ages out), so a killed worker leaves everyone's view within the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+from mesh.bus import Bus
+from mesh.protocol import DecodeError, WorkerCard, decode, encode, subject_token
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 6.0
+
+
+async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
+    name = bus.subjects.workers_bucket()
+    try:
+        return await bus.js.key_value(name)
+    except BucketNotFoundError:
+        pass
+    try:
+        return await bus.js.create_key_value(bucket=name, ttl=ttl, history=1)
+    except Exception:
+        # Another process created it between our two calls.
+        return await bus.js.key_value(name)
+
+
+class CardPublisher:
+    """Keeps one worker's card in the registry while the worker lives."""
+
+    def __init__(self, bus: Bus, card_fn: Callable[[], WorkerCard], ttl: float = DEFAULT_TTL):
+        self.bus = bus
+        self.card_fn = card_fn
+        self.ttl = ttl
+        self._kv: KeyValue | None = None
+        self._task: asyncio.Task | None = None
+        self._key = ""
+
+    async def start(self) -> None:
+        self._kv = await open_bucket(self.bus, self.ttl)
+        await self.put()
+        self._task = asyncio.create_task(self._refresh(), name="registry-refresh")
+
+    async def put(self) -> None:
+        card = self.card_fn()
+        card.updated = time.time()
+        self._key = subject_token(card.worker_id)
+        await asyncio.wait_for(self._kv.put(self._key, encode(card)), 5.0)
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self.put()
+            except Exception as e:  # reconnecting; the next refresh tries again
+                log.warning("registry refresh failed: %s", e)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._kv and self._key:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._kv.delete(self._key), 2.0)
+
+
+class Membership:
+    """A live view of the registry: cards by worker id, stale ones expired locally."""
+
+    def __init__(self, bus: Bus, ttl: float = DEFAULT_TTL):
+        self.bus = bus
+        self.ttl = ttl
+        self._cards: dict[str, WorkerCard] = {}
+        self._seen: dict[str, float] = {}  # monotonic time of the card's last refresh
+        self._listeners: list[Callable[[str, WorkerCard | None], None]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._watcher = None
+        self.ready = asyncio.Event()
+
+    def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
+        """``fn(worker_id, card)`` on every join or update; ``card`` is None when a worker leaves."""
+        self._listeners.append(fn)
+
+    async def start(self, wait: float = 5.0) -> None:
+        kv = await open_bucket(self.bus, self.ttl)
+        self._watcher = await kv.watchall()
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="registry-watch"),
+            asyncio.create_task(self._sweep(), name="registry-sweep"),
+        ]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ready.wait(), wait)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+
+    def cards(self, model: str | None = None, role: str | None = None) -> list[WorkerCard]:
+        return [
+            c for c in self._cards.values()
+            if (model is None or c.model == model) and (role is None or c.role == role)
+        ]
+
+    def get(self, worker_id: str) -> WorkerCard | None:
+        return self._cards.get(worker_id)
+
+    def models(self) -> list[str]:
+        return sorted({c.model for c in self._cards.values()})
+
+    async def _watch(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # the initial values are all in
+                self.ready.set()
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self._drop_key(entry.key)
+                continue
+            try:
+                card = decode(entry.value, WorkerCard)
+            except DecodeError as e:
+                log.warning("ignoring a malformed card %s: %s", entry.key, e)
+                continue
+            age = min(max(time.time() - card.updated, 0.0), self.ttl)
+            self._seen[card.worker_id] = time.monotonic() - age
+            if age >= self.ttl:
+                continue
+            self._cards[card.worker_id] = card
+            self._notify(card.worker_id, card)
+            self.ready.set()
+
+    def _drop_key(self, key: str) -> None:
+        for wid in [w for w in self._cards if subject_token(w) == key]:
+            self._drop(wid)
+
+    def _drop(self, worker_id: str) -> None:
+        self._seen.pop(worker_id, None)
+        if self._cards.pop(worker_id, None) is not None:
+            self._notify(worker_id, None)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.ttl / 4))
+            now = time.monotonic()
+            for wid in [w for w, t in self._seen.items() if now - t > self.ttl]:
+                self._seen.pop(wid, None)
+                if wid in self._cards:
+                    log.info("worker %s expired from the registry", wid)
+                    self._drop(wid)
+
+    def _notify(self, worker_id: str, card: WorkerCard | None) -> None:
+        for fn in self._listeners:
+            try:
+                fn(worker_id, card)
+            except Exception:
+                log.exception("membership listener failed")

@@ -1,0 +1,254 @@
+"""What every worker process shares: the bus, an engine in its own thread, a
+card in the registry, load reports, ordered output delivery, graceful stop.
+
+``DecodeWorker`` and ``PrefillWorker`` (and custom workers) subclass
+``WorkerBase`` and fill in ``setup()``, ``handle_outputs()``, ``card()`` and
+``load()``.
+
+Lifecycle (``run``): connect -> build engine (in a thread) -> start engine
+thread -> setup subscriptions -> register card -> serve until stop -> drain
+(status "draining", finish in-flight work) -> deregister -> unsubscribe ->
+stop engine -> close bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+from mesh.bus import Bus
+from mesh.engine.core import EngineCore
+from mesh.engine.loop import EngineLoop
+from mesh.engine.sampling import SamplingParams
+from mesh.engine.sequence import TokenLogprob
+from mesh.procutil import stop_event_on_signals
+from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
+from mesh.registry import DEFAULT_TTL, CardPublisher
+
+log = logging.getLogger(__name__)
+
+
+def new_worker_id(role: str) -> str:
+    return subject_token(f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    nats_url: str
+    ns: str = "mesh"
+    worker_id: str = ""
+    engine: object = None  # EngineConfig (real model) or MockConfig (mocker)
+    transports: tuple[str, ...] = ("shm", "nats")
+    disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
+    prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
+    prefill_capacity: int = 4  # prefill: jobs held at once
+    load_interval: float = 1.0
+    registry_ttl: float = DEFAULT_TTL
+    drain_timeout: float = 30.0
+
+    @property
+    def is_mock(self) -> bool:
+        from mesh.mocker.engine import MockConfig
+
+        return isinstance(self.engine, MockConfig)
+
+
+def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> EngineCore:
+    if settings.is_mock:
+        from mesh.mocker.engine import MockEngine
+
+        return MockEngine(settings.engine)
+    from dataclasses import replace
+
+    from mesh.engine.engine import Engine
+
+    cfg = settings.engine if shm_path is None else replace(settings.engine, kv_shm_path=shm_path)
+    return Engine(cfg)
+
+
+class Window:
+    """Recent samples of a latency, for load reports."""
+
+    def __init__(self, size: int = 256):
+        self._v: deque[float] = deque(maxlen=size)
+
+    def add(self, v: float) -> None:
+        self._v.append(v)
+
+    def mean(self) -> float:
+        return sum(self._v) / len(self._v) if self._v else 0.0
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    by_key: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self.by_key[key] = self.by_key.get(key, 0) + n
+
+
+def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
+    """Wire options -> validated engine parameters (ValueError on bad values)."""
+    return SamplingParams(
+        max_tokens=override.get("max_tokens", opts.max_tokens),
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        min_p=opts.min_p,
+        seed=opts.seed,
+        stop_token_ids=tuple(opts.stop_token_ids),
+        ignore_eos=opts.ignore_eos,
+        logprobs=opts.logprobs,
+        presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty,
+        repetition_penalty=opts.repetition_penalty,
+    )
+
+
+def wire_logprob(lp: TokenLogprob | None) -> TokenLogprobs | None:
+    if lp is None:
+        return None
+    return TokenLogprobs(lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+
+
+def engine_logprob(lp: TokenLogprobs | None) -> TokenLogprob | None:
+    if lp is None:
+        return None
+    return TokenLogprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=False)))
+
+
+class WorkerBase:
+    role = ""
+
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.worker_id = settings.worker_id or new_worker_id(self.role)
+        self.started = time.time()
+        self.status = "ready"
+        self.counters = Counters()
+        self.ready = asyncio.Event()
+        self.bus: Bus | None = None
+        self.engine: EngineCore | None = None
+        self.loop: EngineLoop | None = None
+        self.cards: CardPublisher | None = None
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- for subclasses -----------------------------------------------------------
+    def build(self) -> EngineCore:
+        return build_engine(self.settings)
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        """Subscribe and start role tasks; push cleanups onto ``stack``."""
+
+    async def handle_outputs(self, outs: list) -> None:
+        """Step outputs, in step order, on the event loop."""
+
+    def in_flight(self) -> int:
+        return 0
+
+    def card(self) -> WorkerCard:
+        e = self.engine
+        return WorkerCard(
+            worker_id=self.worker_id, role=self.role, model=e.model_name, block_size=e.block_size,
+            kv_blocks=e.pool.num_blocks, max_model_len=e.max_model_len, host=socket.gethostname(),
+            pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
+            engine="mock" if self.settings.is_mock else "model",
+        )
+
+    def load(self, engine: EngineCore) -> LoadReport:
+        """Runs in the engine thread, between steps."""
+        s = engine.scheduler
+        pending = sum(q.num_uncomputed_tokens for q in s.waiting) + sum(
+            q.num_uncomputed_tokens for q in s.running if q.is_prefilling
+        )
+        return LoadReport(
+            worker_id=self.worker_id, model=engine.model_name, role=self.role, timestamp=time.time(),
+            waiting=len(s.waiting), running=len(s.running), waiting_for_kv=len(s.remote),
+            kv_blocks_used=engine.pool.num_used, kv_blocks_total=engine.pool.num_blocks,
+            pending_prefill_tokens=pending, requests_total=self.counters.requests, status=self.status,
+            counters={
+                **self.counters.by_key, "requests": self.counters.requests, "finished": self.counters.finished,
+                "cancelled": self.counters.cancelled, "errors": self.counters.errors,
+                "preemptions": s.num_preemptions, "prefix_hit_blocks": engine.pool.hit_blocks,
+                "prefix_query_blocks": engine.pool.queried_blocks,
+            },
+        )
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or stop_event_on_signals()
+        s = self.settings
+        async with AsyncExitStack() as stack:
+            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns)
+            stack.push_async_callback(self.bus.close)
+            self.engine = await asyncio.to_thread(self.build)
+            stack.callback(self.close_engine)
+            self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._outputs.put_nowait,
+                                   name=f"engine-{self.role}")
+            self.loop.start()
+            stack.callback(self.loop.stop)
+            stack.push_async_callback(self._cancel_tasks)
+            self._tasks.append(asyncio.create_task(self._deliver_outputs(), name="outputs"))
+            await self.setup(stack)
+            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
+            await self.cards.start()
+            stack.push_async_callback(self.cards.stop)
+            self._tasks.append(asyncio.create_task(self._report_load(), name="load"))
+            self.ready.set()
+            log.info("%s worker %s serving %s", self.role, self.worker_id, self.engine.model_name)
+            await stop.wait()
+            await self.drain()
+
+    async def drain(self) -> None:
+        """Stop taking work, let in-flight work finish (bounded), then return to deregister."""
+        self.status = "draining"
+        with contextlib.suppress(Exception):
+            await self.cards.put()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight():
+            log.warning("%d requests still in flight after the drain timeout", self.in_flight())
+
+    def close_engine(self) -> None:
+        kv = getattr(self.engine, "kv_cache", None)
+        if kv is not None:
+            kv.close(unlink=True)
+
+    async def _cancel_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def _deliver_outputs(self) -> None:
+        while True:
+            outs = await self._outputs.get()
+            try:
+                await self.handle_outputs(outs)
+            except Exception:
+                log.exception("delivering step outputs failed")
+
+    async def _report_load(self) -> None:
+        subject = self.bus.subjects.load(self.engine.model_name, self.worker_id)
+        while True:
+            try:
+                report = await asyncio.wait_for(self.loop.call(self.load), 10.0)
+                await self.bus.publish(subject, report)
+            except Exception as e:
+                log.warning("load report failed: %s", e)
+            await asyncio.sleep(self.settings.load_interval)

@@ -1,0 +1,199 @@
+"""The prefill worker: pulls jobs while it has room, computes their KV, writes it
+into the decode worker's blocks, reports the first token.
+
+    fetch(n free) --> PrefillJob --> engine (max_tokens=1, blocks held)
+                  --> first token --> transport.send(blocks) --> PrefillDone --> release blocks
+
+Who frees the blocks: the engine holds a finished job's blocks (``hold_blocks``)
+until ``release`` after the send, whatever its outcome. They then stay in the
+prefix cache, so the next job sharing the prompt's prefix computes less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import nats.errors
+
+from kvstore.manager import blocks_for
+from kvstore.transfer import KvSender, make_sender, ordered
+from mesh.engine.errors import RequestError
+from mesh.engine.scheduler import StepOutput
+from mesh.engine.sequence import Sequence
+from mesh.prefill_queue import PrefillQueue
+from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
+from mesh.worker import Window, WorkerBase, sampling_params, wire_logprob
+
+log = logging.getLogger(__name__)
+
+# Do not start writing a decode worker's blocks this close to the job's deadline.
+DEADLINE_MARGIN = 0.5
+
+
+@dataclass
+class Job:
+    job: PrefillJob
+    seq: Sequence
+    started: float
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.capacity = settings.prefill_capacity
+        self.jobs: dict[str, Job] = {}
+        self.senders: dict[str, KvSender] = {}
+        self._room = asyncio.Event()
+        self.compute = Window()
+
+    async def setup(self, stack: AsyncExitStack) -> None:
+        names = ["mock"] if self.settings.is_mock else ordered(self.settings.transports)
+        speedup = getattr(self.settings.engine, "speedup", 1.0)
+        for name in names:
+            self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup)
+        self.queue = PrefillQueue(self.bus, self.engine.model_name)
+        self._sub = await self.queue.pull()
+        stack.push_async_callback(self._unsubscribe)
+        self._tasks.append(asyncio.create_task(self._pull(), name="prefill-pull"))
+
+    async def _unsubscribe(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+    def card(self):
+        card = super().card()
+        card.capacity = self.capacity
+        card.transports = {n: {} for n in self.senders}
+        return card
+
+    def load(self, engine):
+        report = super().load(engine)
+        report.capacity = self.capacity
+        report.active_jobs = len(self.jobs)
+        report.ttft_ms = self.compute.mean() * 1000
+        return report
+
+    def in_flight(self) -> int:
+        return len(self.jobs)
+
+    # -- pulling --------------------------------------------------------------------
+    async def _pull(self) -> None:
+        while True:
+            free = self.capacity - len(self.jobs)
+            if self.status != "ready":
+                return  # draining: take nothing more
+            if free <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                msgs = await self._sub.fetch(batch=free, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as e:
+                log.warning("fetching prefill jobs failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            for m in msgs:
+                # Ack at once: a job is never redelivered into blocks a decode worker may have reused.
+                with contextlib.suppress(Exception):
+                    await m.ack()
+                await self._start(m.data)
+
+    async def _start(self, data: bytes) -> None:
+        try:
+            job = decode(data, PrefillJob)
+        except DecodeError as e:
+            log.warning("dropped a malformed prefill job: %s", e)
+            return
+        if job.request_id in self.jobs:
+            return
+        error = self._check(job)
+        seq = None
+        if error is None:
+            try:
+                params = sampling_params(job.sampling, max_tokens=1)
+                seq = self.engine.new_sequence(job.token_ids, params, request_id=job.request_id)
+            except (RequestError, ValueError) as e:
+                error = str(e)
+        if error is not None:
+            await self._done(job, ok=False, error=error)
+            return
+        seq.hold_blocks = True
+        self.jobs[job.request_id] = Job(job, seq, time.monotonic())
+        self.counters.requests += 1
+        await self.loop.call(lambda e: e.add(seq))
+
+    def _check(self, job: PrefillJob) -> str | None:
+        bs = self.engine.block_size
+        if job.model != self.engine.model_name:
+            return f"model {job.model!r} is not served here"
+        if job.block_size != bs:
+            return f"block size {job.block_size} differs from ours ({bs})"
+        if time.time() > job.deadline:
+            return "expired before it started"
+        if job.num_cached_tokens % bs or job.num_cached_tokens >= len(job.token_ids):
+            return "bad cached prefix length"
+        if len(job.dest_block_ids) != blocks_for(len(job.token_ids), bs) - job.num_cached_tokens // bs:
+            return "destination blocks do not match the prompt"
+        if not any(n in self.senders and self.senders[n].usable(p) for n, p in job.transports.items()):
+            return f"no usable transport among {sorted(job.transports)}"
+        return None
+
+    # -- finishing ------------------------------------------------------------------
+    async def handle_outputs(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            if out.finish_reason is not None and out.request_id in self.jobs:
+                task = asyncio.create_task(self._send(self.jobs[out.request_id], out))
+                self._tasks.append(task)
+                task.add_done_callback(self._tasks.remove)
+
+    async def _send(self, j: Job, out: StepOutput) -> None:
+        job = j.job
+        compute_ms = (time.monotonic() - j.started) * 1000
+        self.compute.add(compute_ms / 1000)
+        try:
+            name, params = next(
+                (n, p) for n, p in job.transports.items() if n in self.senders and self.senders[n].usable(p)
+            )
+            remaining = job.deadline - time.time() - DEADLINE_MARGIN
+            if remaining <= 0:
+                raise TimeoutError("past the deadline before the transfer")
+            first = job.num_cached_tokens // job.block_size
+            src = j.seq.block_table[first : first + len(job.dest_block_ids)]
+            result = await asyncio.wait_for(
+                self.senders[name].send(job, params, self.engine.kv_cache, src), remaining
+            )
+        except Exception as e:
+            log.warning("prefill %s: transfer failed: %s", job.request_id, e)
+            await self._done(job, ok=False, error=f"transfer failed: {e}", compute_ms=compute_ms)
+        else:
+            self.counters.bump(f"transport_{name}")
+            await self._done(
+                job, ok=True, token_id=out.new_token_ids[0],
+                logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
+                transport=name, transfer_bytes=result.bytes, transfer_ms=result.seconds * 1000,
+                compute_ms=compute_ms, num_chunks=result.chunks,
+            )
+        finally:
+            self.jobs.pop(job.request_id, None)
+            self._room.set()
+            await self.loop.call(lambda e: e.release(job.request_id))
+
+    async def _done(self, job: PrefillJob, ok: bool, **fields) -> None:
+        if ok:
+            self.counters.finished += 1
+        else:
+            self.counters.errors += 1
+        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, **fields)
+        try:
+            await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg)
+        except Exception as e:  # the decode worker falls back on its own timeout
+            log.warning("could not report prefill %s: %s", job.request_id, e)
