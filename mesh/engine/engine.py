@@ -51,7 +51,7 @@ class Engine(EngineCore):
         )
         self.kv_spec = KVCacheSpec(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.kv_cache = KVCache(self.kv_spec, self.device, shm_path=config.kv_shm_path)
-        backend = config.attention_backend or default_backend(self.device)
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
         self.attention = create_backend(backend, self.kv_cache, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs)

@@ -64,14 +64,17 @@ def create_backend(name: str, kv: KVCache, scale: float) -> AttentionBackend:
     return _REGISTRY[name](kv, scale)
 
 
-def default_backend(device: torch.device) -> str:
-    if device.type == "cuda":
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "flashinfer"
-    return "torch"
+def default_backend(device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
+    """FlashInfer on CUDA when it is installed and serves this head size and dtype; else torch."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "torch"
+    from mesh.engine.attention.flashinfer_backend import supports
+
+    return "flashinfer" if supports(head_dim, dtype) else "torch"
 
 
 def _load_builtin() -> None:
