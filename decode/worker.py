@@ -244,9 +244,14 @@ class DecodeWorker(WorkerBase):
         self.counters.bump("remote_prefill_done")
         self.counters.bump(f"transport_{done.transport}")
         first = SampledToken(done.token_id, engine_logprob(done.logprob))
-        out = await self.loop.call(lambda e: e.complete_remote(done.request_id, first))
-        if out is not None:
-            await self._emit(out)
+
+        def complete(engine: EngineCore) -> None:
+            # Emitted from the engine thread, so the first token is queued before any later step's.
+            out = engine.complete_remote(done.request_id, first)
+            if out is not None:
+                self.loop.emit([out])
+
+        await self.loop.call(complete)
 
     async def _on_cancel(self, msg: Cancel, raw) -> None:
         act = self.active.get(msg.request_id)

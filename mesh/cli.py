@@ -105,7 +105,7 @@ def _add_up(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh", description="pdmesh: disaggregated prefill/decode serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default: $MESH_LOG_LEVEL or WARNING")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_model(sub)
     _add_generate(sub)
@@ -269,8 +269,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mesh.config import settings
+
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=(args.log_level or settings().log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from mesh.engine import ModelError, RequestError
 

@@ -13,6 +13,8 @@ class Settings:
     ns: str
     model: str | None
     log_level: str
+    # Fault injection for tests and chaos runs: a prefill worker waits this long before each transfer.
+    fault_prefill_delay_s: float = 0.0
 
 
 @lru_cache(maxsize=1)
@@ -23,4 +25,5 @@ def settings() -> Settings:
         ns=env.get("MESH_NS", "mesh"),
         model=env.get("MESH_MODEL") or None,
         log_level=env.get("MESH_LOG_LEVEL", "WARNING"),
+        fault_prefill_delay_s=float(env.get("MESH_FAULT_PREFILL_DELAY_S", "0") or 0),
     )

@@ -22,6 +22,7 @@ import nats.errors
 
 from kvstore.manager import blocks_for
 from kvstore.transfer import KvSender, make_sender, ordered
+from mesh.config import settings
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
 from mesh.engine.sequence import Sequence
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # Do not start writing a decode worker's blocks this close to the job's deadline.
 DEADLINE_MARGIN = 0.5
+# A job no worker of the pool can serve is failed (the decode worker prefills locally) after this many tries.
+MAX_DELIVERIES = 20
 
 
 @dataclass
@@ -40,6 +43,13 @@ class Job:
     job: PrefillJob
     seq: Sequence
     started: float
+
+
+def _deliveries(m) -> int:
+    try:
+        return m.metadata.num_delivered
+    except Exception:
+        return MAX_DELIVERIES
 
 
 class PrefillWorker(WorkerBase):
@@ -102,20 +112,32 @@ class PrefillWorker(WorkerBase):
                 await asyncio.sleep(0.5)
                 continue
             for m in msgs:
-                # Ack at once: a job is never redelivered into blocks a decode worker may have reused.
-                with contextlib.suppress(Exception):
-                    await m.ack()
-                await self._start(m.data)
+                await self._take(m)
 
-    async def _start(self, data: bytes) -> None:
+    async def _take(self, m) -> None:
         try:
-            job = decode(data, PrefillJob)
+            job = decode(m.data, PrefillJob)
         except DecodeError as e:
             log.warning("dropped a malformed prefill job: %s", e)
+            with contextlib.suppress(Exception):
+                await m.term()
             return
+        misfit = self._misfit(job)
+        if misfit is not None and _deliveries(m) < MAX_DELIVERIES:
+            # Another worker of the pool may be able to serve it (e.g. it shares the decode worker's host).
+            with contextlib.suppress(Exception):
+                await m.nak(delay=0.02)
+            return
+        # Ack at once: a job is never redelivered into blocks a decode worker may have reused.
+        with contextlib.suppress(Exception):
+            await m.ack()
+        await self._start(job, misfit)
+
+    async def _start(self, job: PrefillJob, error: str | None) -> None:
         if job.request_id in self.jobs:
             return
-        error = self._check(job)
+        if error is None:
+            error = self._check(job)
         seq = None
         if error is None:
             try:
@@ -131,20 +153,24 @@ class PrefillWorker(WorkerBase):
         self.counters.requests += 1
         await self.loop.call(lambda e: e.add(seq))
 
-    def _check(self, job: PrefillJob) -> str | None:
-        bs = self.engine.block_size
+    def _misfit(self, job: PrefillJob) -> str | None:
+        """Why this worker cannot serve the job while another of the pool might."""
         if job.model != self.engine.model_name:
             return f"model {job.model!r} is not served here"
-        if job.block_size != bs:
-            return f"block size {job.block_size} differs from ours ({bs})"
+        if job.block_size != self.engine.block_size:
+            return f"block size {job.block_size} differs from ours ({self.engine.block_size})"
+        if not any(n in self.senders and self.senders[n].usable(p) for n, p in job.transports.items()):
+            return f"no usable transport among {sorted(job.transports)}"
+        return None
+
+    def _check(self, job: PrefillJob) -> str | None:
+        bs = self.engine.block_size
         if time.time() > job.deadline:
             return "expired before it started"
         if job.num_cached_tokens % bs or job.num_cached_tokens >= len(job.token_ids):
             return "bad cached prefix length"
         if len(job.dest_block_ids) != blocks_for(len(job.token_ids), bs) - job.num_cached_tokens // bs:
             return "destination blocks do not match the prompt"
-        if not any(n in self.senders and self.senders[n].usable(p) for n, p in job.transports.items()):
-            return f"no usable transport among {sorted(job.transports)}"
         return None
 
     # -- finishing ------------------------------------------------------------------
@@ -159,6 +185,8 @@ class PrefillWorker(WorkerBase):
         job = j.job
         compute_ms = (time.monotonic() - j.started) * 1000
         self.compute.add(compute_ms / 1000)
+        if settings().fault_prefill_delay_s:
+            await asyncio.sleep(settings().fault_prefill_delay_s)
         try:
             name, params = next(
                 (n, p) for n, p in job.transports.items() if n in self.senders and self.senders[n].usable(p)

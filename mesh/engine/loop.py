@@ -65,6 +65,11 @@ class EngineLoop:
         self._commands.put((fn, fut))
         return fut
 
+    def emit(self, outs: list) -> None:
+        """From the engine thread (inside a ``call``): deliver outputs in order with the step outputs."""
+        if outs:
+            self.loop.call_soon_threadsafe(self.on_outputs, outs)
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -76,8 +81,7 @@ class EngineLoop:
                 self.step_seconds = time.perf_counter() - t0
                 if self.after_step is not None:
                     self.after_step(self.engine)
-                if outs:
-                    self.loop.call_soon_threadsafe(self.on_outputs, outs)
+                self.emit(outs)
         except BaseException as e:  # a broken engine must be visible, not a silent dead thread
             self.failure = e
             log.exception("engine thread died")

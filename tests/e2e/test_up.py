@@ -1,0 +1,94 @@
+"""``mesh up`` as a user runs it: it starts, answers, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mesh.natsserver import free_port
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mesh.cli", "up", "--port", str(port), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "pdmesh is up" in line:
+            return proc, f"http://127.0.0.1:{port}"
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"mesh up did not come up: {proc.stdout.read()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_mesh_up_answers_and_stops_cleanly(tmp_path, sig):
+    # the default model is generated into the cache directory on first use
+    proc, url = start_up(env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        kids = descendants(proc.pid)
+        assert len(kids) >= 4  # nats-server, gateway, prefill, decode
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello, mesh",
+                                                       "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+        assert (tmp_path / "cache" / "pdmesh" / "models" / "tiny" / "model.safetensors").is_file()
+    finally:
+        proc.send_signal(sig)
+        rc = proc.wait(60)
+    assert rc == 0
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "children left running"
+
+
+def test_mesh_up_mock_serves_the_mocker(tmp_path):
+    proc, url = start_up("--mock", "--decode", "2", "--prefill", "1", "--mock-speedup", "50")
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["mock"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "mock", "prompt": list(range(1, 40)),
+                                                       "max_tokens": 7}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": 39, "completion_tokens": 7, "total_tokens": 46,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

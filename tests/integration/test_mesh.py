@@ -1,0 +1,130 @@
+"""The disaggregated mesh with real processes: a nats-server, decode and prefill workers.
+
+Every long prompt is prefilled by the prefill worker and its KV crosses a real
+transport (shm, then nats) into the decode worker's blocks; the greedy output
+must equal the single-process engine's (what ``mesh generate`` runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+import uuid
+
+import pytest
+
+from mesh.client import generate
+from mesh.engine import Engine, EngineConfig, SamplingParams
+from mesh.protocol import GenerateRequest, SamplingOptions
+from tests.integration.conftest import Watcher
+
+THRESHOLD = 64
+LENGTHS = [5, 12, 20, 33, 48, 63, 64, 70, 90, 128, 150, 200, 256, 300, 333, 400, 450, 512, 600, 700]
+
+
+def prompts(seed: int = 0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = Engine(EngineConfig(tiny_model, num_kv_blocks=2048))
+    ps = prompts()
+    seqs = engine.generate(ps, SamplingParams(max_tokens=16, temperature=0.0))
+    return {tuple(p): s.output_token_ids for p, s in zip(ps, seqs, strict=True)}, engine
+
+
+async def run_all(bus, worker_id, prompt_list, max_tokens=16):
+    async def one(p):
+        req = GenerateRequest(uuid.uuid4().hex, "tiny", p, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+        toks, last = [], None
+        async for chunk in generate(bus, worker_id, req, first_timeout=120, idle_timeout=60):
+            assert chunk.error is None, chunk.error
+            toks += chunk.token_ids
+            last = chunk
+        return toks, last
+
+    return await asyncio.gather(*(one(p) for p in prompt_list))
+
+
+@pytest.mark.parametrize("transport", ["shm", "nats"])
+async def test_disaggregated_output_is_token_identical(cluster, tiny_model, reference, transport):
+    expected, _ = reference
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", "2048", "--transports", transport]
+    cluster.worker("decode", *flags, "--disagg-threshold", str(THRESHOLD), "--worker-id", f"dec-{transport}")
+    # room for every long prompt at once, so none is prefilled locally for lack of capacity
+    cluster.worker("prefill", *flags, "--worker-id", f"pre-{transport}", "--prefill-capacity", "16")
+    w = await Watcher.open(cluster.nats_url)
+    try:
+        await w.wait_for(lambda: w.membership.get(f"dec-{transport}") and w.membership.get(f"pre-{transport}"),
+                         what="both workers")
+        await w.fresh_load(f"pre-{transport}")  # the decode worker hears prefill load reports too
+        await asyncio.sleep(1.2)
+        results = await run_all(w.bus, f"dec-{transport}", prompts())
+        for p, (toks, last) in zip(prompts(), results, strict=True):
+            assert toks == expected[tuple(p)], f"prompt of {len(p)} tokens differs"
+            assert last.finish_reason == "length" and last.usage.prompt_tokens == len(p)
+        long_ones = sum(1 for n in LENGTHS if n >= THRESHOLD)
+        dec = await w.fresh_load(f"dec-{transport}")
+        pre = await w.fresh_load(f"pre-{transport}")
+        assert dec.counters.get("remote_prefill_done", 0) == long_ones, dec.counters
+        assert dec.counters.get(f"transport_{transport}", 0) == long_ones
+        assert dec.counters.get("local_prefill", 0) == len(LENGTHS) - long_ones
+        assert pre.counters.get(f"transport_{transport}", 0) == long_ones, pre.counters
+        assert dec.kv_blocks_used == 0 and dec.running == 0  # every block came back
+    finally:
+        await w.close()
+
+
+async def test_shared_prefix_is_served_from_the_decode_cache(cluster, tiny_model, reference):
+    _, engine = reference
+    w = await Watcher.open(cluster.nats_url)
+    try:
+        await w.wait_for(lambda: w.membership.get("dec-shm"), what="the shm decode worker")
+        rng = random.Random(7)
+        prefix = [rng.randrange(3, 4096) for _ in range(400)]
+        first = [*prefix, 11, 12, 13]
+        second = [*prefix, 21, 22, 23, 24, 25]
+        (t1, _l1), = await run_all(w.bus, "dec-shm", [first])
+        (t2, l2), = await run_all(w.bus, "dec-shm", [second])
+        assert l2.usage.cached_tokens >= 384  # the 24 full blocks of the shared prefix
+        ref = engine.generate([first, second], SamplingParams(max_tokens=16, temperature=0.0))
+        assert [t1, t2] == [s.output_token_ids for s in ref]
+    finally:
+        await w.close()
+
+
+async def test_prefill_worker_killed_mid_job_loses_no_request(cluster, tiny_model, reference):
+    _, engine = reference
+    # a namespace of its own: no other prefill worker may take this job
+    flags = ["--ns", "fault", "--model", str(tiny_model), "--device-kv-blocks", "1024", "--transports", "shm"]
+    cluster.worker("decode", *flags, "--disagg-threshold", str(THRESHOLD), "--prefill-timeout", "3",
+                   "--worker-id", "dec-fault")
+    victim = cluster.worker("prefill", *flags, "--worker-id", "pre-fault", "--prefill-capacity", "1",
+                            env={"MESH_FAULT_PREFILL_DELAY_S": "60"})
+    w = await Watcher.open(cluster.nats_url, ns="fault")
+    try:
+        await w.wait_for(lambda: w.membership.get("dec-fault") and w.membership.get("pre-fault"), what="workers")
+        await w.fresh_load("pre-fault")
+        await asyncio.sleep(1.2)
+        p = prompts(3)[-1]
+        task = asyncio.create_task(run_all(w.bus, "dec-fault", [p]))
+        # the prefill worker holds the job (computed, waiting to transfer): kill it now
+        await w.wait_for(lambda: (r := w.loads.get("pre-fault")) and r.active_jobs == 1, 30, "the job to start")
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        ((toks, last),) = await asyncio.wait_for(task, 60)
+        (ref,) = engine.generate([p], SamplingParams(max_tokens=16, temperature=0.0))
+        assert toks == ref.output_token_ids and last.finish_reason == "length"
+        dec = await w.fresh_load("dec-fault")
+        assert dec.counters.get("remote_prefill_timeout", 0) == 1
+        assert dec.counters.get("local_prefill_fallback", 0) == 1
+        # and the dead worker's card leaves the registry within the TTL
+        await w.wait_for(lambda: w.membership.get("pre-fault") is None, 15, "the card to expire")
+        assert time.monotonic() - killed <= 10.0
+    finally:
+        await w.close()
