@@ -112,8 +112,11 @@ main() {
     setup_env
     step machine 60 bash -c show_machine
     step install 120 bash -c install || { echo "install failed: nothing to test"; return 1; }
+    # the transports need no FlashInfer kernels (the tiny model runs the torch backend): before the warm-up
+    step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
+    step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
     step warm-kernels 240 bash -c warm_kernels
-    step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --junitxml "$0"' "$logdir/gpu_tests.xml"
+    step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
     step gpu-marked-elsewhere 90 bash -c 'pytest_gpu tests -m gpu --ignore=tests/gpu'
     if [ -f bench/engine.py ]; then
         step bench-engine 150 "$py" bench/engine.py --gpu --json "$logdir/bench_engine.json"

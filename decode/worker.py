@@ -26,7 +26,7 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from kvstore.transfer import KvReceiver, make_receiver, ordered
+from kvstore.transfer import KvReceiver, host_id, make_receiver
 from mesh.engine.core import EngineCore
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
@@ -86,7 +86,7 @@ class DecodeWorker(WorkerBase):
     # -- setup --------------------------------------------------------------------
     def build(self) -> EngineCore:
         shm = None
-        if "shm" in self.settings.transports and not self.settings.is_mock:
+        if "shm" in self._transport_names():
             from kvstore.transfer.shm import remove_stale_files, shm_path
 
             remove_stale_files()
@@ -94,9 +94,7 @@ class DecodeWorker(WorkerBase):
         return build_engine(self.settings, shm_path=shm)
 
     def _transport_names(self) -> list[str]:
-        if self.settings.is_mock:
-            return ["mock"]
-        return ordered(self.settings.transports)
+        return self.settings.transport_names()
 
     async def setup(self, stack: AsyncExitStack) -> None:
         bus, model = self.bus, self.engine.model_name
@@ -122,13 +120,10 @@ class DecodeWorker(WorkerBase):
     def card(self):
         card = super().card()
         card.capacity = self.engine.scheduler.config.max_num_seqs
+        card.transports = {name: {} for name in self.receivers}
         kv = self.engine.kv_cache
-        if kv is not None and kv.shm_path:
-            from kvstore.transfer.shm import host_id
-
-            card.transports = {"shm": {"path": kv.shm_path, "host": host_id()}, "nats": {}}
-        elif kv is not None:
-            card.transports = {"nats": {}}
+        if "shm" in card.transports:
+            card.transports["shm"] = {"path": kv.shm_path, "host": host_id()}
         return card
 
     def load(self, engine):

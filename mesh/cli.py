@@ -70,7 +70,7 @@ def _add_worker(sub) -> None:
     add_pool_flags(p)
     p.add_argument("--mock", action="store_true", help="use the mocker engine instead of a model")
     p.add_argument("--worker-id", default="")
-    p.add_argument("--transports", default="shm,nats", help="KV transports to offer/use, e.g. shm,nats")
+    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA)")
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
@@ -86,6 +86,10 @@ def _add_gateway(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-inflight", type=int, default=1024, help="admitted requests at once; beyond: 429")
     p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--first-token-timeout", type=float, default=120.0,
+                   help="seconds to wait for a worker's first chunk before answering 504")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds a started stream may go silent before it ends with a timeout error")
     p.set_defaults(func=cmd_gateway)
 
 
@@ -207,6 +211,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         prefill_capacity=args.prefill_capacity,
     )
+    ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as cls
     else:
@@ -229,10 +234,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     for m in models:
         if not Path(m).is_dir():
             raise CliError(f"model directory {m} does not exist")
+    if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0:
+        raise CliError("--max-inflight must be >= 1 and the timeouts > 0")
     gw = Gateway(GatewayConfig(
         nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
+        idle_timeout=args.idle_timeout,
     ))
     config = uvicorn.Config(create_app(gw), host=args.host, port=args.port, loop="uvloop",
                             http="httptools", log_level="warning", access_log=False)

@@ -91,6 +91,10 @@ class Subjects:
     def planner_decisions(self) -> str:
         return f"{self.ns}.planner.decisions"
 
+    def nccl(self, model: str, worker: str, verb: str) -> str:
+        """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
+
     def control(self, worker: str) -> str:
         """Per-worker control (drain), used by the planner's local connector."""
         return f"{self.ns}.control.{subject_token(worker)}"
@@ -391,3 +395,31 @@ class LoadReport:
     requests_total: int = 0
     status: str = "ready"
     counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
+
+
+# -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
+
+
+@message
+class NcclConnect:
+    """Prefill -> decode, request on ``nccl.connect``: join a two-rank communicator as rank 1."""
+
+    session: str  # names the communicator on both sides
+    sender: str  # the sending process: a new session from it replaces its older ones
+    unique_id: bytes  # ncclUniqueId, 128 bytes
+
+
+@message
+class NcclBegin:
+    """Prefill -> decode, request on ``nccl.begin``: post the recvs of this request's bytes."""
+
+    session: str
+    request_id: str
+    nbytes: int
+    chunk_bytes: int  # one send per this many bytes (the last one shorter)
+
+
+@message
+class NcclReply:
+    ok: bool
+    error: str = ""

@@ -46,7 +46,7 @@ class WorkerSettings:
     ns: str = "mesh"
     worker_id: str = ""
     engine: object = None  # EngineConfig (real model) or MockConfig (mocker)
-    transports: tuple[str, ...] = ("shm", "nats")
+    transports: tuple[str, ...] = ()  # () = for the device: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA
     disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
     prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
     prefill_capacity: int = 4  # prefill: jobs held at once
@@ -59,6 +59,18 @@ class WorkerSettings:
         from mesh.mocker.engine import MockConfig
 
         return isinstance(self.engine, MockConfig)
+
+    def transport_names(self) -> list[str]:
+        """The KV transports this worker offers (decode) or uses (prefill), best first."""
+        from kvstore.transfer import ordered
+
+        if self.is_mock:
+            return ["mock"]
+        on_cuda = self.engine.torch_device.type == "cuda"
+        names = self.transports or (("cuda_ipc", "nccl", "nats") if on_cuda else ("shm", "nats"))
+        if on_cuda and "shm" in names:
+            raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl or nats")
+        return ordered(names)
 
 
 def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> EngineCore:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import nats.errors
 
 from kvstore.manager import blocks_for
-from kvstore.transfer import KvSender, make_sender, ordered
+from kvstore.transfer import KvSender, make_sender
 from mesh.config import settings
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
@@ -64,7 +64,7 @@ class PrefillWorker(WorkerBase):
         self.compute = Window()
 
     async def setup(self, stack: AsyncExitStack) -> None:
-        names = ["mock"] if self.settings.is_mock else ordered(self.settings.transports)
+        names = self.settings.transport_names()
         speedup = getattr(self.settings.engine, "speedup", 1.0)
         for name in names:
             self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup)

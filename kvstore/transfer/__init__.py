@@ -14,12 +14,26 @@ NATS message; only the bytes take the transport's path.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import import_module
+from pathlib import Path
 from typing import Any, Protocol
 
 from mesh.protocol import PrefillJob
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """Same value in every process that shares this kernel (so /dev/shm, and CUDA IPC)."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}:{boot}"
+
 
 PREFERENCE = ("cuda_ipc", "nccl", "shm", "nats", "mock")
 

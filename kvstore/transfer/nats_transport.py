@@ -103,7 +103,7 @@ class NatsSender:
 
     async def send(self, job: PrefillJob, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
         t0 = time.perf_counter()
-        blocks = await asyncio.to_thread(src.read_block_major, src_blocks)
+        blocks = await asyncio.to_thread(lambda: src.read_block_major(src_blocks).cpu())
         payload = memoryview(blocks.view(-1).view(torch.uint8).numpy())
         total = len(payload)
         if total != params.get("bytes", total):

@@ -9,26 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
-from functools import lru_cache
 from pathlib import Path
 
 from kvstore.cache import KVCache, KVCacheSpec
-from kvstore.transfer import TransferResult, register_receiver, register_sender
+from kvstore.transfer import TransferResult, host_id, register_receiver, register_sender
 from mesh.protocol import PrefillJob
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdmesh-kv-"
-
-
-@lru_cache(maxsize=1)
-def host_id() -> str:
-    """Same value in every process that shares this kernel (and so /dev/shm)."""
-    boot = ""
-    with contextlib.suppress(OSError):
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{socket.gethostname()}:{boot}"
 
 
 def shm_path(worker_id: str) -> str:
