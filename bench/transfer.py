@@ -15,14 +15,11 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.cache import KVCache, KVCacheSpec
 from kvstore.transfer import host_id, make_receiver, make_sender
