@@ -72,6 +72,7 @@ class Active:
 
 class DecodeWorker(WorkerBase):
     role = "decode"
+    publishes_kv_events = True
 
     def __init__(self, settings):
         super().__init__(settings)

@@ -73,6 +73,10 @@ class Subjects:
     def kv_events_all(self, model: str) -> str:
         return f"{self._m(model)}.kv.events.*"
 
+    def kv_events_any(self) -> str:
+        """Every model's KV events (a router serves all models of a namespace)."""
+        return f"{self.ns}.*.kv.events.*"
+
     def kv_snapshot(self, model: str, worker: str) -> str:
         return f"{self._m(model)}.kv.snapshot.{subject_token(worker)}"
 
@@ -396,6 +400,62 @@ class LoadReport:
     status: str = "ready"
     counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
 
+
+
+@message
+class KvEvent:
+    """One change to a worker's cache. ``stored``: a chain of blocks, each the child of the one
+    before, the first the child of ``parent``; ``removed``: blocks gone from ``tier``;
+    ``cleared``: everything gone."""
+
+    kind: str  # stored | removed | cleared
+    hashes: list[int] = field(default_factory=list)
+    parent: int | None = None
+    tier: str = "device"  # device | host | disk
+
+
+@message
+class KvEventBatch:
+    """On ``kv.events.{worker}``, once per engine step with changes; ``seq`` counts batches, so a gap
+    tells a router it missed some and must resync from a snapshot."""
+
+    worker_id: str
+    model: str
+    seq: int
+    events: list[KvEvent] = field(default_factory=list)
+
+
+@message
+class KvSnapshotRequest:
+    page: int = 0
+    snapshot_id: str = ""  # from page 0's reply; later pages come from the same snapshot
+
+
+@message
+class KvSnapshot:
+    """Reply on ``kv.snapshot.{worker}``: every cached block by tier, as of batch ``seq``."""
+
+    worker_id: str
+    seq: int
+    snapshot_id: str
+    page: int
+    pages: int
+    blocks: dict[str, list[int]] = field(default_factory=dict)  # tier -> hashes on this page
+
+
+@message
+class RouterDecision:
+    """On ``router.decisions``: so other gateway replicas count this request's load too."""
+
+    router_id: str
+    model: str
+    worker_id: str
+    request_id: str
+    prompt_blocks: int
+    new_blocks: int
+    overlap_blocks: float
+    mode: str
+    timestamp: float
 
 # -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
 

@@ -29,6 +29,7 @@ from mesh.engine.core import EngineCore
 from mesh.engine.loop import EngineLoop
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import TokenLogprob
+from mesh.kvevents import KvEventPublisher
 from mesh.procutil import stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
@@ -143,6 +144,7 @@ def engine_logprob(lp: TokenLogprobs | None) -> TokenLogprob | None:
 
 class WorkerBase:
     role = ""
+    publishes_kv_events = False  # decode workers do: the router indexes their caches
 
     def __init__(self, settings: WorkerSettings):
         self.settings = settings
@@ -177,7 +179,7 @@ class WorkerBase:
             worker_id=self.worker_id, role=self.role, model=e.model_name, block_size=e.block_size,
             kv_blocks=e.pool.num_blocks, max_model_len=e.max_model_len, host=socket.gethostname(),
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
-            engine="mock" if self.settings.is_mock else "model",
+            engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
         )
 
     def load(self, engine: EngineCore) -> LoadReport:
@@ -208,10 +210,19 @@ class WorkerBase:
             stack.push_async_callback(self.bus.close)
             self.engine = await asyncio.to_thread(self.build)
             stack.callback(self.close_engine)
+            self.kv_events = None
+            if self.publishes_kv_events:
+                self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
+            else:
+                self.engine.pool.events.enabled = False
             self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._outputs.put_nowait,
+                                   after_work=self.kv_events.flush if self.kv_events else None,
                                    name=f"engine-{self.role}")
             self.loop.start()
             stack.callback(self.loop.stop)
+            if self.kv_events is not None:
+                await self.kv_events.start(self.loop)
+                stack.push_async_callback(self.kv_events.stop)
             stack.push_async_callback(self._cancel_tasks)
             self._tasks.append(asyncio.create_task(self._deliver_outputs(), name="outputs"))
             await self.setup(stack)

@@ -38,13 +38,13 @@ class EngineLoop:
         engine: Steppable,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list], None],
-        after_step: Callable[[Any], None] | None = None,
+        after_work: Callable[[Any], None] | None = None,
         name: str = "engine",
     ):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
-        self.after_step = after_step  # runs in the engine thread after every step (stats snapshots)
+        self.after_work = after_work  # engine thread, after every step and every batch of commands
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -79,9 +79,8 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 outs = self.engine.step()
                 self.step_seconds = time.perf_counter() - t0
-                if self.after_step is not None:
-                    self.after_step(self.engine)
                 self.emit(outs)
+                self._after_work()
         except BaseException as e:  # a broken engine must be visible, not a silent dead thread
             self.failure = e
             log.exception("engine thread died")
@@ -102,7 +101,15 @@ class EngineLoop:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._after_work()
+
+    def _after_work(self) -> None:
+        if self.after_work is not None:
+            try:
+                self.after_work(self.engine)
+            except Exception:
+                log.exception("after-work hook failed")
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -1,0 +1,107 @@
+"""A worker's KV events on the bus: numbered batches of cache changes, and snapshots.
+
+The engine thread drains the block pool's event log after every step and
+every command (``flush``), numbers the batch and hands it to the event loop,
+which publishes batches in order. A snapshot is taken in the engine thread
+right after a flush, so it is exactly the state after batch ``seq``: a router
+that applies the snapshot, then every batch with a higher number, has the
+worker's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from kvstore.events import to_wire
+from mesh.bus import Bus
+from mesh.protocol import KvEventBatch, KvSnapshot, KvSnapshotRequest, encode
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_PAGE = 50_000  # hashes per reply page (~450 KB of msgpack)
+SNAPSHOT_TTL = 30.0  # seconds a snapshot's later pages stay available
+
+
+class KvEventPublisher:
+    def __init__(self, bus: Bus, worker_id: str, model: str):
+        self.bus = bus
+        self.worker_id = worker_id
+        self.model = model
+        self.seq = 0  # engine thread only
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[KvEventBatch] = asyncio.Queue()
+        self._snapshots: dict[str, tuple[float, int, dict[str, list[int]]]] = {}
+        self._task: asyncio.Task | None = None
+        self._sub = None
+        self.published = 0
+
+    # -- engine thread ------------------------------------------------------------------
+    def flush(self, engine) -> None:
+        log_ = engine.pool.events
+        events = log_.drain()
+        if log_.overflowed:
+            # Events were lost: skip a number so that routers see a gap and resync.
+            log_.overflowed = False
+            self.seq += 1
+        if events:
+            self.seq += 1
+            batch = KvEventBatch(self.worker_id, self.model, self.seq, to_wire(events))
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+
+    def take_snapshot(self, engine) -> tuple[int, dict[str, list[int]]]:
+        self.flush(engine)
+        return self.seq, {engine.pool.tier: engine.pool.cached_hashes()}
+
+    # -- event loop ---------------------------------------------------------------------
+    async def start(self, engine_loop) -> None:
+        self._engine_loop = engine_loop
+        self._task = asyncio.create_task(self._publish(), name="kv-events")
+        self._sub = await self.bus.subscribe(
+            self.bus.subjects.kv_snapshot(self.model, self.worker_id), self._on_snapshot, KvSnapshotRequest
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _publish(self) -> None:
+        subject = self.bus.subjects.kv_events(self.model, self.worker_id)
+        while True:
+            batch = await self._queue.get()
+            try:
+                await self.bus.publish(subject, batch)
+                self.published += 1
+            except Exception as e:  # the gap in numbers makes routers resync
+                log.warning("could not publish KV events: %s", e)
+
+    async def _on_snapshot(self, req: KvSnapshotRequest, raw) -> None:
+        if not raw.reply:
+            return
+        now = time.monotonic()
+        for sid in [s for s, (t, _, _) in self._snapshots.items() if now - t > SNAPSHOT_TTL]:
+            del self._snapshots[sid]
+        snap = self._snapshots.get(req.snapshot_id)
+        if req.page == 0 or snap is None:
+            seq, blocks = await asyncio.wait_for(self._engine_loop.call(self.take_snapshot), 10.0)
+            sid = uuid.uuid4().hex
+            snap = (now, seq, blocks)
+            self._snapshots[sid] = snap
+        else:
+            sid = req.snapshot_id
+        _, seq, blocks = snap
+        flat = [(tier, h) for tier, hashes in blocks.items() for h in hashes]
+        pages = max(1, -(-len(flat) // SNAPSHOT_PAGE))
+        page = min(req.page if req.snapshot_id == sid else 0, pages - 1)
+        part: dict[str, list[int]] = {}
+        for tier, h in flat[page * SNAPSHOT_PAGE : (page + 1) * SNAPSHOT_PAGE]:
+            part.setdefault(tier, []).append(h)
+        await raw.respond(encode(KvSnapshot(self.worker_id, seq, sid, page, pages, part)))

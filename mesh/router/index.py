@@ -1,0 +1,188 @@
+"""Which workers hold which blocks, per tier: the router's view of every cache.
+
+Built from the workers' KV events (``apply``) and snapshots (``load_snapshot``);
+``overlap`` answers, for a request's chained block hashes, how many leading
+blocks each worker holds, credited by the best tier it holds each in. Blocks of
+workers that publish no events are *predicted* from the router's own decisions
+and forgotten after a TTL (approximate mode).
+
+Sequence numbers: ``apply`` refuses a batch that does not follow the last one
+seen from its worker (a gap), and the router resyncs that worker from a snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from mesh.protocol import KvEventBatch
+
+TIERS = {"device": 1, "host": 2, "disk": 4, "predicted": 8}
+DEFAULT_WEIGHTS = {"device": 1.0, "host": 0.75, "disk": 0.25, "predicted": 1.0}
+
+
+class KvIndex:
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = {**DEFAULT_WEIGHTS, **(weights or {})}
+        self._holders: dict[int, dict[str, int]] = {}  # hash -> {worker: tier bits}
+        self._blocks: dict[str, set[int]] = {}  # worker -> hashes it holds (any tier)
+        self._seq: dict[str, int] = {}  # worker -> last applied batch
+        self._predicted: dict[str, OrderedDict[int, float]] = {}  # worker -> hash -> expiry
+        self._partial: set[int] = set()  # hashes some holder keeps below full credit (may be stale)
+        self.events_applied = 0
+        # credit of a tier-bit combination: the best tier's weight
+        self._credit = [0.0] * 16
+        for bits in range(1, 16):
+            self._credit[bits] = max(w for t, w in self.weights.items() if bits & TIERS[t])
+
+    # -- updates ----------------------------------------------------------------------
+    def apply(self, batch: KvEventBatch) -> bool:
+        """Apply a worker's batch; False (and nothing applied) if it does not follow the last one."""
+        w = batch.worker_id
+        last = self._seq.get(w)
+        if last is None or batch.seq != last + 1:
+            return False
+        self._seq[w] = batch.seq
+        for ev in batch.events:
+            bit = TIERS.get(ev.tier, 1)
+            if ev.kind == "stored":
+                self._add(w, ev.hashes, bit)
+            elif ev.kind == "removed":
+                self._remove(w, ev.hashes, bit)
+            elif ev.kind == "cleared":
+                self.drop_worker(w, keep_seq=True)
+            self.events_applied += len(ev.hashes)
+        return True
+
+    def load_snapshot(self, worker: str, seq: int, blocks: dict[str, Iterable[int]]) -> None:
+        """Replace everything known about ``worker`` with its snapshot as of batch ``seq``."""
+        self.drop_worker(worker)
+        for tier, hashes in blocks.items():
+            self._add(worker, hashes, TIERS.get(tier, 1))
+        self._seq[worker] = seq
+
+    def add_snapshot_page(self, worker: str, blocks: dict[str, Iterable[int]]) -> None:
+        for tier, hashes in blocks.items():
+            self._add(worker, hashes, TIERS.get(tier, 1))
+
+    def predict(self, worker: str, hashes: Sequence[int], ttl: float, now: float | None = None) -> None:
+        """Approximate mode: assume ``worker`` now holds these blocks, for ``ttl`` seconds."""
+        now = time.monotonic() if now is None else now
+        pred = self._predicted.setdefault(worker, OrderedDict())
+        for h in hashes:
+            pred.pop(h, None)
+            pred[h] = now + ttl
+        self._add(worker, hashes, TIERS["predicted"])
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget predictions past their TTL; returns how many went."""
+        now = time.monotonic() if now is None else now
+        gone = 0
+        bit = TIERS["predicted"]
+        for worker, pred in self._predicted.items():
+            stale = []
+            while pred:
+                h, exp = next(iter(pred.items()))
+                if exp > now:
+                    break
+                pred.popitem(last=False)
+                stale.append(h)
+            self._remove(worker, stale, bit)
+            gone += len(stale)
+        return gone
+
+    def drop_worker(self, worker: str, keep_seq: bool = False) -> None:
+        for h in self._blocks.pop(worker, ()):
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.pop(worker, None)
+                if not holders:
+                    del self._holders[h]
+                    self._partial.discard(h)
+        self._predicted.pop(worker, None)
+        if not keep_seq:
+            self._seq.pop(worker, None)
+
+    def _add(self, worker: str, hashes: Iterable[int], bit: int) -> None:
+        mine = self._blocks.setdefault(worker, set())
+        holders_of = self._holders
+        partial = self._credit[bit] != 1.0
+        for h in hashes:
+            holders = holders_of.get(h)
+            if holders is None:
+                holders_of[h] = {worker: bit}
+            else:
+                holders[worker] = holders.get(worker, 0) | bit
+            mine.add(h)
+            if partial:
+                self._partial.add(h)
+
+    def _remove(self, worker: str, hashes: Iterable[int], bit: int) -> None:
+        mine = self._blocks.get(worker)
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None or worker not in holders:
+                continue
+            left = holders[worker] & ~bit
+            if left:
+                holders[worker] = left
+                if self._credit[left] != 1.0:
+                    self._partial.add(h)
+                continue
+            del holders[worker]
+            if not holders:
+                del self._holders[h]
+                self._partial.discard(h)
+            if mine is not None:
+                mine.discard(h)
+
+    # -- queries ----------------------------------------------------------------------
+    def seq(self, worker: str) -> int | None:
+        return self._seq.get(worker)
+
+    def workers(self) -> list[str]:
+        return list(self._blocks)
+
+    def num_blocks(self, worker: str) -> int:
+        return len(self._blocks.get(worker, ()))
+
+    def tiers_of(self, worker: str, block_hash: int) -> set[str]:
+        bits = self._holders.get(block_hash, {}).get(worker, 0)
+        return {t for t, b in TIERS.items() if bits & b}
+
+    def overlap(self, hashes: Sequence[int]) -> dict[str, float]:
+        """Per worker: its leading run of ``hashes``, each block credited by its best tier.
+
+        Walks the blocks while any worker still matches; the work per block is a set test
+        (C speed), plus a per-holder loop only on the few blocks some holder keeps below
+        full credit (host or disk tier).
+        """
+        first = self._holders.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        credit_of = self._credit
+        alive = set(first)
+        depth: dict[str, int] = {}
+        penalty: dict[str, float] = {}
+        n = 0
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None:
+                break
+            keys = holders.keys()
+            if not alive <= keys:
+                for w in alive - keys:
+                    depth[w] = n
+                alive &= keys
+                if not alive:
+                    break
+            if h in self._partial:
+                for w in alive:
+                    c = credit_of[holders[w]]
+                    if c != 1.0:
+                        penalty[w] = penalty.get(w, 0.0) + 1.0 - c
+            n += 1
+        for w in alive:
+            depth[w] = n
+        return {w: d - penalty.get(w, 0.0) for w, d in depth.items()}

@@ -1,0 +1,241 @@
+"""The KV-aware router on the bus: keeps the index and the load view current, decides.
+
+Feeds: every decode worker's KV event batches (resynced from a snapshot after
+a gap, for a new worker, or when the router starts), load reports, the
+registry (a worker that leaves is dropped at once), and the decisions of other
+router replicas (their requests count as load here too). ``route()`` is
+synchronous and cheap: hash the prompt, walk the index, call ``pick_worker``.
+A router decides; the gateway sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mesh.bus import Bus
+from mesh.hashing import block_hashes, model_seed
+from mesh.protocol import (
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    LoadReport,
+    RouterDecision,
+    WorkerCard,
+)
+from mesh.registry import Membership
+from mesh.router.index import KvIndex
+from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
+
+log = logging.getLogger(__name__)
+
+INFLIGHT_TTL = 30.0  # seconds a decision counts as load if no load report shows it
+REPORT_MARGIN = 0.25  # a load report this much newer than a decision already shows it
+SNAPSHOT_TIMEOUT = 5.0
+
+
+@dataclass
+class _Inflight:
+    """A routed request its worker's load reports may not show yet."""
+
+    timestamp: float
+    prompt_blocks: int
+    new_blocks: int  # still to prefill; 0 once the first token is out
+
+
+class KvRouter:
+    def __init__(self, bus: Bus, membership: Membership, config: RouterConfig, router_id: str | None = None):
+        self.bus = bus
+        self.membership = membership
+        self.config = config
+        self.router_id = router_id or uuid.uuid4().hex[:12]
+        self.rng = random.Random()
+        self.indexes: dict[str, KvIndex] = {}
+        self.loads: dict[str, LoadReport] = {}
+        self.inflight: dict[str, OrderedDict[str, _Inflight]] = {}  # worker -> request id -> load
+        self._buffered: dict[str, list[KvEventBatch]] = {}
+        self._resyncing: set[str] = set()
+        self._rr = 0
+        self._subs = []
+        self._tasks: set[asyncio.Task] = set()
+        self.resyncs = 0
+        self.decisions = 0
+
+    def index(self, model: str) -> KvIndex:
+        idx = self.indexes.get(model)
+        if idx is None:
+            idx = self.indexes[model] = KvIndex(self.config.tier_weights)
+        return idx
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.bus.subjects
+        self._subs = [
+            await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
+            await self.bus.subscribe(s.load_all(), self._on_load, LoadReport),
+            await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
+        ]
+        self.membership.on_change(self._on_member)
+        for card in self.membership.cards(role="decode"):
+            self._on_member(card.worker_id, card)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- feeds ------------------------------------------------------------------------
+    def _on_member(self, worker_id: str, card: WorkerCard | None) -> None:
+        if card is None:
+            for idx in self.indexes.values():
+                idx.drop_worker(worker_id)
+            self.loads.pop(worker_id, None)
+            self.inflight.pop(worker_id, None)
+            self._buffered.pop(worker_id, None)
+            return
+        if card.role == "decode" and card.publishes_kv_events and self.index(card.model).seq(worker_id) is None:
+            self._spawn(self._resync(card.model, worker_id))
+
+    async def _on_events(self, batch: KvEventBatch, raw) -> None:
+        w = batch.worker_id
+        if w in self._resyncing:
+            self._buffered.setdefault(w, []).append(batch)
+            return
+        if not self.index(batch.model).apply(batch):
+            self._buffered.setdefault(w, []).append(batch)
+            self._spawn(self._resync(batch.model, w))
+
+    async def _on_load(self, report: LoadReport, raw) -> None:
+        if report.role != "decode":
+            return
+        self.loads[report.worker_id] = report
+        queue = self.inflight.get(report.worker_id)
+        while queue and next(iter(queue.values())).timestamp < report.timestamp - REPORT_MARGIN:
+            queue.popitem(last=False)
+
+    async def _on_decision(self, d: RouterDecision, raw) -> None:
+        if d.router_id != self.router_id:
+            self._count(d.worker_id, d.request_id, _Inflight(d.timestamp, d.prompt_blocks, d.new_blocks))
+
+    async def _resync(self, model: str, worker: str) -> None:
+        if worker in self._resyncing:
+            return
+        self._resyncing.add(worker)
+        self._buffered.setdefault(worker, [])
+        self.resyncs += 1
+        try:
+            for attempt in range(5):
+                try:
+                    await self._load_snapshot(model, worker)
+                    break
+                except Exception as e:
+                    log.info("snapshot of %s failed (%s); retrying", worker, e)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            else:
+                return
+        finally:
+            self._resyncing.discard(worker)
+        idx = self.index(model)
+        pending = sorted(self._buffered.pop(worker, []), key=lambda b: b.seq)
+        for b in pending:
+            if b.seq <= (idx.seq(worker) or 0):
+                continue
+            if not idx.apply(b):
+                self._spawn(self._resync(model, worker))  # still a gap: start over
+                return
+
+    async def _load_snapshot(self, model: str, worker: str) -> None:
+        subject = self.bus.subjects.kv_snapshot(model, worker)
+        first = await self.bus.request(subject, KvSnapshotRequest(0), KvSnapshot, SNAPSHOT_TIMEOUT)
+        idx = self.index(model)
+        idx.load_snapshot(worker, first.seq, first.blocks)
+        for page in range(1, first.pages):
+            part = await self.bus.request(subject, KvSnapshotRequest(page, first.snapshot_id), KvSnapshot,
+                                          SNAPSHOT_TIMEOUT)
+            if part.snapshot_id != first.snapshot_id:
+                raise RuntimeError("the snapshot expired while paging")
+            idx.add_snapshot_page(worker, part.blocks)
+
+    # -- deciding -----------------------------------------------------------------------
+    def candidates(self, model: str) -> list[WorkerCard]:
+        return [c for c in self.membership.cards(model, "decode") if c.status == "ready"]
+
+    def route(self, model: str, token_ids: list[int], request_id: str = "",
+              exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
+        cards = [c for c in self.candidates(model) if c.worker_id not in exclude]
+        if not cards:
+            raise LookupError(f"no live worker for model {model!r}")
+        bs = cards[0].block_size
+        hashes: list[int] = []
+        overlaps: dict[str, float] = {}
+        idx = self.index(model)
+        if self.config.mode == "kv":
+            hashes = block_hashes(token_ids, bs, model_seed(model))
+            idx.expire()
+            overlaps = idx.overlap(hashes)
+        now = time.time()
+        workers = [self._load_of(c, now) for c in cards]
+        req = RouteRequest(len(token_ids), bs, tuple(hashes))
+        decision = pick_worker(req, workers, overlaps, self.config, self.rng, self._rr)
+        self._rr += 1
+        self.decisions += 1
+        self._count(decision.worker_id, request_id or uuid.uuid4().hex,
+                    _Inflight(now, req.prompt_blocks, decision.new_blocks))
+        card = next(c for c in cards if c.worker_id == decision.worker_id)
+        if hashes and not card.publishes_kv_events:
+            idx.predict(card.worker_id, hashes, self.config.predict_ttl)
+        self._spawn(self._publish(RouterDecision(
+            self.router_id, model, decision.worker_id, request_id, req.prompt_blocks, decision.new_blocks,
+            decision.overlap_blocks, decision.mode, now,
+        )))
+        return decision
+
+    def _load_of(self, card: WorkerCard, now: float) -> WorkerLoad:
+        report = self.loads.get(card.worker_id)
+        queue = self.inflight.get(card.worker_id, {})
+        fresh = [d for d in queue.values() if now - d.timestamp < INFLIGHT_TTL]
+        pending = 0
+        active = 0
+        if report is not None:
+            pending = -(-report.pending_prefill_tokens // card.block_size)
+            active = report.kv_blocks_used
+        return WorkerLoad(
+            card.worker_id,
+            active_blocks=active,
+            pending_prefill_blocks=pending + sum(d.new_blocks for d in fresh),
+            inflight_blocks=sum(d.prompt_blocks for d in fresh),
+            total_blocks=card.kv_blocks,
+        )
+
+    def _count(self, worker: str, request_id: str, d: _Inflight) -> None:
+        queue = self.inflight.setdefault(worker, OrderedDict())
+        queue[request_id] = d
+        while queue and d.timestamp - next(iter(queue.values())).timestamp > INFLIGHT_TTL:
+            queue.popitem(last=False)
+
+    def first_token(self, worker: str, request_id: str) -> None:
+        """The request's prefill is done: it no longer counts as pending prefill."""
+        d = self.inflight.get(worker, {}).get(request_id)
+        if d is not None:
+            d.new_blocks = 0
+
+    def finished(self, worker: str, request_id: str) -> None:
+        """The request ended: its blocks are free again (whatever the next load report says)."""
+        self.inflight.get(worker, {}).pop(request_id, None)
+
+    async def _publish(self, d: RouterDecision) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.publish(self.bus.subjects.router_decisions(), d)

@@ -1,0 +1,136 @@
+"""The router's index and policy, without NATS."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.events import BlockRemoved, BlockStored, to_wire
+from mesh.protocol import KvEvent, KvEventBatch
+from mesh.router.index import KvIndex
+from mesh.router.policy import RouteRequest, RouterConfig, WorkerLoad, kv_costs, pick_worker
+
+
+def batch(worker, seq, *events):
+    return KvEventBatch(worker, "m", seq, list(events))
+
+
+def stored(hashes, parent=None, tier="device"):
+    return KvEvent("stored", list(hashes), parent, tier)
+
+
+def removed(hashes, tier="device"):
+    return KvEvent("removed", list(hashes), None, tier)
+
+
+def test_insert_remove_and_overlap_walk():
+    idx = KvIndex()
+    idx.load_snapshot("a", 0, {})
+    idx.load_snapshot("b", 0, {})
+    assert idx.apply(batch("a", 1, stored([1, 2, 3, 4])))
+    assert idx.apply(batch("b", 1, stored([1, 2, 9])))
+    assert idx.overlap([1, 2, 3, 4, 5]) == {"a": 4.0, "b": 2.0}
+    assert idx.overlap([7, 1, 2]) == {}  # overlap is a leading run
+    assert idx.apply(batch("a", 2, removed([2])))
+    assert idx.overlap([1, 2, 3, 4]) == {"a": 1.0, "b": 2.0}  # a's run ends at its first miss
+    idx.drop_worker("b")
+    assert idx.overlap([1, 2, 3]) == {"a": 1.0}
+    assert idx.num_blocks("a") == 3
+
+
+def test_tier_moves_change_the_credit():
+    idx = KvIndex()
+    idx.load_snapshot("a", 0, {"device": [1, 2, 3]})
+    # block 2 is copied to host, then dropped from device: credited 0.75
+    assert idx.apply(batch("a", 1, stored([2], 1, "host"), removed([2], "device")))
+    assert idx.tiers_of("a", 2) == {"host"}
+    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(2.75)}
+    assert idx.apply(batch("a", 2, stored([3], 2, "disk"), removed([3], "device")))
+    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(2.0)}
+    # back on device (onboarded): full credit again, whatever else it is also on
+    assert idx.apply(batch("a", 3, stored([2, 3], 1, "device")))
+    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(3.0)}
+    assert idx.apply(batch("a", 4, KvEvent("cleared")))
+    assert idx.overlap([1]) == {}
+
+
+def test_a_gap_in_sequence_numbers_is_refused_until_a_snapshot():
+    idx = KvIndex()
+    assert not idx.apply(batch("a", 1, stored([1])))  # never synced: resync first
+    idx.load_snapshot("a", 5, {"device": [1]})
+    assert not idx.apply(batch("a", 7, stored([2], 1)))  # 6 is missing
+    assert idx.overlap([1, 2]) == {"a": 1.0}
+    assert idx.apply(batch("a", 6, stored([2], 1)))
+    assert idx.apply(batch("a", 7, stored([3], 2)))
+    assert idx.overlap([1, 2, 3]) == {"a": 3.0}
+    idx.load_snapshot("a", 20, {"device": [9]})  # a snapshot replaces what was known
+    assert idx.overlap([1]) == {} and idx.seq("a") == 20
+
+
+def test_approximate_mode_predictions_expire():
+    idx = KvIndex()
+    idx.predict("x", [1, 2, 3], ttl=10.0, now=100.0)
+    assert idx.overlap([1, 2, 3]) == {"x": 3.0}
+    assert idx.expire(now=105.0) == 0
+    idx.predict("x", [1], ttl=10.0, now=106.0)  # refreshed
+    assert idx.expire(now=111.0) == 2
+    assert idx.overlap([1, 2]) == {"x": 1.0}
+    assert idx.expire(now=117.0) == 1
+    assert idx.overlap([1]) == {}
+
+
+def test_event_log_to_wire_merges_chains():
+    events = [BlockStored(1, None, "device"), BlockStored(2, 1, "device"), BlockStored(7, None, "device"),
+              BlockRemoved(5, "device"), BlockRemoved(6, "device"), BlockRemoved(8, "host")]
+    wire = to_wire(events)
+    assert [(e.kind, e.hashes, e.parent, e.tier) for e in wire] == [
+        ("stored", [1, 2], None, "device"), ("stored", [7], None, "device"),
+        ("removed", [5, 6], None, "device"), ("removed", [8], None, "host"),
+    ]
+
+
+def loads(**active):
+    return [WorkerLoad(w, active_blocks=a, total_blocks=1000) for w, a in active.items()]
+
+
+def test_kv_cost_prefers_the_cached_worker_unless_it_is_much_busier():
+    req = RouteRequest(num_tokens=160, block_size=16)  # 10 blocks
+    cfg = RouterConfig()
+    rng = random.Random(0)
+    d = pick_worker(req, loads(a=5, b=5), {"a": 8.0}, cfg, rng)
+    assert d.worker_id == "a" and d.new_blocks == 2 and d.overlap_blocks == 8.0
+    costs = kv_costs(req, loads(a=5, b=5), {"a": 8.0}, cfg)
+    assert costs == {"a": 2 + 5, "b": 10 + 5}
+    # a holds the prefix but carries 20 more active blocks: b is cheaper
+    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, cfg, rng).worker_id == "b"
+    # pending prefill counts as prefill work
+    busy = [WorkerLoad("a", 5, pending_prefill_blocks=30), WorkerLoad("b", 5)]
+    assert pick_worker(req, busy, {"a": 8.0}, cfg, rng).worker_id == "b"
+
+
+def test_ties_break_at_random_and_softmax_spreads():
+    req = RouteRequest(num_tokens=16, block_size=16)
+    rng = random.Random(1)
+    picks = {pick_worker(req, loads(a=0, b=0, c=0), {}, RouterConfig(), rng).worker_id for _ in range(60)}
+    assert picks == {"a", "b", "c"}
+    hot = RouterConfig(temperature=1.0)
+    picks = [pick_worker(req, loads(a=0, b=1), {}, hot, rng).worker_id for _ in range(400)]
+    assert 0.3 < picks.count("b") / len(picks) < 0.5  # cheaper a is likelier, b still chosen
+    cold = [pick_worker(req, loads(a=0, b=1), {}, RouterConfig(), rng).worker_id for _ in range(50)]
+    assert set(cold) == {"a"}
+
+
+def test_other_modes():
+    req = RouteRequest(num_tokens=16, block_size=16)
+    rng = random.Random(0)
+    ws = loads(b=3, a=9, c=1)
+    rr = [pick_worker(req, ws, {}, RouterConfig(mode="round-robin"), rng, i).worker_id for i in range(6)]
+    assert rr == ["a", "b", "c", "a", "b", "c"]
+    assert pick_worker(req, ws, {"a": 1}, RouterConfig(mode="least-loaded"), rng).worker_id == "c"
+    seen = {pick_worker(req, ws, {}, RouterConfig(mode="random"), rng).worker_id for _ in range(50)}
+    assert seen == {"a", "b", "c"}
+    with pytest.raises(ValueError):
+        RouterConfig(mode="fastest")
+    with pytest.raises(LookupError):
+        pick_worker(req, [], {}, RouterConfig(), rng)
