@@ -12,13 +12,15 @@ is derived from the model name (LoRA adapters or a salt would extend it).
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 
-import numpy as np
 import xxhash
 
 _SEED_OF_SEEDS = 1337
+assert array("I").itemsize == 4, "block hashing packs token ids as 32-bit unsigned ints"
 
 
 @lru_cache(maxsize=64)
@@ -42,13 +44,16 @@ def block_hashes(
     n_full = len(token_ids) // block_size
     if start_block >= n_full:
         return []
-    tokens = np.asarray(token_ids[start_block * block_size : n_full * block_size], dtype="<u4")
+    words = array("I", token_ids[start_block * block_size : n_full * block_size])
+    if sys.byteorder != "little":
+        words.byteswap()
+    buf = words.tobytes()
+    step = 4 * block_size
     out: list[int] = []
     prev = parent
     hasher = xxhash.xxh3_64_intdigest
-    for i in range(n_full - start_block):
-        chunk = tokens[i * block_size : (i + 1) * block_size].tobytes()
-        data = chunk if prev is None else prev.to_bytes(8, "little") + chunk
-        prev = hasher(data, seed=seed)
+    for off in range(0, len(buf), step):
+        chunk = buf[off : off + step]
+        prev = hasher(chunk if prev is None else prev.to_bytes(8, "little") + chunk, seed=seed)
         out.append(prev)
     return out
