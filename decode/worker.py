@@ -132,6 +132,8 @@ class DecodeWorker(WorkerBase):
         report.capacity = engine.scheduler.config.max_num_seqs
         report.ttft_ms = self.ttft.mean() * 1000
         report.itl_ms = self.itl.mean() * 1000
+        report.ttft_p90_ms = self.ttft.quantile(0.9) * 1000
+        report.itl_p90_ms = self.itl.quantile(0.9) * 1000
         return report
 
     def in_flight(self) -> int:
@@ -172,6 +174,7 @@ class DecodeWorker(WorkerBase):
         reservation = await self.loop.call(admit)
         if reservation is None:
             self.counters.bump("local_prefill")
+            self.counters.bump("local_prefill_tokens", len(req.token_ids))
         else:
             await self._send_job(act, *reservation)
 
@@ -278,6 +281,7 @@ class DecodeWorker(WorkerBase):
         elif act.last_token_at:
             self.itl.add((now - act.last_token_at) / max(1, len(out.new_token_ids)))
         act.last_token_at = now
+        self.counters.bump("decode_tokens", len(out.new_token_ids))
         chunk = TokenChunk(
             request_id=out.request_id, index=act.next_index, token_ids=out.new_token_ids,
             logprobs=[wire_logprob(lp) for lp in out.new_logprobs], finish_reason=out.finish_reason,

@@ -104,7 +104,43 @@ def _add_up(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--transports", default=None, help="KV transports for the workers, e.g. shm,nats")
     p.add_argument("--disagg-threshold", type=int, default=None)
+    p.add_argument("--router", default=None, help="gateway routing: kv (default), round-robin, random, least-loaded")
+    add_planner_flags(p)
+    p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     p.set_defaults(func=cmd_up)
+
+
+def add_planner_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ttft-ms", type=float, default=2000.0, help="planner: TTFT p90 target")
+    p.add_argument("--itl-ms", type=float, default=100.0, help="planner: ITL p90 target")
+    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--max-prefill", type=int, default=4)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-decode", type=int, default=4)
+    p.add_argument("--planner-window", type=float, default=5.0, help="planner: seconds per decision")
+
+
+def planner_config(args: argparse.Namespace):
+    from mesh.planner.policy import PlannerConfig
+
+    return PlannerConfig(
+        ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, min_prefill=args.min_prefill, max_prefill=args.max_prefill,
+        min_decode=args.min_decode, max_decode=args.max_decode, window_s=args.planner_window,
+    )
+
+
+def _add_planner(sub) -> None:
+    p = sub.add_parser("planner", help="size the prefill and decode pools against TTFT/ITL targets")
+    add_bus_flags(p)
+    add_planner_flags(p)
+    p.add_argument("--connector", default="virtual", choices=["virtual", "kubernetes"],
+                   help="kubernetes: scale the pool Deployments; virtual: publish decisions only")
+    p.add_argument("--model-name", default=None, help="plan the pools of this served model (default: all workers)")
+    p.add_argument("--k8s-namespace", default=None, help="default: the pod's namespace")
+    p.add_argument("--prefill-deployment", default="pdmesh-prefill")
+    p.add_argument("--decode-deployment", default="pdmesh-decode")
+    p.add_argument("--k8s-api", default=None, help="default: the in-cluster API server")
+    p.set_defaults(func=cmd_planner)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_gateway(sub)
     _add_up(sub)
+    _add_planner(sub)
     return parser
 
 
@@ -223,7 +260,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import asgi_app
     from gateway.service import Gateway, GatewayConfig
     from mesh.config import settings
 
@@ -242,8 +279,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
     ))
-    config = uvicorn.Config(create_app(gw), host=args.host, port=args.port, loop="uvloop",
-                            http="httptools", log_level="warning", access_log=False)
+    # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
+    config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
+                            http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run()
     return 0
 
@@ -268,10 +306,58 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.mock:
         flags += ["--mock-speedup", str(args.mock_speedup)]
     gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
+    if args.router:
+        gateway_flags += ["--router", args.router]
+    planner = None if args.no_planner else planner_config(args)
+    if planner is not None:  # start inside the planner's bounds
+        args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
+        args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
     plan = UpPlan(model=model, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
                   port=args.port, nats_url=args.nats, ns=args.ns, worker_flags=flags,
-                  gateway_flags=gateway_flags)
+                  gateway_flags=gateway_flags, planner=planner)
     return asyncio.run(run_up(plan))
+
+
+def cmd_planner(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mesh.config import settings
+
+    url = args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    config = planner_config(args)
+    asyncio.run(_run_planner(url, args.ns or settings().ns, args, config))
+    return 0
+
+
+async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> None:
+    from mesh.bus import Bus
+    from mesh.planner.connectors import KubernetesConnector, VirtualConnector
+    from mesh.planner.planner import Planner
+    from mesh.procutil import stop_event_on_signals
+    from mesh.registry import Membership
+
+    stop = stop_event_on_signals()
+    if args.connector == "kubernetes":
+        connector = KubernetesConnector(
+            namespace=args.k8s_namespace, api=args.k8s_api,
+            deployments={"prefill": args.prefill_deployment, "decode": args.decode_deployment},
+        )
+    else:
+        connector = VirtualConnector({"prefill": config.min_prefill, "decode": config.min_decode})
+    bus = await Bus.connect(url, "planner", ns=ns)
+    membership = Membership(bus)
+    await membership.start()
+    planner = Planner(bus, membership, connector, config, model=args.model_name)
+    await planner.start()
+    try:
+        await stop.wait()
+    finally:
+        await planner.stop()
+        await membership.stop()
+        await connector.close()
+        await bus.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -392,8 +392,10 @@ class LoadReport:
     pending_prefill_tokens: int = 0
     capacity: int = 0
     active_jobs: int = 0  # prefill: jobs being computed or sent
-    ttft_ms: float = 0.0  # recent mean
-    itl_ms: float = 0.0  # recent mean
+    ttft_ms: float = 0.0  # mean over the last ~20 s (prefill workers: job compute time)
+    itl_ms: float = 0.0  # mean over the last ~20 s
+    ttft_p90_ms: float = 0.0
+    itl_p90_ms: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     requests_total: int = 0
@@ -456,6 +458,22 @@ class RouterDecision:
     overlap_blocks: float
     mode: str
     timestamp: float
+
+
+@message
+class PlannerDecision:
+    """On ``planner.decisions``: one pool's size for the next window, and why."""
+
+    pool: str  # prefill | decode
+    model: str
+    current: int
+    target: int
+    reason: str
+    timestamp: float
+    demand: float = 0.0
+    capacity: float = 0.0
+    latency_ms: float = 0.0
+    connector: str = ""
 
 # -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
 

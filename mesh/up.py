@@ -1,10 +1,12 @@
 """``mesh up``: the whole mesh on one machine.
 
 Embedded NATS (unless ``--nats``), the tiny model (generated if missing, unless
-``--model`` or ``--mock``), the gateway, the prefill and decode pools as child
-processes. Ctrl-C or SIGTERM stops everything it started: the gateway first,
-then the workers (each drains), then NATS. Children also die with this
-process if it is killed outright (PR_SET_PDEATHSIG).
+``--model`` or ``--mock``), the gateway, and the prefill and decode pools as
+child processes run by the planner's local connector; the planner sizes the
+pools (unless ``--no-planner``; fixed pools get a dead worker replaced).
+Ctrl-C or SIGTERM stops everything it started: the gateway first, then the
+workers (each drains), then NATS. Children also die with this process if it
+is killed outright (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from pathlib import Path
 
 import httpx
 
+from mesh.bus import Bus
 from mesh.natsserver import EmbeddedNats
+from mesh.planner.connectors import LocalConnector
+from mesh.planner.planner import Planner
+from mesh.planner.policy import PlannerConfig
 from mesh.procutil import die_with_parent, stop_event_on_signals
+from mesh.registry import Membership
 
 log = logging.getLogger(__name__)
 
@@ -55,57 +62,34 @@ class UpPlan:
     ns: str | None
     worker_flags: list[str] = field(default_factory=list)  # pool flags passed to every worker
     gateway_flags: list[str] = field(default_factory=list)
+    planner: PlannerConfig | None = None  # None: fixed pools
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    reported: bool = False
-
-
-def _spawn(child: Child, env: dict) -> None:
-    child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=die_with_parent)
-
-
-def _stop(children: list[Child], timeout: float) -> None:
-    for c in children:
-        if c.proc and c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for c in children:
-        if c.proc is None:
-            continue
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in time: killing it", c.name)
-            c.proc.kill()
-            c.proc.wait()
-
-
-def children_for(plan: UpPlan, nats_url: str) -> tuple[Child, list[Child]]:
+def worker_argv(plan: UpPlan, nats_url: str) -> dict[str, list[str]]:
+    """The command line of each pool's workers (the connector adds ``--worker-id``)."""
     py = [sys.executable, "-m", "mesh.cli"]
     bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
     model = [] if plan.mock else ["--model", plan.model]
-    workers = []
     decode_role = "mock" if plan.mock else "decode"
-    for i in range(plan.decode):
-        workers.append(Child(f"decode-{i}", [*py, "worker", decode_role, *bus, *model, *plan.worker_flags]))
-    for i in range(plan.prefill):
-        mock = ["--mock"] if plan.mock else []
-        workers.append(Child(f"prefill-{i}", [*py, "worker", "prefill", *mock, *bus, *model, *plan.worker_flags]))
-    gateway = Child("gateway", [*py, "gateway", *bus, *model, "--host", plan.host, "--port", str(plan.port),
-                                *plan.gateway_flags])
-    return gateway, workers
+    mock = ["--mock"] if plan.mock else []
+    return {
+        "decode": [*py, "worker", decode_role, *bus, *model, *plan.worker_flags],
+        "prefill": [*py, "worker", "prefill", *mock, *bus, *model, *plan.worker_flags],
+    }
 
 
-async def _wait_healthy(url: str, children: list[Child], timeout: float) -> bool:
+def gateway_argv(plan: UpPlan, nats_url: str) -> list[str]:
+    bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
+    model = [] if plan.mock else ["--model", plan.model]
+    return [sys.executable, "-m", "mesh.cli", "gateway", *bus, *model, "--host", plan.host,
+            "--port", str(plan.port), *plan.gateway_flags]
+
+
+async def _wait_healthy(url: str, gateway: subprocess.Popen, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
-            if any(c.proc.poll() is not None for c in children):
+            if gateway.poll() is not None:
                 return False
             try:
                 r = await client.get(url)
@@ -117,6 +101,17 @@ async def _wait_healthy(url: str, children: list[Child], timeout: float) -> bool
     return False
 
 
+def _stop_gateway(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("the gateway did not stop in time: killing it")
+        proc.kill()
+        proc.wait()
+
+
 async def run_up(plan: UpPlan) -> int:
     stop = stop_event_on_signals()
     nats = None
@@ -124,35 +119,49 @@ async def run_up(plan: UpPlan) -> int:
     if url is None:
         nats = EmbeddedNats().start()
         url = nats.url
-    env = dict(os.environ)
-    gateway, workers = children_for(plan, url)
-    started: list[Child] = []
+    pools = LocalConnector(worker_argv(plan, url), env=dict(os.environ))
+    gateway = None
+    planner = bus = membership = None
     try:
-        for c in [*workers, gateway]:
-            _spawn(c, env)
-            started.append(c)
+        await pools.scale("decode", plan.decode)
+        await pools.scale("prefill", plan.prefill)
+        gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent)  # noqa: ASYNC220 (returns at once)
         health = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}/health"
-        if not await _wait_healthy(health, started, timeout=120.0):
-            dead = [c.name for c in started if c.proc.poll() is not None]
-            print(f"mesh: error: the mesh did not come up ({', '.join(dead) or 'timeout'})", file=sys.stderr)
+        if not await _wait_healthy(health, gateway, timeout=120.0):
+            print(f"mesh: error: the mesh did not come up (gateway {'exited' if gateway.poll() is not None else 'not healthy'})",
+                  file=sys.stderr)
             return 1
+        if plan.planner is not None:
+            bus = await Bus.connect(url, "planner", ns=plan.ns or "mesh")
+            membership = Membership(bus)
+            await membership.start()
+            planner = Planner(bus, membership, pools, plan.planner)
+            await planner.start()
         what = "mocker" if plan.mock else plan.model
+        mode = "planner on" if planner else "fixed pools"
         print(
             f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
-            f"({plan.prefill} prefill, {plan.decode} decode; NATS {url}). Ctrl-C stops it.",
+            f"({plan.prefill} prefill, {plan.decode} decode, {mode}; NATS {url}). Ctrl-C stops it.",
             flush=True,
         )
         while not stop.is_set():
-            for c in started:
-                if c.proc.poll() is not None and not c.reported:
-                    c.reported = True
-                    log.warning("%s exited with status %s", c.name, c.proc.returncode)
+            if planner is None:  # fixed pools: replace a worker that died
+                for pool, n in (("decode", plan.decode), ("prefill", plan.prefill)):
+                    if await pools.replicas(pool) < n:
+                        await pools.scale(pool, n)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
     finally:
         # The gateway first (no new requests), then the workers (they drain), then the bus.
-        await asyncio.to_thread(_stop, [gateway], 10.0)
-        await asyncio.to_thread(_stop, workers, 40.0)
+        if planner is not None:
+            await planner.stop()
+        if membership is not None:
+            await membership.stop()
+        if bus is not None:
+            await bus.close()
+        if gateway is not None:
+            await asyncio.to_thread(_stop_gateway, gateway)
+        await pools.close()
         if nats is not None:
             nats.stop()

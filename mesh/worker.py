@@ -88,16 +88,28 @@ def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> Engin
 
 
 class Window:
-    """Recent samples of a latency, for load reports."""
+    """Samples of a latency from the last ``horizon`` seconds, for load reports."""
 
-    def __init__(self, size: int = 256):
-        self._v: deque[float] = deque(maxlen=size)
+    def __init__(self, horizon: float = 20.0, size: int = 4096):
+        self.horizon = horizon
+        self._v: deque[tuple[float, float]] = deque(maxlen=size)
 
     def add(self, v: float) -> None:
-        self._v.append(v)
+        self._v.append((time.monotonic(), v))
+
+    def _recent(self) -> list[float]:
+        cutoff = time.monotonic() - self.horizon
+        while self._v and self._v[0][0] < cutoff:
+            self._v.popleft()
+        return [v for _, v in self._v]
 
     def mean(self) -> float:
-        return sum(self._v) / len(self._v) if self._v else 0.0
+        v = self._recent()
+        return sum(v) / len(v) if v else 0.0
+
+    def quantile(self, q: float) -> float:
+        v = sorted(self._recent())
+        return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
 @dataclass
@@ -164,6 +176,12 @@ class WorkerBase:
     def build(self) -> EngineCore:
         return build_engine(self.settings)
 
+    def warm_up(self) -> None:
+        """One tiny request before the card goes up: the first step faults in pages and picks
+        kernels, and no user request should wait for that. (Too short to cache a block.)"""
+        if not self.settings.is_mock:
+            self.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+
     async def setup(self, stack: AsyncExitStack) -> None:
         """Subscribe and start role tasks; push cleanups onto ``stack``."""
 
@@ -210,6 +228,7 @@ class WorkerBase:
             stack.push_async_callback(self.bus.close)
             self.engine = await asyncio.to_thread(self.build)
             stack.callback(self.close_engine)
+            await asyncio.to_thread(self.warm_up)
             self.kv_events = None
             if self.publishes_kv_events:
                 self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)

@@ -88,6 +88,7 @@ class PrefillWorker(WorkerBase):
         report.capacity = self.capacity
         report.active_jobs = len(self.jobs)
         report.ttft_ms = self.compute.mean() * 1000
+        report.ttft_p90_ms = self.compute.quantile(0.9) * 1000
         return report
 
     def in_flight(self) -> int:
@@ -204,6 +205,7 @@ class PrefillWorker(WorkerBase):
             await self._done(job, ok=False, error=f"transfer failed: {e}", compute_ms=compute_ms)
         else:
             self.counters.bump(f"transport_{name}")
+            self.counters.bump("prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
             await self._done(
                 job, ok=True, token_id=out.new_token_ids[0],
                 logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
