@@ -289,6 +289,8 @@ class DecodeWorker(WorkerBase):
         )
         if act.next_index == 0 or out.finish_reason is not None:
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        if out.finish_reason == "error":
+            chunk.error, chunk.error_status = "the engine failed on this request", 500
         act.next_index += 1
         if out.finish_reason is not None:
             self.active.pop(out.request_id, None)

@@ -1,26 +1,50 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics. Formatting only; the work is in ``gateway.service``.
+/health, /metrics. Parsing, admission and response shapes; the work is in ``gateway.service``.
+
+A request's life, and who releases what:
+
+    parse + validate --> tokenize --> limits --> acquire (429) --> one stream_choice per choice
+        not streaming: collect all choices, racing the client's disconnect
+        streaming:     wait for every choice's first delta (errors before it are real HTTP
+                       statuses), then SSE, racing the client's disconnect
+    release: once, when the response is done or abandoned (``_Admission``)
+    cancel on the worker: ``stream_choice``'s finally, when a choice ends before its last chunk
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from gateway import errors
 from gateway.errors import APIError
+from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.service import ChoiceDelta, Gateway
-from mesh.protocol import SamplingOptions, TokenLogprobs, Usage
-from mesh.tokenizer import ChatTemplateError, Tokenizer
+from gateway.service import Gateway
+from gateway.streaming import (
+    SSEResponse,
+    close_all,
+    collect_all,
+    first_deltas,
+    sse_events,
+    unless_disconnected,
+)
+from mesh.protocol import SamplingOptions
+from mesh.tokenizer import ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's status for "the client went away"; nobody reads it
+MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt as JSON ids is ~1 MB
+LONG_INPUT_CHARS = 16_384  # tokenize longer inputs in a thread
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -36,8 +60,9 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if any(gateway.decode_workers(m) for m in gateway.live_models()):
-            return {"status": "ok", "models": gateway.live_models()}
+        ready = [m for m in gateway.live_models() if gateway.decode_workers(m)]
+        if ready:
+            return {"status": "ok", "models": ready}
         return JSONResponse({"status": "unavailable", "models": []}, status_code=503)
 
     @app.get("/live")
@@ -53,92 +78,169 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics(gateway), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(gateway.stats.render(gateway), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        gateway.check_model(body.model)
-        tok = gateway.require_tokenizer(body.model)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-        try:
-            prompt = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages") from None
-        return await _complete(gateway, body, request, [prompt], chat=True)
+    async def chat(request: Request):
+        return await _counted(gateway, "chat", _chat(gateway, request))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        gateway.check_model(body.model)
-        prompts = []
-        for p in body.prompts():
-            if isinstance(p, str):
-                prompts.append(gateway.require_tokenizer(body.model).encode(p))
-            else:
-                prompts.append(p)
-        if any(not p for p in prompts):
-            raise APIError(400, "the prompt is empty", "prompt")
-        return await _complete(gateway, body, request, prompts, chat=False)
+    async def completions(request: Request):
+        return await _counted(gateway, "completions", _completions(gateway, request))
 
     return app
 
 
-async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], chat: bool):
-    model = body.model
-    limit = gw.max_model_len(model)
+def asgi_app(gateway: Gateway):
+    """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``."""
+    return CompletionRoutes(create_app(gateway), gateway)
+
+
+class CompletionRoutes:
+    """An ASGI front that serves the two completion routes itself and passes the rest to FastAPI.
+
+    The same handlers run behind FastAPI's routes; here they skip its five middleware layers and
+    its routing, which on a 2-core box cost as much CPU per request as the handler itself.
+    """
+
+    def __init__(self, app: FastAPI, gateway: Gateway):
+        self.app = app
+        self.gateway = gateway
+        self.routes = {"/v1/chat/completions": ("chat", _chat), "/v1/completions": ("completions", _completions)}
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        endpoint, handler = route
+        try:
+            response = await _counted(self.gateway, endpoint, handler(self.gateway, Request(scope, receive)))
+        except APIError as e:
+            response = e.response()
+        except Exception:
+            log.exception("unhandled error on %s", scope["path"])
+            self.gateway.stats.request(endpoint, 500)
+            response = APIError(500, "internal error").response()
+        await response(scope, receive, send)
+
+
+async def _counted(gw: Gateway, endpoint: str, handler: Awaitable[Response]) -> Response:
+    try:
+        response = await handler
+    except APIError as e:
+        gw.stats.request(endpoint, e.status)
+        raise
+    gw.stats.request(endpoint, response.status_code)
+    return response
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The body as ``model``: any content type, JSON only, OpenAI-shaped 400s."""
+    raw = await _read_body(request)
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise errors.from_pydantic(e) from None
+
+
+async def _chat(gw: Gateway, request: Request) -> Response:
+    body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    gw.check_model(body.model)
+    tok = gw.require_tokenizer(body.model, "messages")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    try:
+        prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
+                                 body.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "messages") from None
+    if not prompt:
+        raise APIError(400, "the messages render to an empty prompt", "messages")
+    fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(body.model), [prompt], body.n,
+                     body.include_usage, body.return_token_ids)
+    return await _complete(gw, body, request, [prompt], fmt)
+
+
+async def _completions(gw: Gateway, request: Request) -> Response:
+    body: CompletionRequest = await _parse(request, CompletionRequest)
+    gw.check_model(body.model)
+    raw_prompts = body.prompts()
+    prompts = []
+    for p in raw_prompts:
+        if isinstance(p, str):
+            p = await _off_loop(len(p), gw.require_tokenizer(body.model, "prompt").encode, p)
+            if not p:
+                raise APIError(400, "the prompt is empty", "prompt")
+        prompts.append(p)
+    tok = gw.tokenizer(body.model)
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else (tok.decode(p) if tok else "") for p in raw_prompts]
+    fmt = CompletionFormat(_request_id("cmpl"), body.model, gw.token_texts.get(body.model), prompts, body.n,
+                           body.include_usage, body.return_token_ids, echo_texts=echo)
+    return await _complete(gw, body, request, prompts, fmt)
+
+
+async def _off_loop(size: int, fn, *args):
+    """``fn(*args)``; in a thread when the input is long (tokenizers release the GIL), so that
+    one long prompt does not stall every stream on the event loop."""
+    if size < LONG_INPUT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def _check_limits(gw: Gateway, body, prompts: list[list[int]]) -> int:
+    """The completion budget; 400s for prompts that cannot fit or ids outside the vocabulary."""
+    limit = gw.max_model_len(body.model)
     longest = max(len(p) for p in prompts)
     max_out = body.max_output
     if longest >= limit or (max_out is not None and longest + max_out > limit):
+        asked = longest + (max_out or 1)
         raise APIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{longest + (max_out or 0)} tokens ({longest} in the prompt, {max_out or 0} for the completion).",
-            "max_tokens" if max_out else ("messages" if chat else "prompt"),
+            f"This model's maximum context length is {limit} tokens. However, you requested {asked} tokens "
+            f"({longest} in the prompt, {max_out or 1} for the completion). Please reduce the length of the "
+            f"prompt or the completion.",
+            "max_tokens" if max_out and longest < limit else ("messages" if hasattr(body, "messages") else "prompt"),
             "context_length_exceeded",
         )
-    if max_out is None:
-        max_out = min(gw.config.default_max_tokens, limit - longest)
-    tok = gw.tokenizer(model)
+    tok = gw.tokenizer(body.model)
     if tok is not None:
         vocab = tok.vocab_size
         bad = next((t for p in prompts for t in p if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab})", "prompt")
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    jobs = []  # (choice index, prompt index, prompt ids, sampling)
-    for pi, prompt in enumerate(prompts):
-        for k in range(body.n):
-            seed = None if body.seed is None else body.seed + k
-            jobs.append((len(jobs), pi, prompt, _sampling(body, max_out, seed)))
-    gw.acquire(len(jobs))
-    headers = {"x-request-id": rid}
-    fmt = _ChatFormat(rid, model, tok) if chat else _CompletionFormat(rid, model, tok, body, prompts)
-    streams = [
-        gw.stream_choice(i, f"{rid}-{i}", model, p, s, body.stop_list, body.priority) for i, _, p, s in jobs
-    ]
-    if not body.stream:
-        try:
-            results = await asyncio.gather(*(_collect(s) for s in streams))
-        finally:
-            await _close(streams)
-            gw.release(len(jobs))
-        return JSONResponse(fmt.full(results), headers=headers)
-    try:
-        first = await _first_events(streams)  # errors before the first byte are real HTTP errors
-    except BaseException:
-        await _close(streams)
-        gw.release(len(jobs))
-        raise
-    return StreamingResponse(
-        _sse(fmt, streams, first, body.include_usage, lambda: gw.release(len(jobs))),
-        media_type="text/event-stream", headers=headers,
-    )
+    choices = len(prompts) * body.n
+    if choices > gw.config.max_inflight:
+        raise APIError(400, f"this request asks for {choices} completions; this gateway runs at most "
+                            f"{gw.config.max_inflight} at once", "n")
+    return max_out if max_out is not None else min(gw.config.default_max_tokens, limit - longest)
 
 
 def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=body.sampling_temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         min_p=body.min_p or 0.0,
@@ -146,253 +248,52 @@ def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
     )
 
 
-async def _collect(stream: AsyncIterator[ChoiceDelta]) -> list[ChoiceDelta]:
-    return [d async for d in stream]
+class _Admission:
+    """``acquire`` now, ``release`` exactly once whichever path ends the request."""
+
+    def __init__(self, gw: Gateway, n: int):
+        gw.acquire(n)
+        self.gw, self.n = gw, n
+
+    def release(self) -> None:
+        if self.n:
+            self.gw.release(self.n)
+            self.n = 0
 
 
-async def _first_events(streams: list[AsyncIterator[ChoiceDelta]]) -> list[ChoiceDelta | None]:
-    async def first(s):
-        return await anext(s, None)
-
-    return list(await asyncio.gather(*(first(s) for s in streams)))
-
-
-async def _close(streams) -> None:
-    """Close choice streams (an unfinished one cancels its request on the worker)."""
-    for s in streams:
-        with contextlib.suppress(Exception):
-            await s.aclose()
-
-
-async def _sse(fmt, streams, first: list[ChoiceDelta | None], include_usage: bool, release) -> AsyncIterator[str]:
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream, head):
-        try:
-            if head is not None:
-                await queue.put(head)
-                if head.finish_reason is None:
-                    async for d in stream:
-                        await queue.put(d)
-        except APIError as e:
-            await queue.put(e)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(s, h)) for s, h in zip(streams, first, strict=True)]
-    usage: dict[int, Usage] = {}
-    try:
-        for i in range(len(streams)):
-            yield _event(fmt.role_chunk(i, include_usage))
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-                continue
-            if isinstance(item, APIError):
-                yield _event(item.body())
-                continue
-            if item.usage is not None:
-                usage[item.index] = item.usage
-            yield _event(fmt.chunk(item, include_usage))
-        if include_usage:
-            yield _event(fmt.usage_chunk(_sum_usage(usage.values())))
-        yield "data: [DONE]\n\n"
-    finally:
-        # Client gone or stream done: stop the pumps, then close the streams (which cancels on the worker).
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close(streams)
-        release()
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-def _sum_usage(items) -> Usage:
-    items = list(items)
-    return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in items),
-        completion_tokens=sum(u.completion_tokens for u in items),
-        cached_tokens=sum(u.cached_tokens for u in items),
-    )
-
-
-def _usage_json(u: Usage) -> dict:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-def _token_text(tok: Tokenizer | None, tid: int) -> str:
-    return tok.decode([tid], skip_special_tokens=False) if tok else f"token_id:{tid}"
-
-
-class _ChatFormat:
-    def __init__(self, rid: str, model: str, tok: Tokenizer | None):
-        self.rid, self.model, self.tok = rid, model, tok
-        self.created = int(time.time())
-
-    def _base(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, ids: list[int], lps: list[TokenLogprobs]) -> dict | None:
-        if not lps:
-            return None
-        content = []
-        for tid, lp in zip(ids, lps, strict=False):
-            text = _token_text(self.tok, tid)
-            content.append({
-                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := _token_text(self.tok, i)), "logprob": v, "bytes": list(t.encode())}
-                    for i, v in zip(lp.top_ids, lp.top_logprobs, strict=False)
-                ],
-            })
-        return {"content": content}
-
-    def role_chunk(self, index: int, include_usage: bool) -> dict:
-        out = self._base("chat.completion.chunk")
-        out["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None}]
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def chunk(self, d: ChoiceDelta, include_usage: bool) -> dict:
-        out = self._base("chat.completion.chunk")
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        out["choices"] = [{"index": d.index, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                           "finish_reason": d.finish_reason}]
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: Usage) -> dict:
-        out = self._base("chat.completion.chunk")
-        out["choices"] = []
-        out["usage"] = _usage_json(usage)
-        return out
-
-    def full(self, results: list[list[ChoiceDelta]]) -> dict:
-        out = self._base("chat.completion")
-        choices, usages = [], []
-        for i, deltas in enumerate(results):
-            ids = [t for d in deltas for t in d.token_ids]
-            lps = [lp for d in deltas for lp in d.logprobs]
-            last = deltas[-1] if deltas else ChoiceDelta(i, finish_reason="abort")
-            if last.usage:
-                usages.append(last.usage)
-            choices.append({
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": self._logprobs(ids, lps),
-                "finish_reason": last.finish_reason,
-            })
-        out["choices"] = choices
-        out["usage"] = _usage_json(_sum_usage(usages))
-        return out
-
-
-class _CompletionFormat:
-    def __init__(self, rid: str, model: str, tok: Tokenizer | None, body: CompletionRequest,
-                 prompts: list[list[int]]):
-        self.rid, self.model, self.tok = rid, model, tok
-        self.created = int(time.time())
-        self.echo = body.echo
-        self.n = body.n
-        self.prompt_texts = [
-            (p if isinstance(p, str) else (tok.decode(p) if tok else "")) for p in body.prompts()
-        ]
-        self._echoed: set[int] = set()
-
-    def _base(self) -> dict:
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
-
-    def _prefix(self, index: int) -> str:
-        if self.echo and index not in self._echoed:
-            self._echoed.add(index)
-            return self.prompt_texts[index // self.n]
-        return ""
-
-    def _logprobs(self, ids: list[int], lps: list[TokenLogprobs]) -> dict | None:
-        if not lps:
-            return None
-        tokens = [_token_text(self.tok, t) for t in ids]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [
-                {_token_text(self.tok, i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=False)}
-                for lp in lps
-            ],
-            "text_offset": offsets,
-        }
-
-    def role_chunk(self, index: int, include_usage: bool) -> dict:
-        out = self._base()
-        out["choices"] = [{"index": index, "text": self._prefix(index), "logprobs": None, "finish_reason": None}]
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def chunk(self, d: ChoiceDelta, include_usage: bool) -> dict:
-        out = self._base()
-        out["choices"] = [{"index": d.index, "text": self._prefix(d.index) + d.text,
-                           "logprobs": self._logprobs(d.token_ids, d.logprobs), "finish_reason": d.finish_reason}]
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: Usage) -> dict:
-        out = self._base()
-        out["choices"] = []
-        out["usage"] = _usage_json(usage)
-        return out
-
-    def full(self, results: list[list[ChoiceDelta]]) -> dict:
-        out = self._base()
-        choices, usages = [], []
-        for i, deltas in enumerate(results):
-            ids = [t for d in deltas for t in d.token_ids]
-            lps = [lp for d in deltas for lp in d.logprobs]
-            last = deltas[-1] if deltas else ChoiceDelta(i, finish_reason="abort")
-            if last.usage:
-                usages.append(last.usage)
-            choices.append({
-                "index": i, "text": self._prefix(i) + "".join(d.text for d in deltas),
-                "logprobs": self._logprobs(ids, lps), "finish_reason": last.finish_reason,
-            })
-        out["choices"] = choices
-        out["usage"] = _usage_json(_sum_usage(usages))
-        return out
-
-
-def _metrics(gw: Gateway) -> str:
-    lines = [
-        "# HELP pdmesh_gateway_inflight_requests Requests admitted and not finished.",
-        "# TYPE pdmesh_gateway_inflight_requests gauge",
-        f"pdmesh_gateway_inflight_requests {gw.inflight}",
-        "# HELP pdmesh_gateway_live_workers Ready decode workers per model.",
-        "# TYPE pdmesh_gateway_live_workers gauge",
+async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], fmt: Format) -> Response:
+    max_out = _check_limits(gw, body, prompts)
+    admission = _Admission(gw, len(prompts) * body.n)
+    streams = [
+        gw.stream_choice(i, f"{fmt.rid}-{i}", body.model, prompts[i // body.n],
+                         _sampling(body, max_out, body.choice_seed(i % body.n)), body.stop_list, body.priority)
+        for i in range(len(prompts) * body.n)
     ]
-    for m in gw.live_models():
-        lines.append(f'pdmesh_gateway_live_workers{{model="{m}"}} {len(gw.decode_workers(m))}')
-    return "\n".join(lines) + "\n"
+    headers = {"x-request-id": fmt.rid}
+    if not body.stream:
+        try:
+            results = await unless_disconnected(request.receive, collect_all(streams))
+        finally:
+            await close_all(streams)
+            admission.release()
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(fmt.full(results), headers=headers)
+    try:
+        first = await unless_disconnected(request.receive, first_deltas(streams))
+    except BaseException:
+        await close_all(streams)
+        admission.release()
+        raise
+    if first is None:
+        await close_all(streams)
+        admission.release()
+        return Response(status_code=CLIENT_CLOSED)
+    has_tok = gw.tokenizer(body.model) is not None
+    return SSEResponse(sse_events(fmt, streams, first, body.include_usage, has_tok, admission.release), headers)

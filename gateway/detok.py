@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization, stop strings, and the text and bytes of single tokens.
 
 Byte-level tokenizers split multi-byte characters across tokens; decoding a
 token alone yields U+FFFD. ``IncrementalDetokenizer`` re-decodes a short
@@ -10,6 +10,10 @@ recognized; the stop string itself is not returned.
 
 from __future__ import annotations
 
+import codecs
+import json
+from pathlib import Path
+
 from mesh.tokenizer import Tokenizer
 
 
@@ -18,25 +22,33 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
+        # ids[prefix_offset:read_offset] is context already emitted (re-decoded so that a
+        # tokenizer's spacing rules see it); ``sent`` characters after it are emitted too.
         self.prefix_offset = 0
         self.read_offset = 0
+        self.sent = 0
 
-    def push(self, new_ids: list[int]) -> str:
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """The text the new tokens complete; ``final``: the last tokens, so hold nothing back."""
         self.ids.extend(new_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full[len(prefix) :]
-        return ""
+        ids = self.ids
+        prefix = self.tok.decode(ids[self.prefix_offset : self.read_offset], self.skip) if self.read_offset else ""
+        full = self.tok.decode(ids[self.prefix_offset :], self.skip)
+        end = len(full)
+        if not final:  # an incomplete character at the end: hold it (not the text before it) back
+            while end > len(prefix) and full[end - 1] == "\ufffd":
+                end -= 1
+        start = len(prefix) + self.sent
+        out = full[start:end] if end > start else ""
+        if end == len(full) and len(full) > len(prefix):
+            self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(ids), 0
+        else:
+            self.sent += len(out)
+        return out
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        return self.push([], final=True)
 
 
 class StopMatcher:
@@ -48,12 +60,11 @@ class StopMatcher:
 
     def feed(self, text: str) -> str:
         """Text safe to emit now; sets ``stopped`` when a stop string appears (and drops it)."""
+        if not self.stops:
+            return text
         if self.stopped:
             return ""
         self.buf += text
-        if not self.stops:
-            out, self.buf = self.buf, ""
-            return out
         hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
@@ -66,3 +77,73 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.buf = ("" if self.stopped else self.buf), ""
         return out
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE token uses -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class TokenTexts:
+    """Each token's own bytes and text, for logprobs (cached: the same ids recur all the time).
+
+    A token that is part of a multi-byte character has no text of its own; like OpenAI, its
+    text is then ``bytes:\\xe4\\xbd``, and its ``bytes`` are the real bytes, so joining the
+    bytes of a completion's tokens gives back its UTF-8.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, model_dir: str | Path):
+        self.tok = tokenizer
+        self._byte_level = _is_byte_level(Path(model_dir) / "tokenizer.json")
+        self._bytes_of = _byte_decoder() if self._byte_level else {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        got = self._cache.get(token_id)
+        if got is None:
+            got = self._cache[token_id] = self._compute(token_id)
+        return got
+
+    def _compute(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return f"token_id:{token_id}", b""
+        raw = None
+        if self._byte_level and all(c in self._bytes_of for c in piece):
+            raw = bytes(self._bytes_of[c] for c in piece)
+        if raw is None:  # an added/special token, or not a byte-level vocabulary
+            text = self.tok.decode([token_id], skip_special_tokens=False)
+            return text, text.encode()
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """Character offset of each token in the text its bytes make (completions' ``text_offset``)."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out, pos = [], start
+    for b in pieces:
+        out.append(pos)
+        pos += len(dec.decode(b))
+    return out
+
+
+def _is_byte_level(tokenizer_json: Path) -> bool:
+    """Does the tokenizer decode with GPT-2's byte-level alphabet (Llama 3, Qwen, GPT-2)?"""
+    try:
+        spec = json.loads(tokenizer_json.read_text())
+    except (OSError, ValueError):
+        return False
+    dec = spec.get("decoder") or {}
+    kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", []) or []]
+    return "ByteLevel" in kinds

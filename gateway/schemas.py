@@ -1,7 +1,9 @@
 """OpenAI request bodies, validated the way OpenAI validates them.
 
 Unknown fields are ignored (as OpenAI's server ignores them); a known field
-with a bad value is a 400 naming the field.
+with a bad value is a 400 naming the field. Types are strict (``true`` is not
+the integer 1, ``"2"`` is not 2) and every number has a bound, so nothing a
+client sends can overflow the wire codec or the sampler further in.
 """
 
 from __future__ import annotations
@@ -10,22 +12,28 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-NonNegInt = Annotated[int, Field(ge=0)]
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+# Below this a temperature is greedy: logits / 1e-30 overflow float32 and sampling would fail.
+GREEDY_BELOW = 1e-5
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -41,33 +49,34 @@ class ChatMessage(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     user: str | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+    return_token_ids: bool = False  # vLLM's extension: token_ids (and prompt_token_ids) in each choice
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         if isinstance(v, list):
             if len(v) > 4:
-                raise ValueError("at most 4 stop sequences")
+                raise ValueError("at most 4 stop sequences are allowed")
             if any(not s for s in v):
                 raise ValueError("stop sequences must be non-empty")
         elif v == "":
@@ -89,6 +98,17 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def choice_seed(self, k: int) -> int | None:
+        """Choice ``k``'s seed: distinct per choice, reproducible, still an int64."""
+        if self.seed is None:
+            return None
+        return ((self.seed + k - INT64_MIN) % (1 << 64)) + INT64_MIN
+
+    @property
+    def sampling_temperature(self) -> float:
+        t = 1.0 if self.temperature is None else self.temperature
+        return 0.0 if t < GREEDY_BELOW else t
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -113,7 +133,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+PromptType = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
@@ -130,10 +150,6 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("prompt must not be empty")
             if all(isinstance(x, list) for x in v) and any(not x for x in v):
                 raise ValueError("token-id prompts must not be empty")
-            if any(isinstance(x, int) and x < 0 for x in v):
-                raise ValueError("token ids must be non-negative")
-            if any(isinstance(x, list) and any(t < 0 for t in x) for x in v):
-                raise ValueError("token ids must be non-negative")
         return v
 
     @field_validator("suffix")

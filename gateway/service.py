@@ -10,19 +10,30 @@ ends it early.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.detok import IncrementalDetokenizer, StopMatcher
-from gateway.errors import APIError
+from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
+from gateway.errors import APIError, upstream
+from gateway.metrics import GatewayStats
+from gateway.replies import ReplyStreams
 from mesh import client
 from mesh.bus import Bus
-from mesh.protocol import GenerateRequest, SamplingOptions, TokenLogprobs, Usage, WorkerCard
+from mesh.client import StreamError
+from mesh.protocol import (
+    GenerateRequest,
+    SamplingOptions,
+    TokenChunk,
+    TokenLogprobs,
+    Usage,
+    WorkerCard,
+)
 from mesh.registry import Membership
+from mesh.router.policy import RouterConfig
+from mesh.router.router import KvRouter
 from mesh.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,7 @@ class GatewayConfig:
     first_token_timeout: float = 120.0
     idle_timeout: float = 60.0
     retries: int = 2  # re-pick a worker when one is draining or vanished before answering
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 @dataclass
@@ -57,25 +69,37 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.tokenizers: dict[str, Tokenizer] = {}
+        self.token_texts: dict[str, TokenTexts] = {}
         for i, d in enumerate(config.model_dirs):
             name = config.served_names[i] if i < len(config.served_names) else Path(d).name
             self.tokenizers[name] = Tokenizer(d)
+            self.token_texts[name] = TokenTexts(self.tokenizers[name], d)
         self.bus: Bus | None = None
+        self.replies: ReplyStreams | None = None
         self.membership: Membership | None = None
+        self.router: KvRouter | None = None
         self.inflight = 0
-        self._rr = itertools.count()
+        self.stats = GatewayStats()
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns)
+        self.replies = ReplyStreams(self.bus)
+        await self.replies.start()
         self.membership = Membership(self.bus)
         await self.membership.start(wait=2.0)
+        self.router = KvRouter(self.bus, self.membership, self.config.router)
+        await self.router.start()
 
     async def stop(self) -> None:
-        for t in list(self._background):
-            t.cancel()
+        if self._background:  # cancels of abandoned requests: let them reach the bus
+            await asyncio.wait(list(self._background), timeout=1.0)
+        if self.router:
+            await self.router.stop()
         if self.membership:
             await self.membership.stop()
+        if self.replies:
+            await self.replies.stop()
         if self.bus:
             await self.bus.close()
 
@@ -95,23 +119,23 @@ class Gateway:
     def tokenizer(self, model: str) -> Tokenizer | None:
         return self.tokenizers.get(model)
 
-    def require_tokenizer(self, model: str) -> Tokenizer:
+    def require_tokenizer(self, model: str, param: str) -> Tokenizer:
         tok = self.tokenizers.get(model)
         if tok is None:
-            raise APIError(400, f"this gateway has no tokenizer for {model!r}: send token ids", "prompt")
+            raise APIError(400, f"this gateway has no tokenizer for {model!r}: send token ids "
+                                "to /v1/completions", param)
         return tok
 
     def max_model_len(self, model: str) -> int:
         lens = [c.max_model_len for c in self.membership.cards(model, "decode")]
         return min(lens) if lens else 0
 
-    def pick_worker(self, model: str, token_ids: list[int], exclude: set[str]) -> WorkerCard:
-        """Round-robin over the model's ready decode workers (the KV router replaces this)."""
-        workers = [w for w in self.decode_workers(model) if w.worker_id not in exclude]
-        if not workers:
-            raise APIError(503, f"no live worker for model {model!r}")
-        workers.sort(key=lambda w: w.worker_id)
-        return workers[next(self._rr) % len(workers)]
+    def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "") -> str:
+        """The router decides which ready decode worker serves the request; the gateway sends."""
+        try:
+            return self.router.route(model, token_ids, request_id, exclude).worker_id
+        except LookupError:
+            raise APIError(503, f"no live worker for model {model!r}") from None
 
     # -- admission ----------------------------------------------------------------------
     def acquire(self, n: int) -> None:
@@ -128,61 +152,92 @@ class Gateway:
         self, index: int, request_id: str, model: str, prompt_ids: list[int],
         sampling: SamplingOptions, stops: list[str], priority: int = 0,
     ) -> AsyncIterator[ChoiceDelta]:
-        tok = self.tokenizer(model)
-        detok = IncrementalDetokenizer(tok) if tok else None
-        stop = StopMatcher(stops)
+        """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
+
+        Who cancels on the worker: this generator's ``finally``, whenever it ends before the
+        worker's last chunk (client gone, stop string, error), whether it is closed or cancelled.
+        """
+        choice = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids))
         req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time())
+        cfg = self.config
         tried: set[str] = set()
-        worker = None
-        finished = False
-        usage: Usage | None = None
-        completion = 0
+        stream = None
+        finished = False  # the worker sent its last chunk: nothing to cancel
         try:
-            for attempt in range(self.config.retries + 1):
-                worker = self.pick_worker(model, prompt_ids, tried)
-                tried.add(worker.worker_id)
-                retry = False
-                async for chunk in client.generate(
-                    self.bus, worker.worker_id, req, self.config.first_token_timeout, self.config.idle_timeout
-                ):
-                    if chunk.error:
-                        finished = True
-                        if chunk.error_status == 503 and attempt < self.config.retries:
-                            retry = True  # draining: try another worker
-                            break
-                        raise APIError(chunk.error_status or 500, chunk.error)
-                    completion += len(chunk.token_ids)
-                    usage = chunk.usage or usage
-                    text = detok.push(chunk.token_ids) if detok else ""
-                    if chunk.finish_reason is not None:
-                        finished = True
-                        if detok:
-                            text += detok.flush()
-                    out = stop.feed(text)
-                    if stop.stopped:
-                        yield ChoiceDelta(index, out, chunk.token_ids, chunk.logprobs, "stop",
-                                          _usage(usage, len(prompt_ids), completion))
+            for attempt in range(cfg.retries + 1):
+                finished = False
+                worker_id = self.pick_worker(model, prompt_ids, tried, request_id)
+                tried.add(worker_id)
+                stream = self.replies.open(worker_id)
+                await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject)
+                first = True
+                timeout = cfg.first_token_timeout
+                while True:
+                    chunks = await stream.next_batch(timeout)
+                    timeout = cfg.idle_timeout
+                    last = chunks[-1]
+                    finished = last.finish_reason is not None or bool(last.error)
+                    if last.error:
+                        if last.error_status == 503 and attempt < cfg.retries:
+                            break  # draining: try another worker
+                        raise upstream(last.error_status or 500, last.error)
+                    delta = choice.delta(chunks)
+                    self.stats.completion_tokens += len(delta.token_ids)
+                    if first:
+                        self.router.first_token(worker_id, request_id)
+                        first = False
+                    yield delta
+                    if delta.finish_reason is not None:
                         return
-                    if chunk.finish_reason is not None:
-                        out += stop.flush()
-                    yield ChoiceDelta(index, out, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                                      _usage(usage, len(prompt_ids), completion) if chunk.finish_reason else None)
-                if not retry:
-                    return
-        except client.StreamError as e:
-            finished = True
+                stream.close()
+                self.router.finished(stream.worker_id, request_id)
+                stream = None
+        except StreamError as e:
             raise APIError(e.status, str(e)) from None
         finally:
-            if not finished and worker is not None:
-                self._cancel_later(model, worker.worker_id, request_id)
+            if stream is not None:
+                stream.close()
+                self.router.finished(stream.worker_id, request_id)
+                if not finished:
+                    self._cancel_later(model, stream.worker_id, request_id)
 
     def _cancel_later(self, model: str, worker_id: str, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).
+        self.stats.cancels += 1
         task = asyncio.get_running_loop().create_task(client.cancel(self.bus, model, worker_id, request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
 
-def _usage(last: Usage | None, prompt_tokens: int, completion: int) -> Usage:
-    cached = last.cached_tokens if last else 0
-    return Usage(prompt_tokens, completion, cached)
+class _ChoiceText:
+    """One choice's text so far (incremental detokenization, stop strings) and its token counts."""
+
+    def __init__(self, index: int, tok: Tokenizer | None, stops: list[str], prompt_tokens: int):
+        self.index = index
+        self.detok = IncrementalDetokenizer(tok) if tok else None
+        self.stop = StopMatcher(stops)
+        self.prompt_tokens = prompt_tokens
+        self.completion = 0
+        self.cached = 0
+
+    def delta(self, chunks: list[TokenChunk]) -> ChoiceDelta:
+        """The delta of a batch of chunks; finished when the worker finished or a stop string matched."""
+        last = chunks[-1]
+        if len(chunks) == 1:
+            ids, lps = last.token_ids, last.logprobs
+        else:
+            ids = [t for c in chunks for t in c.token_ids]
+            lps = [lp for c in chunks for lp in c.logprobs]
+        self.completion += len(ids)
+        for c in chunks:
+            if c.usage is not None:
+                self.cached = c.usage.cached_tokens
+        reason = last.finish_reason
+        text = self.detok.push(ids, final=reason is not None) if self.detok else ""
+        out = self.stop.feed(text)
+        if self.stop.stopped:
+            reason = "stop"
+        elif reason is not None:
+            out += self.stop.flush()
+        usage = Usage(self.prompt_tokens, self.completion, self.cached) if reason is not None else None
+        return ChoiceDelta(self.index, out, ids, lps, reason, usage)

@@ -86,6 +86,10 @@ def _add_gateway(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-inflight", type=int, default=1024, help="admitted requests at once; beyond: 429")
     p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--router", default="kv", choices=["kv", "round-robin", "random", "least-loaded"],
+                   help="how to pick a decode worker (default: kv, the KV-aware router)")
+    p.add_argument("--router-temperature", type=float, default=0.0, help="kv router: 0 = cheapest, > 0 = softmax")
+    p.add_argument("--router-prefill-weight", type=float, default=1.0, help="kv router: weight of prefill work")
     p.add_argument("--first-token-timeout", type=float, default=120.0,
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
@@ -263,6 +267,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import asgi_app
     from gateway.service import Gateway, GatewayConfig
     from mesh.config import settings
+    from mesh.router.policy import RouterConfig
 
     url = args.nats or settings().nats_url
     if not url:
@@ -278,6 +283,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
+        router=RouterConfig(mode=args.router, temperature=args.router_temperature,
+                            prefill_weight=args.router_prefill_weight),
     ))
     # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
     config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",

@@ -98,10 +98,10 @@ class Window:
         self._v.append((time.monotonic(), v))
 
     def _recent(self) -> list[float]:
+        # Read from the engine thread while the event loop appends: copy first (one C call,
+        # atomic under the GIL); iterating the live deque could see it mutate.
         cutoff = time.monotonic() - self.horizon
-        while self._v and self._v[0][0] < cutoff:
-            self._v.popleft()
-        return [v for _, v in self._v]
+        return [v for t, v in self._v.copy() if t >= cutoff]
 
     def mean(self) -> float:
         v = self._recent()

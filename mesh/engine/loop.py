@@ -77,13 +77,28 @@ class EngineLoop:
                 if self._stop.is_set() or not self.engine.has_work:
                     continue
                 t0 = time.perf_counter()
-                outs = self.engine.step()
+                try:
+                    outs = self.engine.step()
+                except Exception:
+                    # One bad step fails the requests in it, not the worker.
+                    log.exception("engine step failed; failing the running requests")
+                    outs = self._fail_running()
                 self.step_seconds = time.perf_counter() - t0
                 self.emit(outs)
                 self._after_work()
         except BaseException as e:  # a broken engine must be visible, not a silent dead thread
             self.failure = e
             log.exception("engine thread died")
+
+    def _fail_running(self) -> list:
+        from mesh.engine.scheduler import StepOutput
+
+        outs = []
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq.request_id)
+            outs.append(StepOutput(seq.request_id, [], [], "error", seq.num_prompt_tokens,
+                                   seq.num_cached_tokens, seq.num_output_tokens))
+        return outs
 
     def _drain(self, block: bool) -> None:
         try:

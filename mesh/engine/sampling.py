@@ -44,7 +44,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows; it is argmax in all but name (vLLM does the same).
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -63,7 +64,7 @@ def test_steady_noisy_load_does_not_flap():
     rng = random.Random(0)
     series = [10000 * (1 + 0.15 * rng.uniform(-1, 1)) for _ in range(60)]
     pre = run("prefill", series, 5000, prefill_latency, start=3)
-    changes = sum(1 for a, b in zip(pre, pre[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(pre) if a != b)
     assert changes <= 2, pre  # settles once, then holds
     assert len(set(pre[10:])) == 1
 
@@ -72,7 +73,7 @@ def test_falling_load_walks_down_to_the_minimum():
     falling = [20000] * 3 + [10000] * 5 + [1000] * 12 + [0] * 30
     pre = run("prefill", falling, 5000, prefill_latency, start=6)
     assert pre[-1] == CFG.min_prefill
-    steps = [a - b for a, b in zip(pre, pre[1:], strict=False) if a > b]
+    steps = [a - b for a, b in itertools.pairwise(pre) if a > b]
     assert all(s == 1 for s in steps)  # one replica at a time
     dec = run("decode", [200] * 3 + [0] * 40, 60, decode_latency, start=4)
     assert dec[-1] == CFG.min_decode

@@ -9,7 +9,7 @@ import pytest
 from kvstore.events import BlockRemoved, BlockStored, to_wire
 from mesh.protocol import KvEvent, KvEventBatch
 from mesh.router.index import KvIndex
-from mesh.router.policy import RouteRequest, RouterConfig, WorkerLoad, kv_costs, pick_worker
+from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, kv_costs, pick_worker
 
 
 def batch(worker, seq, *events):

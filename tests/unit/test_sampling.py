@@ -98,3 +98,9 @@ def test_penalties_change_the_choice():
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_vanishing_temperature_is_greedy_not_a_crash(engine):
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    tiny = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=1e-300))[0]
+    assert tiny.output_token_ids == greedy.output_token_ids

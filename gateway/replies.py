@@ -1,0 +1,115 @@
+"""Token streams from decode workers, all on one reply subscription per gateway.
+
+Each request gets a reply subject under the gateway's inbox prefix; one
+wildcard subscription hands every chunk to its request's ``ReplyStream`` by
+the last subject token. A reader takes *all* the chunks that have arrived
+(``next_batch``), so under load a request's tokens are detokenized and written
+to the client together rather than one event each, and no per-request
+subscription is made or torn down on the server.
+
+This is ``mesh.client.generate`` (same checks: in order, no gaps, timeouts as
+``StreamError``) without a subscription and a ``wait_for`` task per request
+and per chunk, which is most of what the gateway costs per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+
+from mesh.bus import Bus
+from mesh.client import StreamError
+from mesh.protocol import DecodeError, TokenChunk, decode
+
+_TIMED_OUT = object()
+
+
+class ReplyStreams:
+    """The gateway's reply subscription and the streams waiting on it."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.prefix = bus.nc.new_inbox()
+        self._streams: dict[str, ReplyStream] = {}
+        self._keys = itertools.count()
+        self._sub = None
+        self.stray = 0  # chunks for requests already closed (a cancelled request's tail)
+
+    async def start(self) -> None:
+        self._sub = await self.bus.nc.subscribe(
+            self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def open(self, worker_id: str) -> ReplyStream:
+        key = format(next(self._keys), "x")
+        stream = ReplyStream(self, key, worker_id)
+        self._streams[key] = stream
+        return stream
+
+    async def _on_msg(self, msg) -> None:
+        stream = self._streams.get(msg.subject[len(self.prefix) + 1 :])
+        if stream is None:
+            self.stray += 1
+            return
+        stream.push(msg.data)
+
+
+class ReplyStream:
+    """One request's chunks, in order, from one worker."""
+
+    __slots__ = ("_pending", "_waiter", "expect", "key", "owner", "subject", "worker_id")
+
+    def __init__(self, owner: ReplyStreams, key: str, worker_id: str):
+        self.owner = owner
+        self.key = key
+        self.subject = f"{owner.prefix}.{key}"
+        self.worker_id = worker_id
+        self.expect = 0
+        self._pending: deque[bytes] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def push(self, data: bytes) -> None:
+        self._pending.append(data)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next_batch(self, timeout: float) -> list[TokenChunk]:
+        """Every chunk that has arrived (waiting up to ``timeout`` for the first); stops at the last one."""
+        if not self._pending:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
+            try:
+                if await waiter is _TIMED_OUT:
+                    raise StreamError(f"worker {self.worker_id} sent nothing for {timeout:g}s")
+            finally:
+                timer.cancel()
+                self._waiter = None
+        out = []
+        while self._pending:
+            try:
+                chunk = decode(self._pending.popleft(), TokenChunk)
+            except DecodeError as e:
+                raise StreamError(f"worker {self.worker_id} sent a malformed chunk: {e}", 502) from None
+            if chunk.index != self.expect:
+                raise StreamError(f"stream from {self.worker_id} skipped chunk {self.expect}", 502)
+            self.expect += 1
+            out.append(chunk)
+            if chunk.finish_reason is not None or chunk.error:
+                self._pending.clear()
+                break
+        return out
+
+    def close(self) -> None:
+        self.owner._streams.pop(self.key, None)
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(_TIMED_OUT)

@@ -1,0 +1,178 @@
+"""Getting choices to the client: whole responses, SSE, and noticing that the client has gone.
+
+Each choice is a ``Gateway.stream_choice`` async generator. Closing or cancelling one that has
+not finished cancels its request on the worker (its ``finally``), so every path here ends by
+closing them all: a finished response, an error, a client that disconnects while we wait for
+tokens (non-streaming: ``unless_disconnected``) or while we stream them (``SSEResponse``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi.responses import Response
+
+from gateway.errors import APIError
+from gateway.service import ChoiceDelta
+
+
+async def _collect(stream: AsyncIterator[ChoiceDelta]) -> list[ChoiceDelta]:
+    return [d async for d in stream]
+
+
+async def collect_all(streams) -> list[list[ChoiceDelta]]:
+    if len(streams) == 1:
+        return [await _collect(streams[0])]
+    tasks = [asyncio.ensure_future(_collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed or we were cancelled: stop the others (each cancels on its worker)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_deltas(streams) -> list[ChoiceDelta | None]:
+    if len(streams) == 1:
+        return [await anext(streams[0], None)]
+    tasks = [asyncio.ensure_future(anext(s, None)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def unless_disconnected(receive, work: Awaitable):
+    """``await work``, unless the client disconnects first: then cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def close_all(streams) -> None:
+    """Close choice streams (an unfinished one cancels its request on the worker)."""
+    for s in streams:
+        with contextlib.suppress(Exception):
+            await s.aclose()
+
+
+async def sse_events(fmt, streams, first: list[ChoiceDelta | None], include_usage: bool, has_tok: bool,
+                     release: Callable[[], None]) -> AsyncIterator[str]:
+    """The SSE text of a response (``fmt`` is a ``gateway.formats`` format); ``release`` runs at the end."""
+    events = _one_stream(streams[0], first[0]) if len(streams) == 1 else _merged_streams(streams, first)
+    try:
+        if opening := fmt.opening(len(streams)):
+            yield opening
+        async for d in events:
+            if isinstance(d, APIError):
+                yield d.sse()
+                continue
+            if out := fmt.chunks(d, has_tok):
+                yield out
+        if include_usage:
+            yield fmt.usage_chunk()
+        yield "data: [DONE]\n\n"
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()
+        await close_all(streams)
+        release()
+
+
+async def _one_stream(stream, head: ChoiceDelta | None):
+    if head is None:
+        return
+    yield head
+    if head.finish_reason is not None:
+        return
+    try:
+        async for d in stream:
+            yield d
+    except APIError as e:
+        yield e
+
+
+async def _merged_streams(streams, first: list[ChoiceDelta | None]):
+    """n > 1: every choice's deltas as they come (a choice's error ends only that choice)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream, head):
+        try:
+            async for d in _one_stream(stream, head):
+                queue.put_nowait(d)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(s, h)) for s, h in zip(streams, first, strict=True)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEResponse(Response):
+    """A text/event-stream body that stops (and closes its generator) the moment the client goes.
+
+    Starlette's StreamingResponse only notices a disconnect through the ASGI receive channel
+    with an anyio task group per response; this does the same with two asyncio tasks, and
+    always ``aclose``s the generator, which is what cancels the request on the worker.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]):
+        # not Response.__init__: it would add "content-length: 0"
+        self.status_code = 200
+        self.background = None
+        self.events = events
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            *((k.lower().encode(), v.encode()) for k, v in headers.items())]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = asyncio.ensure_future(self._send_events(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((body, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (body, watch):
+                t.cancel()
+            await asyncio.gather(body, watch, return_exceptions=True)
+            await self.events.aclose()
+
+    async def _send_events(self, send) -> None:
+        try:
+            async for text in self.events:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-write
+            pass
+
+
+async def _wait_disconnect(receive) -> None:
+    """Returns when the client has gone (the request body is already read, so this only waits)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,52 @@
+"""The engine thread: commands between steps, ordered outputs, and a failing step that fails
+only its requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mesh.engine.loop import EngineLoop
+from mesh.engine.sampling import SamplingParams
+from mesh.mocker.engine import MockConfig, MockEngine
+
+
+class Flaky(MockEngine):
+    """A mocker whose next step raises once when told to."""
+
+    explode = False
+
+    def execute(self, out):
+        if self.explode:
+            self.explode = False
+            raise RuntimeError("boom")
+        return super().execute(out)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_loop_serves_on():
+    engine = Flaky(MockConfig(speedup=1000, num_blocks=64))
+    outs: list = []
+    loop = EngineLoop(engine, asyncio.get_running_loop(), outs.extend)
+    loop.start()
+    try:
+        def add(e, rid, n):
+            e.add(e.new_sequence([1, 2, 3], SamplingParams(max_tokens=n), request_id=rid))
+
+        engine.explode = True
+        await loop.call(lambda e: add(e, "doomed", 50))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if any(o.request_id == "doomed" and o.finish_reason for o in outs):
+                break
+        doomed = [o for o in outs if o.request_id == "doomed" and o.finish_reason]
+        assert doomed and doomed[-1].finish_reason == "error"
+        assert engine.pool.num_used == 0  # its blocks came back
+        await loop.call(lambda e: add(e, "fine", 5))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if any(o.request_id == "fine" and o.finish_reason for o in outs):
+                break
+        fine = [o for o in outs if o.request_id == "fine"]
+        assert fine[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in fine) == 5
+        assert loop.failure is None
+    finally:
+        loop.stop()
