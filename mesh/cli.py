@@ -53,6 +53,9 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device-kv-blocks", type=int, default=None, help="cap the device KV pool (default: what memory allows)")
+    p.add_argument("--host-kv-gb", type=float, default=None, help="host KV tier: offload cold blocks to this much RAM (pinned on GPU)")
+    p.add_argument("--disk-kv-dir", default=None, help="disk KV tier: keep reused blocks evicted from the host tier here")
+    p.add_argument("--disk-kv-gb", type=float, default=None, help="cap of the disk KV tier (default 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
@@ -216,6 +219,8 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     if mock:
         from mesh.mocker.engine import MockConfig
 
+        if args.host_kv_gb or args.disk_kv_dir:
+            raise CliError("the mocker has no KV bytes: --host-kv-gb and --disk-kv-dir are for model workers")
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
@@ -228,10 +233,12 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     if not model:
         raise CliError("--model DIR is required (or MESH_MODEL)")
     ModelConfig.from_dir(model)
+    tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb}
     return EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        **{k: v for k, v in tiers.items() if v is not None},
     )
 
 
@@ -288,7 +295,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     ))
     # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
     config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
-                            http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+                            http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            # longer than clients' idle pools keep connections (httpx: 5 s), so the
+                            # server never closes one a client is about to reuse
+                            timeout_keep_alive=75)
     uvicorn.Server(config).run()
     return 0
 
@@ -306,7 +316,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_config(args)  # validates the model directory and flags before anything starts
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    for name in ("device_kv_blocks", "dtype", "device", "served_name", "transports", "disagg_threshold"):
+    for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
+                 "transports", "disagg_threshold"):
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]

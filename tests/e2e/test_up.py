@@ -51,6 +51,7 @@ def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, st
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if "pdmesh is up" in line:
+            proc.up_line = line
             return proc, f"http://127.0.0.1:{port}"
         if not line and proc.poll() is not None:
             break
