@@ -26,7 +26,10 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from kvstore.transfer import KvReceiver, host_id, make_receiver
+from mesh import metrics
 from mesh.engine.core import EngineCore
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
@@ -42,6 +45,8 @@ from mesh.protocol import (
     Usage,
 )
 from mesh.registry import Membership
+from mesh.telemetry import tracer
+from mesh.tracing import child_context, context_from
 from mesh.worker import (
     Window,
     WorkerBase,
@@ -55,6 +60,7 @@ log = logging.getLogger(__name__)
 
 # After a job's deadline, how long to wait before reusing its blocks (a copy already started may finish).
 DEADLINE_GRACE = 2.0
+TRACER = tracer("pdmesh.decode")
 
 
 @dataclass
@@ -68,6 +74,24 @@ class Active:
     last_token_at: float = 0.0
     remote: asyncio.TimerHandle | None = None  # set while a prefill worker owns the blocks
     cancelled: bool = False
+    span: trace.Span | None = None  # decode.request: arrival to the last token
+    phase: trace.Span | None = None  # its current child: prefill.local | prefill.remote | decode
+
+    def enter(self, name: str, **attributes) -> trace.Span:
+        """End the current phase span and start the next one under the request's span."""
+        if self.phase is not None:
+            self.phase.end()
+        self.phase = TRACER.start_span(name, context=child_context(self.span), attributes=attributes)
+        return self.phase
+
+    def end_spans(self, outcome: str, **attributes) -> None:
+        if self.phase is not None:
+            self.phase.end()
+            self.phase = None
+        if self.span is not None:
+            self.span.set_attributes({"pdmesh.outcome": outcome, **attributes})
+            self.span.end()
+            self.span = None
 
 
 class DecodeWorker(WorkerBase):
@@ -161,6 +185,11 @@ class DecodeWorker(WorkerBase):
             return
         self.counters.requests += 1
         act = Active(req, raw.reply, seq, time.monotonic())
+        act.span = TRACER.start_span(
+            "decode.request", context=context_from(raw.headers), kind=trace.SpanKind.SERVER,
+            attributes={"pdmesh.request_id": req.request_id, "pdmesh.model": req.model,
+                        "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
+        )
         self.active[req.request_id] = act
         want_remote = seq.num_prompt_tokens >= self.settings.disagg_threshold and self._prefill_free()
         threshold = self.settings.disagg_threshold
@@ -175,7 +204,10 @@ class DecodeWorker(WorkerBase):
         if reservation is None:
             self.counters.bump("local_prefill")
             self.counters.bump("local_prefill_tokens", len(req.token_ids))
+            metrics.PREFILL_DECISIONS.labels(req.model, "local").inc()
+            act.enter("prefill.local")
         else:
+            metrics.PREFILL_DECISIONS.labels(req.model, "remote").inc()
             await self._send_job(act, *reservation)
 
     async def _send_job(self, act: Active, block_table: list[int], num_cached: int) -> None:
@@ -187,12 +219,13 @@ class DecodeWorker(WorkerBase):
             decode_worker=self.worker_id, num_cached_tokens=num_cached, dest_block_ids=dest,
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
-            sampling=act.request.sampling,
+            sampling=act.request.sampling, created=time.time(),
         )
         loop = asyncio.get_running_loop()
         act.remote = loop.call_later(timeout + DEADLINE_GRACE, self._on_prefill_timeout, rid)
+        span = act.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})
         try:
-            await self.jobs.publish(job)
+            await self.jobs.publish(job, span=span)
             self.counters.bump("remote_prefill_sent")
         except Exception as e:
             # Nobody took the job, so nobody can write the blocks: prefill locally now.
@@ -215,6 +248,8 @@ class DecodeWorker(WorkerBase):
             await self._abort(rid)
             return
         self.counters.bump("local_prefill_fallback")
+        metrics.PREFILL_DECISIONS.labels(self.engine.model_name, "fallback").inc()
+        act.enter("prefill.local", **{"pdmesh.fallback": True})
         await self.loop.call(lambda e: e.fail_remote(rid))
 
     def _end_remote(self, act: Active) -> None:
@@ -242,6 +277,9 @@ class DecodeWorker(WorkerBase):
             return
         self.counters.bump("remote_prefill_done")
         self.counters.bump(f"transport_{done.transport}")
+        if act.phase is not None:
+            act.phase.set_attributes({"pdmesh.transport": done.transport, "pdmesh.transfer_bytes": done.transfer_bytes,
+                                      "pdmesh.prefill_worker": done.prefill_worker})
         first = SampledToken(done.token_id, engine_logprob(done.logprob))
 
         def complete(engine: EngineCore) -> None:
@@ -262,7 +300,10 @@ class DecodeWorker(WorkerBase):
             await self._abort(msg.request_id)
 
     async def _abort(self, rid: str) -> None:
-        self.active.pop(rid, None)
+        act = self.active.pop(rid, None)
+        if act is not None:
+            act.end_spans("cancelled")
+            metrics.WORKER_REQUESTS.labels(act.request.model, self.role, "cancelled").inc()
         await self.loop.call(lambda e: e.abort(rid))
 
     # -- streaming ----------------------------------------------------------------
@@ -275,11 +316,18 @@ class DecodeWorker(WorkerBase):
         if act is None or act.cancelled:
             return
         now = time.monotonic()
+        model = act.request.model
         if act.next_index == 0:
             act.first_token_at = now
             self.ttft.add(now - act.arrived)
+            metrics.WORKER_TTFT.labels(model).observe(now - act.arrived)
+            act.enter("decode")
         elif act.last_token_at:
-            self.itl.add((now - act.last_token_at) / max(1, len(out.new_token_ids)))
+            gap = (now - act.last_token_at) / max(1, len(out.new_token_ids))
+            self.itl.add(gap)
+            itl = metrics.WORKER_ITL.labels(model)
+            for _ in out.new_token_ids:
+                itl.observe(gap)
         act.last_token_at = now
         self.counters.bump("decode_tokens", len(out.new_token_ids))
         chunk = TokenChunk(
@@ -292,9 +340,18 @@ class DecodeWorker(WorkerBase):
         if out.finish_reason == "error":
             chunk.error, chunk.error_status = "the engine failed on this request", 500
         act.next_index += 1
+        metrics.OUTPUT_TOKENS.labels(model).inc(len(out.new_token_ids))
         if out.finish_reason is not None:
             self.active.pop(out.request_id, None)
             self.counters.finished += 1
+            outcome = "error" if out.finish_reason == "error" else "finished"
+            metrics.WORKER_REQUESTS.labels(model, self.role, outcome).inc()
+            metrics.WORKER_E2E.labels(model).observe(now - act.arrived)
+            metrics.PROMPT_TOKENS.labels(model).inc(out.num_prompt_tokens)
+            metrics.CACHED_TOKENS.labels(model).inc(out.num_cached_tokens)
+            act.end_spans(outcome, **{"pdmesh.output_tokens": out.num_output_tokens,
+                                      "pdmesh.cached_tokens": out.num_cached_tokens,
+                                      "pdmesh.finish_reason": out.finish_reason})
         await self.bus.publish(act.reply, chunk)
 
     async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:

@@ -22,6 +22,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import errors
@@ -38,13 +41,16 @@ from gateway.streaming import (
     unless_disconnected,
 )
 from mesh.protocol import SamplingOptions
+from mesh.telemetry import REGISTRY, tracer
 from mesh.tokenizer import ChatTemplateError
+from mesh.tracing import context_from
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; nobody reads it
 MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt as JSON ids is ~1 MB
 LONG_INPUT_CHARS = 16_384  # tokenize longer inputs in a thread
+TRACER = tracer("pdmesh.gateway")
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -78,15 +84,16 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(gateway.stats.render(gateway), media_type="text/plain; version=0.0.4")
+        text = gateway.stats.render(gateway) + generate_latest(REGISTRY).decode()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _counted(gateway, "chat", _chat(gateway, request))
+        return await _counted(gateway, "chat", request, _chat(gateway, request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _counted(gateway, "completions", _completions(gateway, request))
+        return await _counted(gateway, "completions", request, _completions(gateway, request))
 
     return app
 
@@ -114,8 +121,9 @@ class CompletionRoutes:
             await self.app(scope, receive, send)
             return
         endpoint, handler = route
+        request = Request(scope, receive)
         try:
-            response = await _counted(self.gateway, endpoint, handler(self.gateway, Request(scope, receive)))
+            response = await _counted(self.gateway, endpoint, request, handler(self.gateway, request))
         except APIError as e:
             response = e.response()
         except Exception:
@@ -125,13 +133,29 @@ class CompletionRoutes:
         await response(scope, receive, send)
 
 
-async def _counted(gw: Gateway, endpoint: str, handler: Awaitable[Response]) -> Response:
+async def _counted(gw: Gateway, endpoint: str, request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a completion handler inside its server span (continuing the caller's ``traceparent``)
+    and count its status. A streamed response ends the span when the stream ends."""
+    span = TRACER.start_span(f"POST /v1/{endpoint.replace('chat', 'chat/completions')}",
+                             context=context_from(dict(request.headers)), kind=trace.SpanKind.SERVER,
+                             attributes={"http.request.method": "POST", "http.route": request.url.path})
+    token = otel_context.attach(trace.set_span_in_context(span))
     try:
         response = await handler
     except APIError as e:
         gw.stats.request(endpoint, e.status)
+        span.set_attribute("http.response.status_code", e.status)
+        span.end()
         raise
+    except BaseException:
+        span.end()
+        raise
+    finally:
+        otel_context.detach(token)
     gw.stats.request(endpoint, response.status_code)
+    span.set_attribute("http.response.status_code", response.status_code)
+    if not isinstance(response, SSEResponse):
+        span.end()
     return response
 
 
@@ -166,8 +190,10 @@ async def _chat(gw: Gateway, request: Request) -> Response:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     try:
-        prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
-                                 body.add_generation_prompt)
+        with TRACER.start_as_current_span("template+tokenize") as span:
+            prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
+                                     body.add_generation_prompt)
+            span.set_attribute("pdmesh.prompt_tokens", len(prompt))
     except ChatTemplateError as e:
         raise APIError(400, str(e), "messages") from None
     if not prompt:
@@ -182,12 +208,13 @@ async def _completions(gw: Gateway, request: Request) -> Response:
     gw.check_model(body.model)
     raw_prompts = body.prompts()
     prompts = []
-    for p in raw_prompts:
-        if isinstance(p, str):
-            p = await _off_loop(len(p), gw.require_tokenizer(body.model, "prompt").encode, p)
-            if not p:
-                raise APIError(400, "the prompt is empty", "prompt")
-        prompts.append(p)
+    with TRACER.start_as_current_span("tokenize"):
+        for p in raw_prompts:
+            if isinstance(p, str):
+                p = await _off_loop(len(p), gw.require_tokenizer(body.model, "prompt").encode, p)
+                if not p:
+                    raise APIError(400, "the prompt is empty", "prompt")
+            prompts.append(p)
     tok = gw.tokenizer(body.model)
     echo = None
     if body.echo:
@@ -268,6 +295,8 @@ class _Admission:
 
 
 async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], fmt: Format) -> Response:
+    server_span = trace.get_current_span()
+    server_span.set_attributes({"pdmesh.request_id": fmt.rid, "pdmesh.model": body.model})
     max_out = _check_limits(gw, body, prompts)
     admission = _Admission(gw, len(prompts) * body.n)
     streams = [
@@ -296,4 +325,9 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
         admission.release()
         return Response(status_code=CLIENT_CLOSED)
     has_tok = gw.tokenizer(body.model) is not None
-    return SSEResponse(sse_events(fmt, streams, first, body.include_usage, has_tok, admission.release), headers)
+
+    def done() -> None:
+        admission.release()
+        server_span.end()
+
+    return SSEResponse(sse_events(fmt, streams, first, body.include_usage, has_tok, done), headers)

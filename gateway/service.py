@@ -16,15 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry import trace
+
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.errors import APIError, upstream
 from gateway.metrics import GatewayStats
 from gateway.replies import ReplyStreams
-from mesh import client
+from mesh import client, metrics
 from mesh.bus import Bus
 from mesh.client import StreamError
 from mesh.protocol import (
     GenerateRequest,
+    PlannerDecision,
     SamplingOptions,
     TokenChunk,
     TokenLogprobs,
@@ -34,9 +37,12 @@ from mesh.protocol import (
 from mesh.registry import Membership
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
+from mesh.telemetry import setup_tracing, tracer
 from mesh.tokenizer import Tokenizer
+from mesh.tracing import child_context
 
 log = logging.getLogger(__name__)
+TRACER = tracer("pdmesh.gateway")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class Gateway:
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
+        setup_tracing("pdmesh-gateway")
         self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns)
         self.replies = ReplyStreams(self.bus)
         await self.replies.start()
@@ -90,6 +97,11 @@ class Gateway:
         await self.membership.start(wait=2.0)
         self.router = KvRouter(self.bus, self.membership, self.config.router)
         await self.router.start()
+        await self.bus.subscribe(self.bus.subjects.planner_decisions(), self._on_planner, PlannerDecision)
+
+    async def _on_planner(self, d: PlannerDecision, raw) -> None:
+        metrics.PLANNER_REPLICAS.labels(d.model, d.pool, "current").set(d.current)
+        metrics.PLANNER_REPLICAS.labels(d.model, d.pool, "target").set(d.target)
 
     async def stop(self) -> None:
         if self._background:  # cancels of abandoned requests: let them reach the bus
@@ -130,12 +142,22 @@ class Gateway:
         lens = [c.max_model_len for c in self.membership.cards(model, "decode")]
         return min(lens) if lens else 0
 
-    def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "") -> str:
+    def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
+                    parent: trace.Span | None = None) -> str:
         """The router decides which ready decode worker serves the request; the gateway sends."""
-        try:
-            return self.router.route(model, token_ids, request_id, exclude).worker_id
-        except LookupError:
-            raise APIError(503, f"no live worker for model {model!r}") from None
+        with TRACER.start_as_current_span("route", context=child_context(parent)) as span:
+            try:
+                d = self.router.route(model, token_ids, request_id, exclude)
+            except LookupError:
+                span.set_attribute("pdmesh.error", "no live worker")
+                raise APIError(503, f"no live worker for model {model!r}") from None
+            span.set_attributes({"pdmesh.worker": d.worker_id, "pdmesh.mode": d.mode,
+                                 "pdmesh.overlap_blocks": d.overlap_blocks, "pdmesh.new_blocks": d.new_blocks})
+        mode = self.config.router.mode
+        metrics.ROUTER_DECISIONS.labels(model, mode).inc()
+        blocks = d.overlap_blocks + d.new_blocks
+        metrics.ROUTER_OVERLAP.labels(model, mode).observe(d.overlap_blocks / blocks if blocks else 0.0)
+        return d.worker_id
 
     # -- admission ----------------------------------------------------------------------
     def acquire(self, n: int) -> None:
@@ -163,13 +185,19 @@ class Gateway:
         tried: set[str] = set()
         stream = None
         finished = False  # the worker sent its last chunk: nothing to cancel
+        started = last_at = time.monotonic()
+        tokens = 0
+        span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
+                                                         "pdmesh.prompt_tokens": len(prompt_ids)})
         try:
             for attempt in range(cfg.retries + 1):
                 finished = False
-                worker_id = self.pick_worker(model, prompt_ids, tried, request_id)
+                worker_id = self.pick_worker(model, prompt_ids, tried, request_id, span)
                 tried.add(worker_id)
+                span.set_attribute("pdmesh.worker", worker_id)
                 stream = self.replies.open(worker_id)
-                await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject)
+                await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject,
+                                       span=span)
                 first = True
                 timeout = cfg.first_token_timeout
                 while True:
@@ -183,9 +211,17 @@ class Gateway:
                         raise upstream(last.error_status or 500, last.error)
                     delta = choice.delta(chunks)
                     self.stats.completion_tokens += len(delta.token_ids)
+                    tokens += len(delta.token_ids)
+                    now = time.monotonic()
                     if first:
                         self.router.first_token(worker_id, request_id)
+                        metrics.GATEWAY_TTFT.labels(model).observe(now - started)
                         first = False
+                    elif delta.token_ids:
+                        metrics.GATEWAY_ITL.labels(model).observe((now - last_at) / len(delta.token_ids))
+                    last_at = now
+                    if delta.finish_reason is not None:
+                        metrics.GATEWAY_E2E.labels(model).observe(now - started)
                     yield delta
                     if delta.finish_reason is not None:
                         return
@@ -195,6 +231,8 @@ class Gateway:
         except StreamError as e:
             raise APIError(e.status, str(e)) from None
         finally:
+            span.set_attributes({"pdmesh.output_tokens": tokens, "pdmesh.finished": finished})
+            span.end()
             if stream is not None:
                 stream.close()
                 self.router.finished(stream.worker_id, request_id)

@@ -71,8 +71,10 @@ class Bus:
     def max_payload(self) -> int:
         return self.nc.max_payload
 
-    async def publish(self, subject: str, msg: Any, reply: str = "", headers: dict | None = None) -> None:
-        await self.nc.publish(subject, encode(msg), reply=reply, headers=outgoing_headers(headers))
+    async def publish(self, subject: str, msg: Any, reply: str = "", headers: dict | None = None,
+                      span=None) -> None:
+        """``span``: carry this span's trace context (default: the current span's)."""
+        await self.nc.publish(subject, encode(msg), reply=reply, headers=outgoing_headers(headers, span))
 
     async def request(self, subject: str, msg: Any, expect: type[T], timeout: float) -> T:
         reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=outgoing_headers())

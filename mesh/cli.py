@@ -77,6 +77,7 @@ def _add_worker(sub) -> None:
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.set_defaults(func=cmd_worker)
 
 
@@ -257,7 +258,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, mock=mock),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
-        prefill_capacity=args.prefill_capacity,
+        prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port,
     )
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":

@@ -14,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType
 
 from mesh.bus import Bus
 from mesh.protocol import PrefillJob, encode
+from mesh.tracing import outgoing_headers
 
 JOB_MAX_AGE = 60.0  # a job nobody pulled within this is useless anyway (its decode worker fell back)
 
@@ -40,9 +41,9 @@ class PrefillQueue:
             await self.bus.js.stream_info(self.stream)
         self._ensured = True
 
-    async def publish(self, job: PrefillJob, timeout: float = 2.0) -> None:
+    async def publish(self, job: PrefillJob, timeout: float = 2.0, span=None) -> None:
         await self.ensure()
-        await self.bus.js.publish(self.subject, encode(job), timeout=timeout)
+        await self.bus.js.publish(self.subject, encode(job), timeout=timeout, headers=outgoing_headers(span=span))
 
     async def pull(self):
         """The shared pull subscription; ``await sub.fetch(n, timeout=...)`` takes up to n jobs."""

@@ -324,6 +324,7 @@ class PrefillJob:
     deadline: float  # unix seconds; nothing may be written into the blocks after it
     block_size: int
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    created: float = 0.0  # unix seconds when the decode worker queued it
 
 
 @message

@@ -30,9 +30,11 @@ from mesh.engine.loop import EngineLoop
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import TokenLogprob
 from mesh.kvevents import KvEventPublisher
+from mesh.metrics import LoadCollector
 from mesh.procutil import stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
+from mesh.telemetry import REGISTRY, register_gpu_collector, serve_metrics, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class WorkerSettings:
     load_interval: float = 1.0
     registry_ttl: float = DEFAULT_TTL
     drain_timeout: float = 30.0
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
 
     @property
     def is_mock(self) -> bool:
@@ -171,6 +174,8 @@ class WorkerBase:
         self.cards: CardPublisher | None = None
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self.last_load: LoadReport | None = None
+        self.metrics_port = 0
 
     # -- for subclasses -----------------------------------------------------------
     def build(self) -> EngineCore:
@@ -198,6 +203,7 @@ class WorkerBase:
             kv_blocks=e.pool.num_blocks, max_model_len=e.max_model_len, host=socket.gethostname(),
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
+            metrics_port=self.metrics_port,
         )
 
     def load(self, engine: EngineCore) -> LoadReport:
@@ -223,12 +229,14 @@ class WorkerBase:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or stop_event_on_signals()
         s = self.settings
+        setup_tracing(f"pdmesh-{self.role}")
         async with AsyncExitStack() as stack:
             self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns)
             stack.push_async_callback(self.bus.close)
             self.engine = await asyncio.to_thread(self.build)
             stack.callback(self.close_engine)
             await asyncio.to_thread(self.warm_up)
+            self._serve_metrics()
             self.kv_events = None
             if self.publishes_kv_events:
                 self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
@@ -265,6 +273,14 @@ class WorkerBase:
         if self.in_flight():
             log.warning("%d requests still in flight after the drain timeout", self.in_flight())
 
+    def _serve_metrics(self) -> None:
+        if self.settings.metrics_port < 0:
+            return
+        REGISTRY.register(LoadCollector(lambda: self.last_load))
+        if getattr(self.engine, "device", None) is not None and self.engine.device.type == "cuda":
+            register_gpu_collector()
+        self.metrics_port = serve_metrics(self.settings.metrics_port)
+
     def close_engine(self) -> None:
         kv = getattr(self.engine, "kv_cache", None)
         if kv is not None:
@@ -290,6 +306,7 @@ class WorkerBase:
         while True:
             try:
                 report = await asyncio.wait_for(self.loop.call(self.load), 10.0)
+                self.last_load = report
                 await self.bus.publish(subject, report)
             except Exception as e:
                 log.warning("load report failed: %s", e)

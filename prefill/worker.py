@@ -19,15 +19,19 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import nats.errors
+from opentelemetry import trace
 
 from kvstore.manager import blocks_for
 from kvstore.transfer import KvSender, make_sender
+from mesh import metrics
 from mesh.config import settings
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
 from mesh.engine.sequence import Sequence
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
+from mesh.telemetry import tracer
+from mesh.tracing import child_context, context_from
 from mesh.worker import Window, WorkerBase, sampling_params, wire_logprob
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 DEADLINE_MARGIN = 0.5
 # A job no worker of the pool can serve is failed (the decode worker prefills locally) after this many tries.
 MAX_DELIVERIES = 20
+TRACER = tracer("pdmesh.prefill")
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Job:
     job: PrefillJob
     seq: Sequence
     started: float
+    span: trace.Span | None = None  # prefill.job: taken to reported
 
 
 def _deliveries(m) -> int:
@@ -132,9 +138,20 @@ class PrefillWorker(WorkerBase):
         # Ack at once: a job is never redelivered into blocks a decode worker may have reused.
         with contextlib.suppress(Exception):
             await m.ack()
-        await self._start(job, misfit)
+        span = TRACER.start_span(
+            "prefill.job", context=context_from(m.headers), kind=trace.SpanKind.CONSUMER,
+            attributes={"pdmesh.request_id": job.request_id, "pdmesh.worker": self.worker_id,
+                        "pdmesh.prompt_tokens": len(job.token_ids), "pdmesh.cached_tokens": job.num_cached_tokens},
+        )
+        if job.created:
+            waited = max(0.0, time.time() - job.created)
+            metrics.WORKER_QUEUE.labels(job.model).observe(waited)
+            queue = TRACER.start_span("prefill.queue", context=child_context(span),
+                                      start_time=int(job.created * 1e9))
+            queue.end()
+        await self._start(job, misfit, span)
 
-    async def _start(self, job: PrefillJob, error: str | None) -> None:
+    async def _start(self, job: PrefillJob, error: str | None, span: trace.Span | None = None) -> None:
         if job.request_id in self.jobs:
             return
         if error is None:
@@ -147,10 +164,10 @@ class PrefillWorker(WorkerBase):
             except (RequestError, ValueError) as e:
                 error = str(e)
         if error is not None:
-            await self._done(job, ok=False, error=error)
+            await self._done(job, ok=False, error=error, span=span)
             return
         seq.hold_blocks = True
-        self.jobs[job.request_id] = Job(job, seq, time.monotonic())
+        self.jobs[job.request_id] = Job(job, seq, time.monotonic(), span)
         self.counters.requests += 1
         await self.loop.call(lambda e: e.add(seq))
 
@@ -186,6 +203,11 @@ class PrefillWorker(WorkerBase):
         job = j.job
         compute_ms = (time.monotonic() - j.started) * 1000
         self.compute.add(compute_ms / 1000)
+        metrics.PREFILL_COMPUTE.labels(job.model).observe(compute_ms / 1000)
+        compute = TRACER.start_span("prefill.compute", context=child_context(j.span),
+                                    start_time=time.time_ns() - int(compute_ms * 1e6))
+        compute.end()
+        transfer = TRACER.start_span("kv.transfer", context=child_context(j.span))
         if settings().fault_prefill_delay_s:
             await asyncio.sleep(settings().fault_prefill_delay_s)
         try:
@@ -202,28 +224,38 @@ class PrefillWorker(WorkerBase):
             )
         except Exception as e:
             log.warning("prefill %s: transfer failed: %s", job.request_id, e)
-            await self._done(job, ok=False, error=f"transfer failed: {e}", compute_ms=compute_ms)
+            transfer.set_attribute("pdmesh.error", str(e))
+            transfer.end()
+            await self._done(job, ok=False, error=f"transfer failed: {e}", compute_ms=compute_ms, span=j.span)
         else:
+            transfer.set_attributes({"pdmesh.transport": name, "pdmesh.bytes": result.bytes})
+            transfer.end()
+            metrics.TRANSFER_BYTES.labels(job.model, name).inc(result.bytes)
+            metrics.TRANSFER_SECONDS.labels(job.model, name).observe(result.seconds)
             self.counters.bump(f"transport_{name}")
             self.counters.bump("prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
             await self._done(
                 job, ok=True, token_id=out.new_token_ids[0],
                 logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
                 transport=name, transfer_bytes=result.bytes, transfer_ms=result.seconds * 1000,
-                compute_ms=compute_ms, num_chunks=result.chunks,
+                compute_ms=compute_ms, num_chunks=result.chunks, span=j.span,
             )
         finally:
             self.jobs.pop(job.request_id, None)
             self._room.set()
             await self.loop.call(lambda e: e.release(job.request_id))
 
-    async def _done(self, job: PrefillJob, ok: bool, **fields) -> None:
+    async def _done(self, job: PrefillJob, ok: bool, span: trace.Span | None = None, **fields) -> None:
         if ok:
             self.counters.finished += 1
         else:
             self.counters.errors += 1
+        metrics.WORKER_REQUESTS.labels(job.model, self.role, "finished" if ok else "error").inc()
         msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, **fields)
         try:
-            await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg)
+            await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg, span=span)
         except Exception as e:  # the decode worker falls back on its own timeout
             log.warning("could not report prefill %s: %s", job.request_id, e)
+        if span is not None:
+            span.set_attributes({"pdmesh.ok": ok, **({"pdmesh.error": fields["error"]} if "error" in fields else {})})
+            span.end()

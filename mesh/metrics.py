@@ -1,0 +1,90 @@
+"""Every Prometheus metric of pdmesh, defined once (names ``pdmesh_*``, in ``telemetry.REGISTRY``).
+
+Counters and histograms are updated where things happen; gauges of a worker's
+state (KV blocks per tier, queues) are read at scrape time from its latest load
+report, so they cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from mesh.protocol import LoadReport
+from mesh.telemetry import LATENCY_BUCKETS, REGISTRY
+
+# -- workers ------------------------------------------------------------------------------
+WORKER_REQUESTS = Counter("pdmesh_worker_requests", "Requests a worker ended, by outcome",
+                          ["model", "role", "outcome"], registry=REGISTRY)
+WORKER_TTFT = Histogram("pdmesh_worker_ttft_seconds", "Arrival at the decode worker to its first token",
+                        ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+WORKER_ITL = Histogram("pdmesh_worker_itl_seconds", "Time between output tokens at the decode worker",
+                       ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+WORKER_E2E = Histogram("pdmesh_worker_e2e_seconds", "Arrival at the decode worker to its last token",
+                       ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+WORKER_QUEUE = Histogram("pdmesh_worker_queue_seconds", "Prefill jobs: queued until a prefill worker took them",
+                         ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PROMPT_TOKENS = Counter("pdmesh_worker_prompt_tokens", "Prompt tokens of finished requests", ["model"],
+                        registry=REGISTRY)
+CACHED_TOKENS = Counter("pdmesh_worker_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
+                        ["model"], registry=REGISTRY)
+OUTPUT_TOKENS = Counter("pdmesh_worker_output_tokens", "Tokens generated", ["model"], registry=REGISTRY)
+PREFILL_DECISIONS = Counter("pdmesh_worker_prefill", "Where decode workers prefilled (local, remote, fallback)",
+                            ["model", "where"], registry=REGISTRY)
+TRANSFER_BYTES = Counter("pdmesh_kv_transfer_bytes", "KV bytes moved to decode workers", ["model", "transport"],
+                         registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("pdmesh_kv_transfer_seconds", "Time to move one request's KV", ["model", "transport"],
+                             buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PREFILL_COMPUTE = Histogram("pdmesh_prefill_compute_seconds", "Prefill worker: job start to first token",
+                            ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+
+# -- gateway ------------------------------------------------------------------------------
+GATEWAY_TTFT = Histogram("pdmesh_gateway_ttft_seconds", "Request arrival to the first token out", ["model"],
+                         buckets=LATENCY_BUCKETS, registry=REGISTRY)
+GATEWAY_ITL = Histogram("pdmesh_gateway_itl_seconds", "Time between token batches to the client", ["model"],
+                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
+GATEWAY_E2E = Histogram("pdmesh_gateway_e2e_seconds", "Request arrival to its last token", ["model"],
+                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
+ROUTER_DECISIONS = Counter("pdmesh_router_decisions", "Routing decisions", ["model", "mode"], registry=REGISTRY)
+ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt cached on the chosen worker",
+                           ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
+PLANNER_REPLICAS = Gauge("pdmesh_planner_replicas", "The planner's pools: current and target size",
+                         ["model", "pool", "kind"], registry=REGISTRY)
+
+
+class LoadCollector:
+    """Scrape-time gauges from a worker's latest load report: KV blocks per tier, queues, running."""
+
+    def __init__(self, latest: Callable[[], LoadReport | None]):
+        self.latest = latest
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        r = self.latest()
+        if r is None:
+            return
+        labels = [r.model, r.role]
+        blocks = GaugeMetricFamily("pdmesh_kv_blocks", "KV blocks by tier and state",
+                                   labels=["model", "role", "tier", "state"])
+        blocks.add_metric([*labels, "device", "used"], r.kv_blocks_used)
+        blocks.add_metric([*labels, "device", "free"], r.kv_blocks_total - r.kv_blocks_used)
+        for tier in ("host", "disk"):
+            if f"{tier}_blocks" in r.counters:
+                blocks.add_metric([*labels, tier, "cached"], r.counters[f"{tier}_blocks"])
+        hits = GaugeMetricFamily("pdmesh_kv_prefix_hit_blocks", "Prefix-cache hits by tier (since start)",
+                                 labels=["model", "role", "tier"])
+        for tier in ("device", "host", "disk"):
+            key = f"hit_blocks_{tier}"
+            if key in r.counters:
+                hits.add_metric([*labels, tier], r.counters[key])
+        queue = GaugeMetricFamily("pdmesh_prefill_queue_depth",
+                                  "Decode: requests waiting for remote KV; prefill: jobs held",
+                                  labels=["model", "role"])
+        queue.add_metric(labels, r.waiting_for_kv if r.role == "decode" else r.active_jobs)
+        running = GaugeMetricFamily("pdmesh_worker_running", "Sequences running", labels=["model", "role"])
+        running.add_metric(labels, r.running)
+        waiting = GaugeMetricFamily("pdmesh_worker_waiting", "Sequences waiting to be scheduled",
+                                    labels=["model", "role"])
+        waiting.add_metric(labels, r.waiting)
+        yield from (blocks, hits, queue, running, waiting)
