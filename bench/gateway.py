@@ -398,11 +398,43 @@ async def added_latency(url: str, nats_url: str, model: str, pairs: int) -> Adde
 # -- the mesh ------------------------------------------------------------------------------
 
 
+class OtlpSink:
+    """An OTLP/HTTP trace receiver that accepts and counts exports: tracing on, with a real exporter."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.requests = 0
+        self.bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                sink.requests += 1
+                sink.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.server.server_address[1]}"}
+
+
 class MeshUp:
     """``mesh up --mock`` as a child process; its NATS URL parsed from the banner."""
 
-    def __init__(self, port: int, speedup: float, decode: int):
+    def __init__(self, port: int, speedup: float, decode: int, env: dict | None = None):
         self.root_pid = 0
+        self.env = {**os.environ, **(env or {})}
         self.port = port
         self.argv = [sys.executable, "-m", "mesh.cli", "up", "--mock", "--mock-speedup", str(speedup),
                      "--prefill", "0", "--decode", str(decode), "--port", str(port)]
@@ -410,7 +442,8 @@ class MeshUp:
         self.nats_url = ""
 
     def __enter__(self) -> MeshUp:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                     env=self.env)
         self.root_pid = self.proc.pid
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -489,6 +522,8 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=1, help="mocker decode workers")
     p.add_argument("--quick", action="store_true", help="5 s per concurrency, 60 pairs")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--tracing", action="store_true",
+                   help="run the mesh with OpenTelemetry tracing on (OTLP/HTTP to a local sink)")
     args = p.parse_args()
     if args.quick:
         args.seconds, args.warmup, args.pairs = 5.0, 1.0, 60
@@ -507,11 +542,16 @@ def main() -> int:
         out = asyncio.run(bench(args))
     else:
         port = free_port()
-        with MeshUp(port, args.mock_speedup, args.decode) as mesh:
+        sink = OtlpSink() if args.tracing else None
+        with MeshUp(port, args.mock_speedup, args.decode, sink.env if sink else None) as mesh:
+            if sink:
+                print(f"tracing on: every process exports spans over OTLP/HTTP to {sink.env['OTEL_EXPORTER_OTLP_ENDPOINT']}")
             print(f"mesh up --mock --mock-speedup {args.mock_speedup:g} --prefill 0 --decode {args.decode} "
                   f"(gateway :{port}, {mesh.nats_url})", flush=True)
             args.url, args.nats, args.root_pid = f"http://127.0.0.1:{port}", mesh.nats_url, mesh.root_pid
             out = asyncio.run(bench(args))
+        if sink:
+            print(f"the OTLP sink received {sink.requests} exports, {sink.bytes / 1e6:.1f} MB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

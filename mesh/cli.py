@@ -121,7 +121,8 @@ def _add_up(sub) -> None:
 def add_planner_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-ms", type=float, default=2000.0, help="planner: TTFT p90 target")
     p.add_argument("--itl-ms", type=float, default=100.0, help="planner: ITL p90 target")
-    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--min-prefill", type=int, default=None,
+                   help="default: 1 (mesh up: 0 when started with --prefill 0, i.e. aggregated)")
     p.add_argument("--max-prefill", type=int, default=4)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=4)
@@ -132,7 +133,8 @@ def planner_config(args: argparse.Namespace):
     from mesh.planner.policy import PlannerConfig
 
     return PlannerConfig(
-        ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, min_prefill=args.min_prefill, max_prefill=args.max_prefill,
+        ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
+        min_prefill=1 if args.min_prefill is None else args.min_prefill, max_prefill=args.max_prefill,
         min_decode=args.min_decode, max_decode=args.max_decode, window_s=args.planner_window,
     )
 
@@ -327,6 +329,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
     if args.router:
         gateway_flags += ["--router", args.router]
+    if args.min_prefill is None:
+        args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else planner_config(args)
     if planner is not None:  # start inside the planner's bounds
         args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)

@@ -131,6 +131,7 @@ class LocalConnector:
     async def close(self) -> None:
         everyone = [p for pool in POOLS for p in self.procs[pool]]
         for p in everyone:
+            p.draining = True
             if p.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.proc.send_signal(signal.SIGTERM)
