@@ -153,6 +153,14 @@ def _add_planner(sub) -> None:
     p.set_defaults(func=cmd_planner)
 
 
+def _add_top(sub) -> None:
+    p = sub.add_parser("top", help="a live view of the mesh: workers, load, KV usage, planner")
+    add_bus_flags(p)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+    p.set_defaults(func=cmd_top)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh", description="pdmesh: disaggregated prefill/decode serving")
     parser.add_argument("--log-level", default=None, help="default: $MESH_LOG_LEVEL or WARNING")
@@ -163,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(sub)
     _add_up(sub)
     _add_planner(sub)
+    _add_top(sub)
     return parser
 
 
@@ -381,6 +390,19 @@ async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> N
         await membership.stop()
         await connector.close()
         await bus.close()
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mesh.config import settings
+    from mesh.top import run_top
+
+    url = args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    asyncio.run(run_top(url, args.ns or settings().ns, args.interval, args.once))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,3 +156,15 @@ async def test_metrics_count_known_traffic(cluster, traced):
     assert value(dm, "pdmesh_kv_blocks", model="tiny", role="decode", tier="device", state="free") == 1024
     assert value(pm, "pdmesh_kv_transfer_bytes_total", model="tiny", transport="shm") > 0
     assert value(pm, "pdmesh_kv_transfer_seconds_count", model="tiny", transport="shm") >= 2
+
+
+def test_mesh_top_shows_the_workers(cluster, traced):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mesh.cli", "top", "--nats", cluster.nats_url, "--ns", NS, "--once"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "model tiny" in r.stdout
+    assert "obs-dec" in r.stdout and "obs-pre" in r.stdout
+    assert "decode" in r.stdout and "prefill" in r.stdout

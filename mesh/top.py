@@ -1,0 +1,97 @@
+"""``mesh top``: a live view of the mesh from the bus.
+
+Workers by model and pool with their load and KV usage, the request rate
+(from the workers' request counters), and the planner's latest decisions.
+Everything comes from what workers and the planner publish; nothing is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+from mesh.bus import Bus
+from mesh.protocol import LoadReport, PlannerDecision, WorkerCard
+from mesh.registry import Membership
+
+
+@dataclass
+class TopState:
+    cards: list[WorkerCard] = field(default_factory=list)
+    loads: dict[str, LoadReport] = field(default_factory=dict)
+    previous: dict[str, tuple[float, int]] = field(default_factory=dict)  # worker -> (time, requests)
+    rates: dict[str, float] = field(default_factory=dict)  # worker -> requests/s
+    decisions: dict[tuple[str, str], PlannerDecision] = field(default_factory=dict)  # (model, pool) -> latest
+
+    def on_load(self, r: LoadReport) -> None:
+        prev = self.previous.get(r.worker_id)
+        now_requests = r.counters.get("requests", r.requests_total)
+        if prev is not None and r.timestamp > prev[0]:
+            self.rates[r.worker_id] = max(0.0, (now_requests - prev[1]) / (r.timestamp - prev[0]))
+        self.previous[r.worker_id] = (r.timestamp, now_requests)
+        self.loads[r.worker_id] = r
+
+
+def render(state: TopState, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    lines = [f"pdmesh top  {time.strftime('%H:%M:%S', time.localtime(now))}  "
+             f"{len(state.cards)} workers"]
+    models = sorted({c.model for c in state.cards})
+    for model in models:
+        cards = [c for c in state.cards if c.model == model]
+        rate = sum(state.rates.get(c.worker_id, 0.0) for c in cards if c.role == "decode")
+        lines.append("")
+        lines.append(f"model {model}: {rate:.1f} req/s")
+        lines.append(f"  {'worker':<34} {'role':<8} {'status':<9} {'run':>4} {'wait':>4} {'kv%':>5} "
+                     f"{'ttft p90':>9} {'itl p90':>8} {'jobs':>5}")
+        for c in sorted(cards, key=lambda c: (c.role, c.worker_id)):
+            r = state.loads.get(c.worker_id)
+            if r is None:
+                lines.append(f"  {c.worker_id:<34} {c.role:<8} {c.status:<9} (no load report yet)")
+                continue
+            kv = 100.0 * r.kv_blocks_used / r.kv_blocks_total if r.kv_blocks_total else 0.0
+            lines.append(
+                f"  {c.worker_id:<34} {c.role:<8} {c.status:<9} {r.running:>4} {r.waiting + r.waiting_for_kv:>4} "
+                f"{kv:>5.1f} {r.ttft_p90_ms:>7.0f}ms {r.itl_p90_ms:>6.1f}ms {r.active_jobs:>5}"
+            )
+        for pool in ("prefill", "decode"):
+            d = state.decisions.get((model, pool)) or state.decisions.get(("", pool))
+            if d is not None:
+                lines.append(f"  planner {pool}: {d.current} -> {d.target} ({d.reason})")
+    if not models:
+        lines.append("no workers registered")
+    return "\n".join(lines)
+
+
+async def run_top(url: str, ns: str, interval: float = 1.0, once: bool = False) -> None:
+    bus = await Bus.connect(url, "mesh-top", ns=ns)
+    membership = Membership(bus)
+    await membership.start()
+    state = TopState()
+
+    async def on_load(r: LoadReport, raw) -> None:
+        state.on_load(r)
+
+    async def on_decision(d: PlannerDecision, raw) -> None:
+        state.decisions[(d.model, d.pool)] = d
+
+    await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
+    await bus.subscribe(bus.subjects.planner_decisions(), on_decision, PlannerDecision)
+    try:
+        if once:
+            await asyncio.sleep(max(interval, 1.5))  # one round of load reports
+            state.cards = membership.cards()
+            print(render(state), flush=True)
+            return
+        while True:
+            state.cards = membership.cards()
+            sys.stdout.write("\x1b[H\x1b[2J" + render(state) + "\n")
+            sys.stdout.flush()
+            await asyncio.sleep(interval)
+    finally:
+        with contextlib.suppress(Exception):
+            await membership.stop()
+        await bus.close()
