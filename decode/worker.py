@@ -180,9 +180,12 @@ class DecodeWorker(WorkerBase):
         try:
             params = sampling_params(req.sampling)
             seq = self.engine.new_sequence(req.token_ids, params, request_id=req.request_id)
+            if not 0 <= req.output_offset < len(req.token_ids):
+                raise ValueError(f"output_offset {req.output_offset} does not fit the prompt")
         except (RequestError, ValueError) as e:
             await self._fail(raw.reply, req.request_id, str(e), 400)
             return
+        seq.output_offset = req.output_offset
         self.counters.requests += 1
         act = Active(req, raw.reply, seq, time.monotonic())
         act.span = TRACER.start_span(
@@ -219,7 +222,7 @@ class DecodeWorker(WorkerBase):
             decode_worker=self.worker_id, num_cached_tokens=num_cached, dest_block_ids=dest,
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
-            sampling=act.request.sampling, created=time.time(),
+            sampling=act.request.sampling, created=time.time(), output_offset=act.request.output_offset,
         )
         loop = asyncio.get_running_loop()
         act.remote = loop.call_later(timeout + DEADLINE_GRACE, self._on_prefill_timeout, rid)

@@ -18,6 +18,7 @@ class GatewayStats:
     requests: Counter = field(default_factory=Counter)  # (endpoint, status) -> count
     completion_tokens: int = 0
     cancels: int = 0  # requests cancelled on a worker (client gone, stop string, error)
+    migrations: int = 0  # streams resumed on another worker after theirs died or went silent
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -36,6 +37,9 @@ class GatewayStats:
             "# HELP pdmesh_gateway_cancels_total Requests cancelled on a worker before they finished.",
             "# TYPE pdmesh_gateway_cancels_total counter",
             f"pdmesh_gateway_cancels_total {self.cancels}",
+            "# HELP pdmesh_gateway_migrations_total Streams resumed on another worker mid-request.",
+            "# TYPE pdmesh_gateway_migrations_total counter",
+            f"pdmesh_gateway_migrations_total {self.migrations}",
             "# HELP pdmesh_gateway_inflight_requests Choices admitted and not finished.",
             "# TYPE pdmesh_gateway_inflight_requests gauge",
             f"pdmesh_gateway_inflight_requests {gw.inflight}",

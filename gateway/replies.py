@@ -23,6 +23,14 @@ from mesh.client import StreamError
 from mesh.protocol import DecodeError, TokenChunk, decode
 
 _TIMED_OUT = object()
+_GONE = b""  # pushed when the stream's worker left the registry (no chunk is ever empty)
+
+
+class WorkerGone(StreamError):
+    """The worker serving the stream left the registry (killed, or its card expired)."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(f"worker {worker_id} went away mid-request", 503)
 
 
 class ReplyStreams:
@@ -44,6 +52,13 @@ class ReplyStreams:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+
+    def worker_gone(self, worker_id: str) -> int:
+        """Wake every stream served by ``worker_id`` with ``WorkerGone``; returns how many."""
+        gone = [s for s in self._streams.values() if s.worker_id == worker_id]
+        for s in gone:
+            s.push(_GONE)
+        return len(gone)
 
     def open(self, worker_id: str) -> ReplyStream:
         key = format(next(self._keys), "x")
@@ -93,8 +108,14 @@ class ReplyStream:
                 self._waiter = None
         out = []
         while self._pending:
+            data = self._pending.popleft()
+            if data is _GONE:
+                if out:  # hand over what did arrive; the next call reports the loss
+                    self._pending.appendleft(data)
+                    break
+                raise WorkerGone(self.worker_id)
             try:
-                chunk = decode(self._pending.popleft(), TokenChunk)
+                chunk = decode(data, TokenChunk)
             except DecodeError as e:
                 raise StreamError(f"worker {self.worker_id} sent a malformed chunk: {e}", 502) from None
             if chunk.index != self.expect:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from opentelemetry import trace
@@ -58,6 +58,7 @@ class GatewayConfig:
     first_token_timeout: float = 120.0
     idle_timeout: float = 60.0
     retries: int = 2  # re-pick a worker when one is draining or vanished before answering
+    max_migrations: int = 2  # a worker that dies mid-stream: resume elsewhere this many times
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
@@ -94,10 +95,15 @@ class Gateway:
         self.replies = ReplyStreams(self.bus)
         await self.replies.start()
         self.membership = Membership(self.bus)
+        self.membership.on_change(self._on_member)
         await self.membership.start(wait=2.0)
         self.router = KvRouter(self.bus, self.membership, self.config.router)
         await self.router.start()
         await self.bus.subscribe(self.bus.subjects.planner_decisions(), self._on_planner, PlannerDecision)
+
+    def _on_member(self, worker_id: str, card: WorkerCard | None) -> None:
+        if card is None and self.replies is not None and self.replies.worker_gone(worker_id):
+            log.warning("worker %s left with requests in flight: resuming them elsewhere", worker_id)
 
     async def _on_planner(self, d: PlannerDecision, raw) -> None:
         metrics.PLANNER_REPLICAS.labels(d.model, d.pool, "current").set(d.current)
@@ -189,42 +195,58 @@ class Gateway:
         tokens = 0
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
+        generated: list[int] = []  # streamed to the client so far: a resumed request continues after them
+        attempt = migrations = 0
         try:
-            for attempt in range(cfg.retries + 1):
+            while True:
                 finished = False
-                worker_id = self.pick_worker(model, prompt_ids, tried, request_id, span)
+                worker_id = self.pick_worker(model, prompt_ids + generated, tried, request_id, span)
                 tried.add(worker_id)
                 span.set_attribute("pdmesh.worker", worker_id)
                 stream = self.replies.open(worker_id)
                 await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject,
                                        span=span)
-                first = True
+                first = not generated
                 timeout = cfg.first_token_timeout
-                while True:
-                    chunks = await stream.next_batch(timeout)
-                    timeout = cfg.idle_timeout
-                    last = chunks[-1]
-                    finished = last.finish_reason is not None or bool(last.error)
-                    if last.error:
-                        if last.error_status == 503 and attempt < cfg.retries:
-                            break  # draining: try another worker
-                        raise upstream(last.error_status or 500, last.error)
-                    delta = choice.delta(chunks)
-                    self.stats.completion_tokens += len(delta.token_ids)
-                    tokens += len(delta.token_ids)
-                    now = time.monotonic()
-                    if first:
-                        self.router.first_token(worker_id, request_id)
-                        metrics.GATEWAY_TTFT.labels(model).observe(now - started)
-                        first = False
-                    elif delta.token_ids:
-                        metrics.GATEWAY_ITL.labels(model).observe((now - last_at) / len(delta.token_ids))
-                    last_at = now
-                    if delta.finish_reason is not None:
-                        metrics.GATEWAY_E2E.labels(model).observe(now - started)
-                    yield delta
-                    if delta.finish_reason is not None:
-                        return
+                try:
+                    while True:
+                        chunks = await stream.next_batch(timeout)
+                        timeout = cfg.idle_timeout
+                        last = chunks[-1]
+                        finished = last.finish_reason is not None or bool(last.error)
+                        if last.error:
+                            if last.error_status == 503 and attempt < cfg.retries:
+                                break  # draining: try another worker
+                            raise upstream(last.error_status or 500, last.error)
+                        delta = choice.delta(chunks)
+                        generated.extend(delta.token_ids)
+                        self.stats.completion_tokens += len(delta.token_ids)
+                        tokens += len(delta.token_ids)
+                        now = time.monotonic()
+                        if first:
+                            self.router.first_token(worker_id, request_id)
+                            metrics.GATEWAY_TTFT.labels(model).observe(now - started)
+                            first = False
+                        elif delta.token_ids:
+                            metrics.GATEWAY_ITL.labels(model).observe((now - last_at) / len(delta.token_ids))
+                        last_at = now
+                        if delta.finish_reason is not None:
+                            metrics.GATEWAY_E2E.labels(model).observe(now - started)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            return
+                    attempt += 1
+                except StreamError as e:
+                    # The worker died or went silent: resume on another one, after the tokens the client has.
+                    others = [c for c in self.decode_workers(model) if c.worker_id not in tried]
+                    if migrations >= cfg.max_migrations or e.status not in (503, 504) or not others:
+                        raise
+                    migrations += 1
+                    self.stats.migrations += 1
+                    span.add_event("migrated", {"pdmesh.from": worker_id, "pdmesh.after_tokens": len(generated)})
+                    log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e, len(generated))
+                    self._cancel_later(model, worker_id, request_id)  # if it is only slow, free it
+                    req = _resumed(req, prompt_ids, sampling, generated)
                 stream.close()
                 self.router.finished(stream.worker_id, request_id)
                 stream = None
@@ -247,6 +269,15 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
 
+def _resumed(req: GenerateRequest, prompt: list[int], sampling: SamplingOptions,
+             generated: list[int]) -> GenerateRequest:
+    """The request to resume a stream after ``generated``: they join the prompt and count as outputs."""
+    left = sampling.max_tokens - len(generated)
+    return GenerateRequest(req.request_id, req.model, prompt + generated,
+                           replace(sampling, max_tokens=max(1, left)), req.priority, req.created,
+                           output_offset=len(generated))
+
+
 class _ChoiceText:
     """One choice's text so far (incremental detokenization, stop strings) and its token counts."""
 
@@ -256,7 +287,7 @@ class _ChoiceText:
         self.stop = StopMatcher(stops)
         self.prompt_tokens = prompt_tokens
         self.completion = 0
-        self.cached = 0
+        self.cached: int | None = None
 
     def delta(self, chunks: list[TokenChunk]) -> ChoiceDelta:
         """The delta of a batch of chunks; finished when the worker finished or a stop string matched."""
@@ -268,8 +299,8 @@ class _ChoiceText:
             lps = [lp for c in chunks for lp in c.logprobs]
         self.completion += len(ids)
         for c in chunks:
-            if c.usage is not None:
-                self.cached = c.usage.cached_tokens
+            if c.usage is not None and self.cached is None:
+                self.cached = c.usage.cached_tokens  # the first worker's: a resumed request's is not the client's
         reason = last.finish_reason
         text = self.detok.push(ids, final=reason is not None) if self.detok else ""
         out = self.stop.feed(text)
@@ -277,5 +308,5 @@ class _ChoiceText:
             reason = "stop"
         elif reason is not None:
             out += self.stop.flush()
-        usage = Usage(self.prompt_tokens, self.completion, self.cached) if reason is not None else None
+        usage = Usage(self.prompt_tokens, self.completion, self.cached or 0) if reason is not None else None
         return ChoiceDelta(self.index, out, ids, lps, reason, usage)

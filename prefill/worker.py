@@ -161,6 +161,9 @@ class PrefillWorker(WorkerBase):
             try:
                 params = sampling_params(job.sampling, max_tokens=1)
                 seq = self.engine.new_sequence(job.token_ids, params, request_id=job.request_id)
+                if not 0 <= job.output_offset < len(job.token_ids):
+                    raise ValueError("output_offset does not fit the prompt")
+                seq.output_offset = job.output_offset
             except (RequestError, ValueError) as e:
                 error = str(e)
         if error is not None:

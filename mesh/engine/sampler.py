@@ -67,7 +67,7 @@ class Sampler:
             if s.params.seed is None:
                 unseeded.append(i)
                 continue
-            self._seeded.manual_seed(token_seed(s.params.seed, s.num_output_tokens))
+            self._seeded.manual_seed(token_seed(s.params.seed, s.output_offset + s.num_output_tokens))
             out[i] = torch.multinomial(probs[i], 1, generator=self._seeded)[0]
         if unseeded:
             out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self.generator).squeeze(1)
@@ -104,7 +104,8 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
+    generated = seq.generated_token_ids
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        out = torch.tensor(generated, dtype=torch.long, device=row.device)
         counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

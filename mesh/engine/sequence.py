@@ -71,6 +71,9 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks of block_table already named in the cache
     num_preemptions: int = 0
     hold_blocks: bool = False  # keep the blocks after finishing until released (prefill → transfer)
+    # Migrated requests: the last ``output_offset`` prompt tokens were generated elsewhere before.
+    # Seeded sampling continues at that index and penalties count them as outputs.
+    output_offset: int = 0
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +146,13 @@ class Sequence:
                 )
             )
         return self._hashes[:want]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token of the request, including those generated before a migration."""
+        if not self.output_offset:
+            return self.output_token_ids
+        return self.prompt_token_ids[-self.output_offset :] + self.output_token_ids
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.output_token_ids.append(token_id)

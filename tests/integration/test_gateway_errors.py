@@ -107,8 +107,8 @@ class ScriptedWorker:
         for i, t in enumerate(ids):
             if rid in self.cancels:
                 return
-            if script == "stall" and i == 2:
-                return  # silence, forever
+            if script.startswith("stall") and i == 2:
+                return  # silence, forever (a resumed "stall" request stalls again)
             index = i + 1 if script == "gap" and i >= 1 else i
             last = i == len(ids) - 1
             usage = Usage(n_prompt, i + 1, 16) if i == 0 or last else None
@@ -235,23 +235,36 @@ async def test_silent_worker_is_504_then_503_once_it_expires(mesh):
             deadline = time.monotonic() + 30
             while (r := await http.post("/v1/completions", json=body)).status_code == 504:
                 assert time.monotonic() < deadline, "the stopped worker never left the registry"
-            assert_error(r, 503, "service_unavailable", "no live worker")
+            # the request in flight when the card expired learns its worker went away (nowhere to resume)
+            assert_error(r, 503, "service_unavailable")
+            assert_error(await http.post("/v1/completions", json=body), 503, "service_unavailable", "no live worker")
     finally:
         os.kill(mesh.stuck.pid, signal.SIGKILL)
 
 
-async def test_stream_that_goes_silent_ends_with_a_timeout_event(mesh):
+async def test_stream_that_goes_silent_is_resumed_then_ends_with_a_timeout_event(mesh, tok):
+    for w in mesh.scripted:
+        w.requests.clear()
     async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as http:
         t0 = time.monotonic()
         r = await http.post("/v1/completions", json={"model": SCRIPTED, "prompt": "stall", "stream": True})
     assert r.status_code == 200  # two tokens came: the stream had started
-    assert time.monotonic() - t0 >= TIMEOUT_S
+    assert time.monotonic() - t0 >= 2 * TIMEOUT_S
     evs = events(r.text)
     assert evs[-1] == "[DONE]"
     err = evs[-2]["error"]
     assert err["type"] == "timeout_error" and "sent nothing" in err["message"]
+    # the first worker went silent after two tokens: the stream was resumed on the other one, with
+    # the prompt plus those two tokens and an output offset of two; that one stalled too, and
+    # there was no third worker to try
+    asked = [r for w in mesh.scripted for r in w.requests]
+    assert len(asked) == 2
+    original, resumed = sorted(asked, key=lambda r: r.output_offset)
+    assert resumed.output_offset == 2 and resumed.token_ids[:-2] == original.token_ids
+    assert resumed.sampling.max_tokens == original.sampling.max_tokens - 2
     streamed = "".join(e["choices"][0]["text"] for e in evs[:-2])
-    assert "fine, thanks".startswith(streamed)
+    two = tok.decode(tok.encode("fine, thanks", add_special_tokens=False)[:2])
+    assert streamed == two + two
 
 
 # -- text ------------------------------------------------------------------------------------------

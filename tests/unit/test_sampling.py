@@ -104,3 +104,17 @@ def test_a_vanishing_temperature_is_greedy_not_a_crash(engine):
     greedy = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0]
     tiny = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=1e-300))[0]
     assert tiny.output_token_ids == greedy.output_token_ids
+
+
+def test_a_resumed_request_continues_exactly(engine):
+    """Migration: prompt + the tokens generated so far, with their count as the output offset,
+    continues token for token (seeded sampling and penalties included)."""
+    params = dict(max_tokens=16, temperature=0.9, top_k=50, seed=7, frequency_penalty=0.5, presence_penalty=0.3)
+    whole = engine.generate([PROMPTS[2]], SamplingParams(**params))[0].output_token_ids
+    k = 6
+    resumed = engine.new_sequence(PROMPTS[2] + whole[:k], SamplingParams(**{**params, "max_tokens": 16 - k}))
+    resumed.output_offset = k
+    engine.add(resumed)
+    while not resumed.is_finished:
+        engine.step()
+    assert resumed.output_token_ids == whole[k:]
