@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,21 +28,27 @@ Handler = Callable[[Any, Msg], Awaitable[None]]
 
 
 class Bus:
-    def __init__(self, nc: Client, subjects: Subjects):
+    def __init__(self, nc: Client, subjects: Subjects, reconnect_hooks: list | None = None):
         self.nc = nc
         self.subjects = subjects
+        self._reconnect_hooks = reconnect_hooks if reconnect_hooks is not None else []
         self.js = nc.jetstream(timeout=5.0)
         self.dropped = 0  # undecodable messages received
 
     @classmethod
     async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0) -> Bus:
         conn: list[Client] = []
+        hooks: list = []
+        last_error = [0.0]
 
         def closing() -> bool:
             return bool(conn) and (conn[0].is_closed or conn[0].is_draining)
 
         async def on_error(e: Exception) -> None:
-            if not closing():
+            # while the server is away every reconnect attempt fails: say so every 10 s, not every 0.5 s
+            now = time.monotonic()
+            if not closing() and now - last_error[0] >= 10.0:
+                last_error[0] = now
                 log.warning("nats: %s", e)
 
         async def on_disconnect() -> None:
@@ -50,6 +57,11 @@ class Bus:
 
         async def on_reconnect() -> None:
             log.info("nats: reconnected to %s", url)
+            for fn in list(hooks):
+                try:
+                    await fn()
+                except Exception:
+                    log.exception("reconnect hook failed")
 
         nc = await nats.connect(
             servers=[url],
@@ -65,7 +77,11 @@ class Bus:
             reconnected_cb=on_reconnect,
         )
         conn.append(nc)
-        return cls(nc, Subjects(ns))
+        return cls(nc, Subjects(ns), hooks)
+
+    def on_reconnect(self, fn) -> None:
+        """``await fn()`` after every reconnect (state the server may have lost: watches, streams)."""
+        self._reconnect_hooks.append(fn)
 
     @property
     def max_payload(self) -> int:

@@ -62,6 +62,7 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir]
         if self.max_payload:
             conf = Path(self.store_dir) / "server.conf"

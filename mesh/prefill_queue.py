@@ -43,10 +43,15 @@ class PrefillQueue:
 
     async def publish(self, job: PrefillJob, timeout: float = 2.0, span=None) -> None:
         await self.ensure()
-        await self.bus.js.publish(self.subject, encode(job), timeout=timeout, headers=outgoing_headers(span=span))
+        try:
+            await self.bus.js.publish(self.subject, encode(job), timeout=timeout, headers=outgoing_headers(span=span))
+        except Exception:
+            self._ensured = False  # the server may have lost the stream (a restart): re-create it next time
+            raise
 
     async def pull(self):
         """The shared pull subscription; ``await sub.fetch(n, timeout=...)`` takes up to n jobs."""
+        self._ensured = False
         await self.ensure()
         durable = f"{self.stream}_workers"
         return await self.bus.js.pull_subscribe(

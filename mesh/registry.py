@@ -65,8 +65,10 @@ class CardPublisher:
             await asyncio.sleep(self.ttl / 3)
             try:
                 await self.put()
-            except Exception as e:  # reconnecting; the next refresh tries again
+            except Exception as e:  # reconnecting, or the server lost the bucket: open it anew
                 log.warning("registry refresh failed: %s", e)
+                with contextlib.suppress(Exception):
+                    self._kv = await open_bucket(self.bus, self.ttl)
 
     async def stop(self) -> None:
         if self._task:
@@ -89,6 +91,7 @@ class Membership:
         self._listeners: list[Callable[[str, WorkerCard | None], None]] = []
         self._tasks: list[asyncio.Task] = []
         self._watcher = None
+        self._watch_task: asyncio.Task | None = None
         self.ready = asyncio.Event()
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
@@ -96,14 +99,36 @@ class Membership:
         self._listeners.append(fn)
 
     async def start(self, wait: float = 5.0) -> None:
-        kv = await open_bucket(self.bus, self.ttl)
-        self._watcher = await kv.watchall()
-        self._tasks = [
-            asyncio.create_task(self._watch(), name="registry-watch"),
-            asyncio.create_task(self._sweep(), name="registry-sweep"),
-        ]
+        await self._open_watch()
+        self._tasks.append(asyncio.create_task(self._sweep(), name="registry-sweep"))
+        self.bus.on_reconnect(self._rewatch)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), wait)
+
+    async def _open_watch(self) -> None:
+        kv = await open_bucket(self.bus, self.ttl)
+        self._watcher = await kv.watchall()
+        self._watch_task = asyncio.create_task(self._watch(self._watcher), name="registry-watch")
+        self._tasks.append(self._watch_task)
+
+    async def _rewatch(self) -> None:
+        """After a reconnect the server may have dropped the watch's consumer: start a new one.
+        It replays every live card, so nothing is missed; stale ones still expire by TTL."""
+        old, task = self._watcher, getattr(self, "_watch_task", None)
+        for attempt in range(10):
+            try:
+                await self._open_watch()
+                break
+            except Exception as e:
+                log.info("registry watch not back yet (%s)", e)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        if task is not None:
+            task.cancel()
+            if task in self._tasks:
+                self._tasks.remove(task)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.stop()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -127,8 +152,8 @@ class Membership:
     def models(self) -> list[str]:
         return sorted({c.model for c in self._cards.values()})
 
-    async def _watch(self) -> None:
-        async for entry in self._watcher:
+    async def _watch(self, watcher) -> None:
+        async for entry in watcher:
             if entry is None:  # the initial values are all in
                 self.ready.set()
                 continue

@@ -115,8 +115,13 @@ class PrefillWorker(WorkerBase):
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except Exception as e:
+                # e.g. the server restarted and lost the stream: subscribe anew
                 log.warning("fetching prefill jobs failed: %s", e)
                 await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    old, self._sub = self._sub, await self.queue.pull()
+                    with contextlib.suppress(Exception):
+                        await old.unsubscribe()
                 continue
             for m in msgs:
                 await self._take(m)

@@ -4,10 +4,12 @@ request, block usage back to idle."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
+import time
 
 import httpx
 import pytest
@@ -67,3 +69,62 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
         assert "pdmesh_gateway_migrations_total 1" in metrics
     finally:
         await w.close()
+
+
+async def test_a_nats_restart_is_survived(tmp_path, tiny_model):
+    """Every component reconnects; the registry and the router come back; requests in flight
+    finish or fail clearly; new requests work."""
+    from mesh.natsserver import EmbeddedNats
+    from tests.integration.conftest import Cluster
+
+    port = free_port()
+    store = str(tmp_path / "js")
+    nats = EmbeddedNats(port=port, store_dir=store).start()
+    cluster = Cluster(nats.url)
+    try:
+        flags = ["--model", str(tiny_model), "--device-kv-blocks", "1024"]
+        for i in range(2):
+            cluster.worker("decode", *flags, "--worker-id", f"nr-dec-{i}")
+        gw_port = free_port()
+        cluster.spawn("gateway", "--nats", nats.url, "--model", str(tiny_model), "--host", "127.0.0.1",
+                      "--port", str(gw_port), "--first-token-timeout", "20", "--idle-timeout", "20")
+        url = f"http://127.0.0.1:{gw_port}"
+        wait_http_ok(f"{url}/health")
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+        async with httpx.AsyncClient(timeout=60) as client:
+            before = (await client.post(f"{url}/v1/completions", json=body)).json()["choices"][0]["text"]
+            long_body = {**body, "max_tokens": 3000, "ignore_eos": True}
+            in_flight = asyncio.create_task(client.post(f"{url}/v1/completions", json=long_body))
+            await asyncio.sleep(0.5)
+            nats.stop()
+            await asyncio.sleep(2.0)
+            nats = EmbeddedNats(port=port, store_dir=store).start()
+            t0 = time.monotonic()
+            r = await asyncio.wait_for(in_flight, 60)  # finished, or a clear error: never a hang
+            assert r.status_code == 200 or "error" in r.json(), r.text
+            # the mesh comes back: workers re-register, the gateway routes again
+            deadline = time.monotonic() + 45
+            while True:
+                r = await client.post(f"{url}/v1/completions", json=body)
+                if r.status_code == 200:
+                    break
+                assert time.monotonic() < deadline, r.text
+                await asyncio.sleep(0.5)
+            assert r.json()["choices"][0]["text"] == before
+            # longer than a card's TTL: the gateway's registry watch must be live again, not a stale view
+            await asyncio.sleep(8)
+            r = await client.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            health = (await client.get(f"{url}/health")).json()
+            assert health["status"] == "ok"
+            models = (await client.get(f"{url}/v1/models")).json()["data"]
+            assert [m["id"] for m in models] == ["tiny"]
+        w = await Watcher.open(nats.url)
+        try:
+            await w.wait_workers("decode", 2, timeout=30)
+        finally:
+            await w.close()
+        print(f"back {time.monotonic() - t0:.1f}s after the restart")
+    finally:
+        cluster.stop()
+        nats.stop()
