@@ -163,6 +163,14 @@ class DecodeWorker(WorkerBase):
     def in_flight(self) -> int:
         return len(self.active)
 
+    def _queued(self) -> int:
+        """Requests admitted here that have not produced their first token yet."""
+        return sum(1 for a in self.active.values() if a.next_index == 0)
+
+    @property
+    def _max_queued(self) -> int:
+        return self.settings.max_queued or 4 * self.engine.scheduler.config.max_num_seqs
+
     # -- requests -----------------------------------------------------------------
     async def _on_generate(self, req: GenerateRequest, raw) -> None:
         if not raw.reply:
@@ -176,6 +184,10 @@ class DecodeWorker(WorkerBase):
             return
         if req.request_id in self.active:
             await self._fail(raw.reply, req.request_id, "duplicate request id", 409)
+            return
+        if self._queued() >= self._max_queued:
+            self.counters.bump("rejected_overloaded")
+            await self._fail(raw.reply, req.request_id, "worker overloaded: too many requests queued", 429)
             return
         try:
             params = sampling_params(req.sampling)

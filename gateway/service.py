@@ -215,8 +215,11 @@ class Gateway:
                         last = chunks[-1]
                         finished = last.finish_reason is not None or bool(last.error)
                         if last.error:
-                            if last.error_status == 503 and attempt < cfg.retries:
-                                break  # draining: try another worker
+                            if last.error_status in (503, 429) and attempt < cfg.retries and self._untried(model, tried):
+                                break  # draining or overloaded: try another worker
+                            if last.error_status == 429:
+                                raise APIError(429, "every worker is overloaded; retry shortly",
+                                               headers={"Retry-After": "1"})
                             raise upstream(last.error_status or 500, last.error)
                         delta = choice.delta(chunks)
                         generated.extend(delta.token_ids)
@@ -238,8 +241,7 @@ class Gateway:
                     attempt += 1
                 except StreamError as e:
                     # The worker died or went silent: resume on another one, after the tokens the client has.
-                    others = [c for c in self.decode_workers(model) if c.worker_id not in tried]
-                    if migrations >= cfg.max_migrations or e.status not in (503, 504) or not others:
+                    if migrations >= cfg.max_migrations or e.status not in (503, 504) or not self._untried(model, tried):
                         raise
                     migrations += 1
                     self.stats.migrations += 1
@@ -260,6 +262,9 @@ class Gateway:
                 self.router.finished(stream.worker_id, request_id)
                 if not finished:
                     self._cancel_later(model, stream.worker_id, request_id)
+
+    def _untried(self, model: str, tried: set[str]) -> bool:
+        return any(c.worker_id not in tried for c in self.decode_workers(model))
 
     def _cancel_later(self, model: str, worker_id: str, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).

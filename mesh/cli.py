@@ -78,6 +78,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
+    p.add_argument("--max-queued", type=int, default=0,
+                   help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
     p.set_defaults(func=cmd_worker)
 
 
@@ -269,7 +271,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, mock=mock),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
-        prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port,
+        prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
     )
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":

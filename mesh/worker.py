@@ -57,6 +57,8 @@ class WorkerSettings:
     registry_ttl: float = DEFAULT_TTL
     drain_timeout: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
+    max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
+    # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
 
     @property
     def is_mock(self) -> bool:

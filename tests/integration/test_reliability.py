@@ -128,3 +128,55 @@ async def test_a_nats_restart_is_survived(tmp_path, tiny_model):
     finally:
         cluster.stop()
         nats.stop()
+
+
+async def test_a_flood_gets_429s_not_unbounded_queues(cluster):
+    """A slow worker that may queue 2 requests and a gateway that admits 6: a flood of 30 gets
+    clear 429s with Retry-After, the rest are served, and the worker ends idle."""
+    ns = "flood"
+    cluster.worker("mock", "--ns", ns, "--worker-id", "flood-0", "--mock-speedup", "0.2", "--max-queued", "2",
+                   "--max-num-seqs", "2")
+    port = free_port()
+    cluster.spawn("gateway", "--nats", cluster.nats_url, "--ns", ns, "--host", "127.0.0.1", "--port", str(port),
+                  "--max-inflight", "6")
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(f"{url}/health")
+    body = {"model": "mock", "prompt": list(range(1, 40)), "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=120) as client:
+        rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(30)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 4 and codes.count(429) >= 10, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        report = await w.fresh_load("flood-0")
+        assert report.running == 0 and report.waiting == 0 and report.kv_blocks_used == 0
+    finally:
+        await w.close()
+
+
+async def test_sigterm_drains_a_decode_worker_without_losing_its_request(cluster, tiny_model):
+    ns = "drain"
+    proc = cluster.worker("decode", "--ns", ns, "--model", str(tiny_model), "--worker-id", "drain-0")
+    port = free_port()
+    cluster.spawn("gateway", "--nats", cluster.nats_url, "--ns", ns, "--model", str(tiny_model),
+                  "--host", "127.0.0.1", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(f"{url}/health")
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.create_task(client.post(f"{url}/v1/completions", json=body))
+            await w.wait_for(lambda: (r := w.loads.get("drain-0")) and r.running == 1, 20, "the request to run")
+            proc.send_signal(signal.SIGTERM)
+            r = await asyncio.wait_for(task, 90)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1500  # it finished its request...
+        assert proc.wait(30) == 0  # ...then exited cleanly
+        await w.wait_for(lambda: w.membership.get("drain-0") is None, 10, "the card to go")
+    finally:
+        await w.close()
