@@ -87,15 +87,42 @@ def create_app(gateway: Gateway) -> FastAPI:
         text = gateway.stats.render(gateway) + generate_latest(REGISTRY).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request):
         return await _counted(gateway, "chat", request, _chat(gateway, request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await _counted(gateway, "completions", request, _completions(gateway, request))
 
+    _install_components(app)
     return app
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The request body in the OpenAPI document (the handlers parse the body themselves)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "x-components": defs}
+
+
+def _install_components(app: FastAPI) -> None:
+    """Move the body models' definitions where their references point."""
+    original = app.openapi
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = original()
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path in doc.get("paths", {}).values():
+            for op in path.values():
+                components.update(op.pop("x-components", {}))
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
 
 
 def asgi_app(gateway: Gateway):

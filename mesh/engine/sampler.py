@@ -13,6 +13,8 @@ import torch
 
 from mesh.engine.sequence import SampledToken, Sequence, TokenLogprob
 
+_BIG = 1e38
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
@@ -41,7 +43,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
-        x = logits / temps.unsqueeze(1)
+        # Extreme penalties or temperatures may overflow float32; an infinite logit would make NaN
+        # probabilities (and a failed step), a huge finite one is simply the winner.
+        x = torch.nan_to_num(logits / temps.unsqueeze(1), nan=-_BIG, posinf=_BIG, neginf=-_BIG)
         top_k = [s.params.top_k if s.params.uses_top_k else 0 for s in seqs]
         if any(top_k):
             k = torch.tensor([t if t > 0 else x.shape[1] for t in top_k], device=x.device)

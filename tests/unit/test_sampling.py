@@ -118,3 +118,14 @@ def test_a_resumed_request_continues_exactly(engine):
     while not resumed.is_finished:
         engine.step()
     assert resumed.output_token_ids == whole[k:]
+
+
+def test_extreme_penalties_and_temperatures_do_not_break_sampling():
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randn(3, 50) * 10
+    seqs = [_seq([1, 2, 3], temperature=2.0, repetition_penalty=1e-300),
+            _seq([4, 5], temperature=1.1e-5, top_p=0.5, frequency_penalty=2.0),
+            _seq([6], temperature=1.0, repetition_penalty=10.0, min_p=1.0)]
+    seqs[1].output_token_ids.extend([4, 4, 4])
+    out = sampler(logits.clone(), seqs)
+    assert all(0 <= o.token_id < 50 for o in out)
