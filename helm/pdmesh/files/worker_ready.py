@@ -1,0 +1,73 @@
+"""Readiness of one pdmesh worker: exit 0 when its card is in the registry, "ready", and fresh.
+
+The chart's exec readinessProbe runs this in the worker's own container (workers have
+no HTTP port). It reads the registry the way every router does: the card under the
+worker's id in the JetStream KV bucket ``{ns}_workers``. Environment:
+
+    MESH_NATS_URL, MESH_NS (default mesh), POD_NAME (the worker id: the chart passes
+    ``--worker-id $(POD_NAME)``)
+
+Exit 0: ready. Exit 1: no card, a draining worker, or a card older than the registry TTL
+(the worker stopped refreshing it). Exit 2: NATS or the bucket cannot be reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import nats
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+from mesh.config import settings
+from mesh.protocol import DecodeError, Subjects, WorkerCard, decode, subject_token
+from mesh.registry import DEFAULT_TTL
+
+
+async def check(url: str, ns: str, worker_id: str, timeout: float = 3.0) -> tuple[int, str]:
+    async def quiet(e: Exception) -> None:  # the one-line answer below says it
+        pass
+
+    try:
+        # nats-py keeps retrying a refused first connect: bound it
+        nc = await asyncio.wait_for(
+            nats.connect(url, connect_timeout=timeout, allow_reconnect=False, error_cb=quiet), timeout
+        )
+    except Exception as e:
+        return 2, f"cannot reach NATS at {url}: {type(e).__name__} {e}"
+    try:
+        kv = await nc.jetstream(timeout=timeout).key_value(Subjects(ns).workers_bucket())
+        entry = await kv.get(subject_token(worker_id))
+    except (BucketNotFoundError, KeyNotFoundError):
+        return 1, f"{worker_id} is not in the registry"
+    except Exception as e:
+        return 2, f"cannot read the registry: {type(e).__name__}: {e}"
+    finally:
+        await nc.close()
+    try:
+        card = decode(entry.value or b"", WorkerCard)
+    except DecodeError as e:
+        return 1, f"malformed card for {worker_id}: {e}"
+    age = time.time() - card.updated
+    if card.status != "ready":
+        return 1, f"{worker_id} is {card.status}"
+    if age > DEFAULT_TTL:
+        return 1, f"the card of {worker_id} is {age:.0f}s old (TTL {DEFAULT_TTL:.0f}s)"
+    return 0, f"{worker_id} ready: {card.role} {card.model}"
+
+
+def main() -> int:
+    s = settings()
+    worker_id = os.environ.get("POD_NAME", "")
+    if not s.nats_url or not worker_id:
+        print("MESH_NATS_URL and POD_NAME must be set", file=sys.stderr)
+        return 2
+    code, message = asyncio.run(check(s.nats_url, s.ns, worker_id))
+    print(message, file=sys.stderr if code else sys.stdout)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

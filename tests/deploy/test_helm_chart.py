@@ -1,0 +1,488 @@
+"""The Helm chart (helm/pdmesh), rendered by a real Helm engine and checked like a cluster would.
+
+Helm is ``helm-python-sdk``: Helm v4's own Go code (chart loading, values coalescing,
+values.schema.json, template rendering, lint) behind a C ABI, in-process and offline. Every
+manifest of every variant is validated against the Kubernetes OpenAPI schemas of the oldest
+and newest supported versions (``kubernetes-validate`` ships them), strict: an unknown field
+fails. Then the wiring: the URL every process dials is the NATS Service, the planner may
+touch exactly the two pool Deployments, GPUs appear where asked and nowhere else, every
+command line is one the ``mesh`` CLI accepts, the NATS config is one nats-server accepts,
+and the readiness probe script answers from a real registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from mesh.cli import build_parser
+from mesh.natsserver import EmbeddedNats, find_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdmesh"
+RELEASE, NAMESPACE = "demo", "llm"
+KUBE_VERSIONS = ("1.25", kubernetes_validate.utils.latest_version())
+CRDS = {"ServiceMonitor", "PodMonitor"}  # not in the core schemas: checked by hand below
+
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "gpu": {
+        "image": {"tag": "0.1.0-cuda"},
+        "model": {"source": "pvc", "path": "Llama-3.1-8B-Instruct", "servedName": "llama-8b",
+                  "pvc": {"claimName": "models"}},
+        "prefill": {"gpus": 1, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "decode": {"gpus": 2, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "128Gi"}},
+                   "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "hostKvGb": 64, "deviceKvBlocks": 100000},
+        "workers": {"dtype": "bfloat16"},
+    },
+    "external-nats": {"nats": {"external": {"url": "nats://nats.infra.svc:4222"}}, "mesh": {"namespace": "team-a"}},
+    "planner-off": {"planner": {"enabled": False}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
+    "everything": {
+        "workers": {"mock": True}, "nats": {"replicas": 3, "jetstream": {"fileStore": {"enabled": False}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "otel": {"endpoint": "http://otel-collector.observability:4318", "resourceAttributes": "deployment.environment=prod"},
+        "imagePullSecrets": [{"name": "regcred"}], "mesh": {"extraEnv": [{"name": "EXTRA", "value": "1"}]},
+    },
+    "aggregated-hostpath": {
+        "prefill": {"enabled": False}, "planner": {"enabled": False},
+        "model": {"source": "hostPath", "path": "qwen", "hostPath": {"path": "/data/models"}},
+    },
+}
+
+
+@cache
+def render(variant: str) -> tuple[dict, ...]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(copy.deepcopy(VARIANTS[variant]), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text)]
+    return tuple(d for d in docs if d)
+
+
+def find(docs, kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs, kind: str, name: str) -> dict:
+    (doc,) = find(docs, kind, name)
+    return doc
+
+
+def component(name: str) -> str:
+    return f"{RELEASE}-pdmesh-{name}"
+
+
+def containers(doc: dict, init: bool = False) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return spec["containers"] + (spec.get("initContainers", []) if init else [])
+
+
+def env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def pdmesh_containers(docs, init: bool = False) -> list[tuple[dict, dict]]:
+    return [(d, c) for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+            for c in containers(d, init) if c.get("command") == ["mesh"]]
+
+
+# -- the engine and the schemas ----------------------------------------------------------------
+
+
+def test_helm_engine_is_real_helm():
+    assert helm.helm_sdk_version().startswith("v4."), helm.helm_sdk_version()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chart_lints_clean(variant):
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_manifest_is_valid_kubernetes(variant):
+    docs = render(variant)
+    assert docs
+    for doc in docs:
+        if doc["kind"] in CRDS:
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} on {version}: {e.message} at {list(e.path)}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_selectors_match_and_names_are_unique(variant):
+    docs = render(variant)
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), keys
+    workloads = find(docs, "Deployment") + find(docs, "StatefulSet")
+    for w in workloads:
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items(), w["metadata"]["name"]
+    for svc in find(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        matched = [w for w in workloads if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, (svc["metadata"]["name"], [m["metadata"]["name"] for m in matched])
+        ports = {p["name"] for c in containers(matched[0]) for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in ports, (svc["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"decode": {"gpu": 1}}, "additional properties 'gpu'"),
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"model": {"source": "pvc"}}, "claimName"),
+    ({"nats": {"replicas": 2}}, "/nats/replicas"),
+    ({"nats": {"external": {"url": "http://nats:4222"}}}, "/nats/external/url"),
+    ({"gateway": {"router": "fastest"}}, "/gateway/router"),
+    ({"decode": {"resources": {"limits": {"memory": "lots"}}}}, "/decode/resources/limits/memory"),
+    ({"workers": {"transports": "carrier-pigeon"}}, "/workers/transports"),
+    ({"planner": {"minDecode": 0}}, "/planner/minDecode"),
+])
+def test_schema_rejects_bad_values(values, error):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as e:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert error in str(e.value)
+
+
+def test_default_values_match_the_schema():
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema({})
+        defaults = chart.values
+    assert yaml.safe_load((CHART / "values.yaml").read_text()) == defaults
+
+
+def test_planner_without_a_prefill_pool_is_refused():
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError, match=r"needs prefill\.enabled"):
+        chart.render({"prefill": {"enabled": False}}, name=RELEASE, namespace=NAMESPACE)
+
+
+# -- NATS wiring -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["default", "gpu", "planner-off", "everything"])
+def test_every_process_dials_the_charts_nats_service(variant):
+    docs = render(variant)
+    svc = one(docs, "Service", component("nats"))
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "client")
+    sts = one(docs, "StatefulSet", component("nats"))
+    assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    expect = f"nats://{svc['metadata']['name']}:{port}"
+    urls = {(d["metadata"]["name"], c["name"]): env(c)["MESH_NATS_URL"] for d, c in pdmesh_containers(docs)}
+    assert component("gateway") in {name for name, _ in urls}
+    assert set(urls.values()) == {expect}, urls
+
+
+def test_external_nats_deploys_no_nats_and_everyone_dials_it():
+    docs = render("external-nats")
+    assert not find(docs, "StatefulSet")
+    assert not [d for d in docs if "nats" in d["metadata"]["name"]]
+    pairs = pdmesh_containers(docs)
+    assert {d["metadata"]["name"] for d, _ in pairs} == {component(n) for n in ("gateway", "prefill", "decode", "planner")}
+    for _, c in pairs:
+        assert env(c)["MESH_NATS_URL"] == "nats://nats.infra.svc:4222"
+        assert env(c)["MESH_NS"] == "team-a"
+
+
+def _nats_conf(docs) -> str:
+    return one(docs, "ConfigMap", component("nats"))["data"]["nats.conf"]
+
+
+@pytest.mark.parametrize("variant", ["default", "everything"])
+def test_nats_config_is_accepted_by_nats_server(variant, tmp_path):
+    conf = tmp_path / "nats.conf"
+    conf.write_text(_nats_conf(render(variant)))
+    r = subprocess.run([find_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "SERVER_NAME": f"{component('nats')}-0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_nats_has_jetstream_and_a_route_per_replica():
+    single = _nats_conf(render("default"))
+    assert "jetstream {" in single and "cluster {" not in single
+    sts = one(render("default"), "StatefulSet", component("nats"))
+    assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["data"]
+    clustered = _nats_conf(render("everything"))
+    routes = [line.strip() for line in clustered.splitlines() if line.strip().startswith("nats://")]
+    headless = component("nats-headless")
+    assert routes == [f"nats://{component('nats')}-{i}.{headless}:6222" for i in range(3)]
+    sts = one(render("everything"), "StatefulSet", component("nats"))
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == headless
+    assert "volumeClaimTemplates" not in sts["spec"]
+
+
+# -- the planner's permissions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["default", "gpu", "external-nats", "everything"])
+def test_planner_may_get_and_patch_exactly_the_pool_scales(variant):
+    docs = render(variant)
+    pools = {component("prefill"), component("decode")}
+    assert {d["metadata"]["name"] for d in find(docs, "Deployment")} >= pools
+    (role,) = find(docs, "Role")
+    (rule,) = role["rules"]
+    assert rule == {"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                    "resourceNames": sorted(pools, reverse=True), "verbs": ["get", "patch"]}
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    binding = one(docs, "RoleBinding", component("planner"))
+    sa = one(docs, "ServiceAccount", component("planner"))
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    planner = one(docs, "Deployment", component("planner"))
+    spec = planner["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == sa["metadata"]["name"] and spec["automountServiceAccountToken"] is True
+    args = containers(planner)[0]["args"]
+    assert f"--prefill-deployment={component('prefill')}" in args
+    assert f"--decode-deployment={component('decode')}" in args
+    assert f"--k8s-namespace={NAMESPACE}" in args and "--connector=kubernetes" in args
+    # nobody else gets an API token
+    others = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d is not planner]
+    assert all(d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False for d in others)
+
+
+def test_planner_owns_the_pool_sizes_and_off_means_fixed_pools():
+    on = render("default")
+    for pool in ("prefill", "decode"):
+        assert "replicas" not in one(on, "Deployment", component(pool))["spec"]  # an upgrade must not reset them
+    off = render("planner-off")
+    assert not find(off, "Role") and not find(off, "ServiceAccount")
+    assert not find(off, "Deployment", component("planner"))
+    assert one(off, "Deployment", component("prefill"))["spec"]["replicas"] == 2
+    assert one(off, "Deployment", component("decode"))["spec"]["replicas"] == 3
+
+
+def test_planner_plans_the_served_model():
+    args = containers(one(render("gpu"), "Deployment", component("planner")))[0]["args"]
+    assert "--model-name=llama-8b" in args
+    args = containers(one(render("everything"), "Deployment", component("planner")))[0]["args"]
+    assert "--model-name=mock" in args
+
+
+# -- GPUs, scheduling, the model ---------------------------------------------------------------------
+
+
+def _limits(doc) -> dict:
+    return containers(doc)[0]["resources"].get("limits", {})
+
+
+def test_gpu_limits_appear_when_asked_and_only_there():
+    docs = render("gpu")
+    decode, prefill = one(docs, "Deployment", component("decode")), one(docs, "Deployment", component("prefill"))
+    assert _limits(decode) == {"nvidia.com/gpu": 2, "memory": "128Gi"}
+    assert _limits(prefill)["nvidia.com/gpu"] == 1
+    assert containers(decode)[0]["resources"]["requests"] == {"cpu": "8", "memory": "64Gi"}
+    for pool in (decode, prefill):
+        spec = pool["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+        assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert "--transports=nccl,nats" in containers(pool)[0]["args"]
+        assert containers(pool)[0]["image"] == "pdmesh:0.1.0-cuda"
+    for name in ("gateway", "planner"):
+        assert "nvidia.com/gpu" not in _limits(one(docs, "Deployment", component(name)))
+    for variant in ("default", "planner-off", "everything"):
+        for d, c in pdmesh_containers(render(variant), init=True):
+            assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {}), d["metadata"]["name"]
+            assert "--transports=nccl,nats" not in c.get("args", [])
+
+
+def test_decode_flags_follow_the_values():
+    args = containers(one(render("gpu"), "Deployment", component("decode")))[0]["args"]
+    for flag in ("--host-kv-gb=64", "--device-kv-blocks=100000", "--dtype=bfloat16", "--served-name=llama-8b",
+                 "--disagg-threshold=512"):
+        assert flag in args
+    # without a prefill pool a decode worker never tries to disaggregate
+    args = containers(one(render("aggregated-hostpath"), "Deployment", component("decode")))[0]["args"]
+    assert "--disagg-threshold=1000000000" in args
+    assert not find(render("aggregated-hostpath"), "Deployment", component("prefill"))
+
+
+@pytest.mark.parametrize(("variant", "volume", "model_dir"), [
+    ("default", {"emptyDir": {"sizeLimit": "1Gi"}}, "/models/tiny"),
+    ("gpu", {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}, "/models/Llama-3.1-8B-Instruct"),
+    ("aggregated-hostpath", {"hostPath": {"path": "/data/models", "type": "Directory"}}, "/models/qwen"),
+])
+def test_model_volume_reaches_every_process_that_reads_the_model(variant, volume, model_dir):
+    docs = render(variant)
+    readers = [d for d in find(docs, "Deployment") if d["metadata"]["name"] != component("planner")]
+    for d in readers:
+        spec = d["spec"]["template"]["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        assert {k: v for k, v in vol.items() if k != "name"} == volume
+        c = containers(d)[0]
+        assert env(c)["MESH_MODEL"] == model_dir
+        assert {"name": "model", "mountPath": "/models", "readOnly": variant != "default"} in c["volumeMounts"]
+        init = spec.get("initContainers", [])
+        if variant == "default":  # the tiny model is written before the process starts
+            assert init[0]["args"] == ["model", "tiny", model_dir]
+        else:
+            assert not init
+    assert "MESH_MODEL" not in env(containers(one(docs, "Deployment", component("planner")))[0]) if \
+        find(docs, "Deployment", component("planner")) else True
+
+
+def test_mocker_release_mounts_no_model():
+    for d, c in pdmesh_containers(render("everything"), init=True):
+        assert "MESH_MODEL" not in env(c)
+        assert "model" not in {m["name"] for m in c.get("volumeMounts", [])}
+        if d["metadata"]["name"] in (component("prefill"), component("decode")):
+            assert "--mock" in c["args"]
+
+
+# -- what runs in the containers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_command_line_is_one_the_cli_accepts(variant):
+    parser = build_parser()
+    seen = set()
+    for d, c in pdmesh_containers(render(variant), init=True):
+        # Kubernetes expands $(VAR) from the container's env before the process starts
+        args = [a.replace("$(POD_NAME)", f"{d['metadata']['name']}-abc12") for a in c["args"]]
+        try:
+            parsed = parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{d['metadata']['name']}/{c['name']}: mesh {' '.join(args)} is not a valid command")
+        seen.add(parsed.cmd)
+        if "--worker-id=$(POD_NAME)" in c["args"]:
+            assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+    assert {"gateway", "worker"} <= seen
+
+
+def test_workers_are_ready_when_their_card_is_and_drain_in_time():
+    docs = render("default")
+    probe_map = one(docs, "ConfigMap", component("probe"))
+    script = probe_map["data"]["worker_ready.py"]
+    assert script == (CHART / "files" / "worker_ready.py").read_text()
+    for pool in ("prefill", "decode"):
+        d = one(docs, "Deployment", component(pool))
+        spec = d["spec"]["template"]["spec"]
+        c = containers(d)[0]
+        assert c["readinessProbe"]["exec"]["command"] == ["python", "/etc/pdmesh/worker_ready.py"]
+        assert {"name": "probe", "mountPath": "/etc/pdmesh", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "probe", "configMap": {"name": probe_map["metadata"]["name"]}} in spec["volumes"]
+        assert "--worker-id=$(POD_NAME)" in c["args"]
+        assert spec["terminationGracePeriodSeconds"] > 30  # the worker's own drain timeout
+    gateway = containers(one(docs, "Deployment", component("gateway")))[0]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+
+
+def test_otel_wiring_per_role():
+    endpoint = VARIANTS["everything"]["otel"]["endpoint"]
+    for d, c in pdmesh_containers(render("everything")):
+        e = env(c)
+        role = d["metadata"]["name"].removeprefix(f"{RELEASE}-pdmesh-")
+        assert e["OTEL_SERVICE_NAME"] == f"pdmesh-{role}"
+        assert e["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint and e["OTEL_TRACES_EXPORTER"] == "otlp"
+        assert e["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+        assert e["OTEL_RESOURCE_ATTRIBUTES"].endswith(",deployment.environment=prod")
+        assert e["EXTRA"] == "1"
+    for _, c in pdmesh_containers(render("default")):
+        e = env(c)
+        assert e["OTEL_TRACES_EXPORTER"] == "none" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in e
+
+
+def test_monitors_scrape_the_gateway_and_every_worker():
+    docs = render("everything")
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    svc = one(docs, "Service", component("gateway"))
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http"}
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (pm,) = find(docs, "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    selected = []
+    for d in find(docs, "Deployment"):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        sel = pm["spec"]["selector"]
+        if sel["matchLabels"].items() <= labels.items() and all(
+                labels.get(e["key"]) in e["values"] for e in sel["matchExpressions"]):
+            selected.append(d["metadata"]["name"])
+            c = containers(d)[0]
+            (port,) = [p for p in c["ports"] if p["name"] == "metrics"]
+            assert f"--metrics-port={port['containerPort']}" in c["args"]
+    assert sorted(selected) == sorted([component("decode"), component("prefill")])
+    assert not find(render("default"), "ServiceMonitor") and not find(render("default"), "PodMonitor")
+
+
+def test_scrape_annotations_name_the_metrics_ports():
+    docs = render("default")
+    for name, port in (("gateway", "8000"), ("prefill", "9090"), ("decode", "9090")):
+        ann = one(docs, "Deployment", component(name))["spec"]["template"]["metadata"]["annotations"]
+        assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == \
+            ("true", port, "/metrics")
+
+
+def test_image_user_matches_the_pod_security_context():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "USER 10001:10001" in dockerfile
+    for d, _ in pdmesh_containers(render("default")):
+        sc = d["spec"]["template"]["spec"]["securityContext"]
+        assert sc["runAsUser"] == 10001 and sc["runAsNonRoot"] is True
+
+
+# -- the readiness probe against a real registry ----------------------------------------------------------
+
+
+def _probe(script: Path, url: str, pod: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "MESH_NATS_URL": url, "MESH_NS": "mesh", "POD_NAME": pod})
+
+
+async def test_probe_script_reads_the_registry(tmp_path):
+    from mesh.bus import Bus
+    from mesh.protocol import WorkerCard
+    from mesh.registry import CardPublisher
+
+    script = tmp_path / "worker_ready.py"
+    script.write_text(one(render("default"), "ConfigMap", component("probe"))["data"]["worker_ready.py"])
+    pod = f"{component('decode')}-7d9f-abcde"
+    status = "ready"
+
+    def card() -> WorkerCard:
+        now = time.time()
+        return WorkerCard(pod, "decode", "tiny", 16, 64, 1024, "h", 1, now, now, status=status)
+
+    async def probe(url: str, who: str = pod) -> subprocess.CompletedProcess:
+        return await asyncio.to_thread(_probe, script, url, who)
+
+    with EmbeddedNats() as server:
+        bus = await Bus.connect(server.url, "probe-test")
+        try:
+            assert (await probe(server.url)).returncode == 1  # no registry yet
+            cards = CardPublisher(bus, card)
+            await cards.start()
+            r = await probe(server.url)
+            assert r.returncode == 0, r.stderr
+            assert (await probe(server.url, "someone-else")).returncode == 1
+            status = "draining"
+            await cards.put()
+            r = await probe(server.url)
+            assert r.returncode == 1 and "draining" in r.stderr
+            await cards.stop()  # a clean exit deletes the card
+            assert (await probe(server.url)).returncode == 1
+        finally:
+            await bus.close()
+        url = server.url
+    assert (await probe(url)).returncode == 2  # NATS gone
