@@ -111,19 +111,19 @@ class DecodeWorker(WorkerBase):
     # -- setup --------------------------------------------------------------------
     def build(self) -> EngineCore:
         shm = None
-        if "shm" in self._transport_names():
+        if "shm" in self.transport_names():
             from kvstore.transfer.shm import remove_stale_files, shm_path
 
             remove_stale_files()
             shm = shm_path(self.worker_id)
         return build_engine(self.settings, shm_path=shm)
 
-    def _transport_names(self) -> list[str]:
+    def transport_names(self) -> list[str]:
         return self.settings.transport_names()
 
     async def setup(self, stack: AsyncExitStack) -> None:
         bus, model = self.bus, self.engine.model_name
-        for name in self._transport_names():
+        for name in self.transport_names():
             rx = make_receiver(name, kv=self.engine.kv_cache, bus=bus, model=model, worker_id=self.worker_id)
             if hasattr(rx, "start"):
                 await rx.start()

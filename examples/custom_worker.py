@@ -118,7 +118,7 @@ class RuleWorker(DecodeWorker):
     def build(self) -> EngineCore:
         return RuleEngine(self.tokenizer, self.model_name)
 
-    def _transport_names(self) -> list[str]:
+    def transport_names(self) -> list[str]:
         return []
 
     def card(self) -> WorkerCard:

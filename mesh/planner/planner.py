@@ -94,10 +94,9 @@ class Planner:
             self.loads.pop(wid)
         prefill = [r for r in self.loads.values() if r.role == "prefill"]
         decode = [r for r in self.loads.values() if r.role == "decode"]
-        windows = {
-            "prefill": await self._prefill_window(now, prefill, decode),
-            "decode": await self._decode_window(now, decode),
-        }
+        windows = {"decode": await self._decode_window(now, decode)}
+        if self.config.max_prefill > 0:  # no prefill pool at all (aggregated serving): nothing to size
+            windows["prefill"] = await self._prefill_window(now, prefill, decode)
         out = []
         for pool, w in windows.items():
             d = self.pools[pool].observe(w)
