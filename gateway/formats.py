@@ -75,6 +75,30 @@ class Format:
             cached += max(mine, default=0)
         return usage_json(sum(len(p) for p in self.prompts), completion, cached)
 
+    full_object = ""
+
+    def full_choice(self, i: int, deltas: list[ChoiceDelta], ids: list[int], lps: list) -> dict:
+        raise NotImplementedError
+
+    def full(self, results: list[list[ChoiceDelta]]) -> dict:
+        """The whole (not streamed) response: one choice per result, then the usage."""
+        out = self._base(self.full_object)
+        choices = []
+        for i, deltas in enumerate(results):
+            ids = [t for d in deltas for t in d.token_ids]
+            lps = [lp for d in deltas for lp in d.logprobs]
+            for d in deltas:
+                self.note_usage(d)
+            choice = self.full_choice(i, deltas, ids, lps)
+            choice["finish_reason"] = deltas[-1].finish_reason if deltas else "abort"
+            if self.return_token_ids:
+                choice["token_ids"] = ids
+                choice["prompt_token_ids"] = self.prompts[i // self.n]
+            choices.append(choice)
+        out["choices"] = choices
+        out["usage"] = self.usage()
+        return out
+
     def opening(self, n: int) -> str:
         """What a stream starts with, before any token."""
         return ""
@@ -122,27 +146,14 @@ class ChatFormat(Format):
             out += f'{self._head}{d.index},"delta":{{}},"logprobs":null,"finish_reason":{_js(d.finish_reason)}{self._tail}'
         return out
 
-    def full(self, results: list[list[ChoiceDelta]]) -> dict:
-        out = self._base("chat.completion")
-        choices = []
-        for i, deltas in enumerate(results):
-            ids = [t for d in deltas for t in d.token_ids]
-            lps = [lp for d in deltas for lp in d.logprobs]
-            for d in deltas:
-                self.note_usage(d)
-            choice = {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": self.logprobs(ids, lps),
-                "finish_reason": deltas[-1].finish_reason if deltas else "abort",
-            }
-            if self.return_token_ids:
-                choice["token_ids"] = ids
-                choice["prompt_token_ids"] = self.prompts[i // self.n]
-            choices.append(choice)
-        out["choices"] = choices
-        out["usage"] = self.usage()
-        return out
+    full_object = "chat.completion"
+
+    def full_choice(self, i: int, deltas: list[ChoiceDelta], ids: list[int], lps: list) -> dict:
+        return {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+            "logprobs": self.logprobs(ids, lps),
+        }
 
 
 class CompletionFormat(Format):
@@ -187,24 +198,11 @@ class CompletionFormat(Format):
         return (f'{self._head}{d.index},"text":{_js(prefix + d.text)},"logprobs":{_dumps(lp) if lp else "null"},'
                 f'"finish_reason":{reason}{self._ids(d)}{self._tail}')
 
-    def full(self, results: list[list[ChoiceDelta]]) -> dict:
-        out = self._base("text_completion")
-        choices = []
-        for i, deltas in enumerate(results):
-            ids = [t for d in deltas for t in d.token_ids]
-            lps = [lp for d in deltas for lp in d.logprobs]
-            for d in deltas:
-                self.note_usage(d)
-            prefix = self._prefix(i)
-            choice = {
-                "index": i, "text": prefix + "".join(d.text for d in deltas),
-                "logprobs": self.logprobs(i, ids, lps, len(prefix)),
-                "finish_reason": deltas[-1].finish_reason if deltas else "abort",
-            }
-            if self.return_token_ids:
-                choice["token_ids"] = ids
-                choice["prompt_token_ids"] = self.prompts[i // self.n]
-            choices.append(choice)
-        out["choices"] = choices
-        out["usage"] = self.usage()
-        return out
+    full_object = "text_completion"
+
+    def full_choice(self, i: int, deltas: list[ChoiceDelta], ids: list[int], lps: list) -> dict:
+        prefix = self._prefix(i)
+        return {
+            "index": i, "text": prefix + "".join(d.text for d in deltas),
+            "logprobs": self.logprobs(i, ids, lps, len(prefix)),
+        }
