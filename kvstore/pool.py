@@ -14,7 +14,13 @@ Who frees what:
 
     allocate()/touch()  --> ref_cnt += 1 --> the caller's block table owns a reference
     free()              --> ref_cnt -= 1 --> at 0 the block joins the free queue (still cached)
-    allocate() on a cached free block    --> its hash is evicted (a "removed" event)
+    allocate() on a cached free block    --> its hash is evicted (a "removed" event), and the
+                                             evicted blocks of the call go to ``on_evict`` in one
+                                             batch before ``allocate`` returns, i.e. before the
+                                             caller can overwrite them (the offload to a lower tier)
+
+Only blocks with ``ref_cnt == 0`` are ever evicted: a block in use is never handed
+to ``on_evict`` and never reused.
 
 The pool never looks at tensors: it hands out ids, the KV cache holds the bytes.
 """
@@ -22,9 +28,19 @@ The pool never looks at tensors: it hands out ids, the KV cache holds the bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block whose device slot is about to be reused: what a lower tier needs to keep it."""
+
+    block_id: int
+    block_hash: int
+    parent: int | None
+    hits: int  # prefix hits it served so far (the disk tier keeps only reused blocks)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -32,14 +48,24 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, tier: str = "device"):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        tier: str = "device",
+        on_evict: Callable[[list[EvictedBlock]], None] | None = None,
+    ):
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.tier = tier
+        # Called once per allocate() with every cached block it evicted, before their slots are reused.
+        self.on_evict = on_evict
         self._ref_cnt = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
+        self._parent: list[int | None] = [None] * num_blocks
+        self._hits = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.events = KvEventLog()
@@ -75,18 +101,24 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
 
-    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of ``hashes`` (no references taken)."""
-        out: list[int] = []
+    def match_prefix(self, hashes: Sequence[int], below: Callable[[int], bool] | None = None) -> list:
+        """Block ids of the longest cached prefix of ``hashes`` (no references taken).
+
+        With ``below`` (does a lower tier hold this hash?), the walk goes on through
+        blocks held there; those come back as None, to be onboarded.
+        """
+        out: list[int | None] = []
         if not self.enable_caching:
             return out
+        on_device = 0
         for h in hashes:
             bid = self._cached.get(h)
-            if bid is None:
+            if bid is None and not (below is not None and below(h)):
                 break
             out.append(bid)
+            on_device += bid is not None
         self.queried_blocks += len(hashes)
-        self.hit_blocks += len(out)
+        self.hit_blocks += on_device
         return out
 
     # -- mutations -----------------------------------------------------------
@@ -95,11 +127,17 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
         out = []
+        evicted: list[EvictedBlock] = []
         for _ in range(n):
             bid, _ = self._free.popitem(last=False)
-            self._evict(bid)
+            h = self._hash[bid]
+            if h is not None:
+                evicted.append(EvictedBlock(bid, h, self._parent[bid], self._hits[bid]))
+                self._evict(bid)
             self._ref_cnt[bid] = 1
             out.append(bid)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -108,6 +146,7 @@ class BlockPool:
             if self._ref_cnt[bid] == 0:
                 del self._free[bid]
             self._ref_cnt[bid] += 1
+            self._hits[bid] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per block; give the ids in the order they should be evicted."""
@@ -119,19 +158,27 @@ class BlockPool:
             if rc == 1:
                 self._free[bid] = None
 
-    def cache(self, block_id: int, block_hash: int, parent: int | None) -> bool:
-        """Name a fully computed block by its chained hash. False if another block already has it."""
+    def cache(self, block_id: int, block_hash: int, parent: int | None, hits: int = 0) -> bool:
+        """Name a fully computed (or onboarded) block by its chained hash. False if another block has it.
+
+        ``hits``: prefix hits the block served before (an onboarded block keeps its count).
+        """
         if not self.enable_caching or self._hash[block_id] is not None:
             return False
         if block_hash in self._cached:
             return False
         self._hash[block_id] = block_hash
+        self._parent[block_id] = parent
+        self._hits[block_id] = hits
         self._cached[block_hash] = block_id
         self.events.append(BlockStored(block_hash, parent, self.tier))
         return True
 
     def evict_all_cached(self) -> None:
-        """Forget every cached block that is not in use (e.g. after the model is reloaded)."""
+        """Forget every cached block that is not in use (e.g. after the model is reloaded).
+
+        Nothing goes to ``on_evict``: stale KV must not be offloaded.
+        """
         for bid in list(self._free):
             self._evict(bid)
 

@@ -54,7 +54,7 @@ class KvEventPublisher:
 
     def take_snapshot(self, engine) -> tuple[int, dict[str, list[int]]]:
         self.flush(engine)
-        return self.seq, {engine.pool.tier: engine.pool.cached_hashes()}
+        return self.seq, engine.kv_snapshot()
 
     # -- event loop ---------------------------------------------------------------------
     async def start(self, engine_loop) -> None:

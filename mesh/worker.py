@@ -223,7 +223,7 @@ class WorkerBase:
                 **self.counters.by_key, "requests": self.counters.requests, "finished": self.counters.finished,
                 "cancelled": self.counters.cancelled, "errors": self.counters.errors,
                 "preemptions": s.num_preemptions, "prefix_hit_blocks": engine.pool.hit_blocks,
-                "prefix_query_blocks": engine.pool.queried_blocks,
+                "prefix_query_blocks": engine.pool.queried_blocks, **engine.kv_counters(),
             },
         )
 

@@ -198,6 +198,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
     kv_shm_path: str | None = None  # CPU: put the KV pool in this shared-memory file
+    host_kv_gb: float = 0.0  # host tier (pinned RAM on CUDA): offloaded blocks; 0 = no tiers
+    host_kv_blocks: int | None = None  # the host tier in blocks (overrides host_kv_gb)
+    disk_kv_dir: str | None = None  # disk tier under this directory (needs a host tier)
+    disk_kv_gb: float = 8.0  # cap of the disk tier
+    disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -211,6 +216,16 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.host_kv_gb < 0 or (self.host_kv_blocks is not None and self.host_kv_blocks < 0):
+            raise ValueError("the host KV tier cannot be negative")
+        if self.disk_kv_gb <= 0 or self.disk_min_hits < 0:
+            raise ValueError("disk_kv_gb must be > 0 and disk_min_hits >= 0")
+        if self.disk_kv_dir and not self.has_host_tier:
+            raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
+
+    @property
+    def has_host_tier(self) -> bool:
+        return bool(self.host_kv_blocks) if self.host_kv_blocks is not None else self.host_kv_gb > 0
 
     @property
     def torch_device(self) -> torch.device:

@@ -5,6 +5,12 @@
 subclass supplies ``execute()``: the real engine runs the model, the mocker
 sleeps per a timing model. Workers talk to either through this interface, so
 the mocker speaks exactly the worker protocol. No torch here.
+
+KV tiers (``enable_tiers``): the device pool's evictions go to a host tier (and
+from there to disk), and prefix hits below the device are onboarded at
+admission. The real engine passes a ``BlockCopier`` that moves the bytes; the
+mocker may run a host tier without one (bookkeeping only, so hit rates are
+still modelled). ``kv_snapshot`` and ``kv_counters`` cover every tier.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
+from kvstore.tiers import BlockCopier, HostTier, TieredCache
 from mesh.engine.errors import RequestError
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
@@ -57,7 +64,37 @@ class EngineCore:
         self.hash_seed = model_seed(core.model_name)
         self.num_steps = 0
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
+        self.tiers: TieredCache | None = None  # enable_tiers()
         self._ids = itertools.count()
+
+    # -- KV tiers ---------------------------------------------------------------
+    def enable_tiers(self, host_blocks: int, copier: BlockCopier | None = None, disk=None,
+                     disk_min_hits: int = 2) -> TieredCache:
+        """Offload evicted device blocks to a host tier of ``host_blocks`` slots (and on to
+        ``disk``, a ``DiskTier`` built on ``self.pool.events``); onboard prefix hits from them."""
+        host = HostTier(host_blocks, self.pool.events)
+        self.tiers = TieredCache(host, disk=disk, copier=copier, disk_min_hits=disk_min_hits)
+        self.pool.on_evict = self.tiers.offload
+        self.kv_manager.tiers = self.tiers
+        return self.tiers
+
+    def kv_snapshot(self) -> dict[str, list[int]]:
+        """Every cached block by tier (what a router resyncs from)."""
+        out = {self.pool.tier: self.pool.cached_hashes()}
+        if self.tiers is not None:
+            out.update(self.tiers.snapshot())
+        return out
+
+    def kv_counters(self) -> dict[str, int]:
+        """Blocks and prefix hits per tier, for load reports."""
+        out = {
+            "device_blocks": self.pool.num_cached,
+            "hit_blocks_device": self.kv_manager.device_hit_blocks,
+            "hit_blocks_host": 0, "hit_blocks_disk": 0,
+        }
+        if self.tiers is not None:
+            out.update(self.tiers.counters())
+        return out
 
     # -- the one thing a subclass provides --------------------------------------
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
@@ -100,7 +137,12 @@ class EngineCore:
         return seq.num_tokens - len(self.kv_manager.match_prefix(seq)) * self.block_size
 
     def reserve_remote(self, seq: Sequence) -> bool:
-        return self.scheduler.reserve_remote(seq)
+        ok = self.scheduler.reserve_remote(seq)
+        if ok and self.tiers is not None:
+            # Another process writes the reserved blocks next: the offload copies that read
+            # them (a GPU stream of ours) must be done first.
+            self.tiers.sync()
+        return ok
 
     def complete_remote(self, request_id: str, first: SampledToken) -> StepOutput | None:
         return self.scheduler.complete_remote(request_id, first)

@@ -12,6 +12,8 @@ import logging
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.disk import DiskTier, layout_fingerprint, model_identity
+from kvstore.tiers import BlockCopier
 from mesh.engine.attention import create_backend, default_backend
 from mesh.engine.config import EngineConfig, ModelConfig
 from mesh.engine.core import CoreConfig, EngineCore
@@ -51,6 +53,8 @@ class Engine(EngineCore):
         )
         self.kv_spec = KVCacheSpec(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.kv_cache = KVCache(self.kv_spec, self.device, shm_path=config.kv_shm_path)
+        if config.has_host_tier:
+            self._enable_tiers()
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
         self.attention = create_backend(backend, self.kv_cache, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed)
@@ -62,7 +66,25 @@ class Engine(EngineCore):
         )
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        if self.tiers is not None:
+            self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
         return self.runner.execute(out)
+
+    def _enable_tiers(self) -> None:
+        cfg, spec = self.config, self.kv_spec
+        slots = cfg.host_kv_blocks if cfg.host_kv_blocks is not None else int(cfg.host_kv_gb * _GIB // spec.block_bytes)
+        if slots <= 0:
+            raise ValueError(f"--host-kv-gb {cfg.host_kv_gb} holds no KV block of {spec.block_bytes} bytes")
+        disk = None
+        if cfg.disk_kv_dir:
+            identity = model_identity(cfg.model, cfg.model_name)
+            layout = {k: v for k, v in spec.to_dict().items() if k != "num_blocks"}
+            disk = DiskTier(cfg.disk_kv_dir, int(cfg.disk_kv_gb * _GIB), layout_fingerprint(identity, layout),
+                            spec.block_bytes, self.pool.events)
+        self.enable_tiers(slots, copier=BlockCopier(self.kv_cache, slots), disk=disk,
+                          disk_min_hits=cfg.disk_min_hits)
+        log.info("KV tiers: host %d blocks (%.2f GiB)%s", slots, slots * spec.block_bytes / _GIB,
+                 f", disk {disk.dir} up to {cfg.disk_kv_gb:g} GiB ({len(disk)} blocks found)" if disk else "")
 
     def _auto_num_blocks(self, max_len: int) -> int:
         mc = self.model_config

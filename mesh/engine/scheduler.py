@@ -2,10 +2,12 @@
 
 One token budget per step. Running sequences go first (a decode takes one
 token, a half-prefilled prompt takes the next chunk), then waiting ones are
-admitted in order with their prefix-cache hits. When blocks run out, the most
-recently admitted running sequence is preempted by recompute: its blocks are
-freed (they stay cached, so the recompute is mostly a prefix hit) and it goes
-back to the front of the queue.
+admitted in order with their prefix-cache hits (in any KV tier: hits below the
+device are onboarded into fresh device blocks at admission, and admission
+counts those blocks). When blocks run out, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed (they stay cached, or
+are offloaded, so the recompute is mostly a prefix hit) and it goes back to the
+front of the queue.
 
 The scheduler never touches tensors; ``SchedulerOutput`` is a plain value the
 runner executes.
@@ -151,35 +153,42 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * bs, budget)
-            if not self.kv.can_admit(seq, hits, n):
+            n = self._take_blocks(seq, budget)
+            if n is None:
                 break
             self.waiting.popleft()
-            self.kv.admit(seq, hits)
-            grown = self.kv.grow(seq, n)
-            assert grown, "can_admit() promised these blocks"
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * bs
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
 
+    def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting sequence its prefix hit (onboarding hits below the device) and blocks for
+        up to ``budget`` more tokens; how many tokens it computes next, or None (no room, nothing taken)."""
+        hit = self.kv.match_prefix(seq)
+        n = min(seq.num_tokens - len(hit) * self.kv.block_size, budget)
+        if not self.kv.can_admit(seq, hit, n):
+            return None
+        self.kv.admit(seq, hit)
+        # the hit may have come back shorter (a lower-tier block failed its check): more to compute
+        n = min(seq.num_uncomputed_tokens, budget)
+        if not self.kv.grow(seq, n):
+            # rare: the cut hit shared fewer blocks than counted; retry next step with the shorter hit
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        return n
+
     # -- remote prefill (decode side of disaggregation) ----------------------
     def reserve_remote(self, seq: Sequence) -> bool:
         """Allocate a new sequence's prompt blocks for a prefill worker to fill; False if they do not fit."""
-        hits = self.kv.match_prefix(seq)
-        n = seq.num_tokens - len(hits) * self.kv.block_size
-        if not self.kv.can_admit(seq, hits, n):
+        if self._take_blocks(seq, seq.num_tokens) is None:
             return False
-        self.kv.admit(seq, hits)
-        grown = self.kv.grow(seq, n)
-        assert grown, "can_admit() promised these blocks"
-        seq.num_cached_tokens = len(hits) * self.kv.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SeqStatus.WAITING_FOR_KV
         self.remote[seq.request_id] = seq
         return True

@@ -59,10 +59,13 @@ class MockConfig:
     max_num_batched_tokens: int = 8192
     speedup: float = 1.0
     timing: TimingModel = TimingModel()
+    host_kv_blocks: int = 0  # a virtual host tier: bookkeeping and KV events, no bytes, no copy time
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        if self.host_kv_blocks < 0:
+            raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
 
 
 class MockEngine(EngineCore):
@@ -79,6 +82,8 @@ class MockEngine(EngineCore):
                 max_num_batched_tokens=config.max_num_batched_tokens,
             )
         )
+        if config.host_kv_blocks:
+            self.enable_tiers(config.host_kv_blocks)
         self.simulated_seconds = 0.0
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:

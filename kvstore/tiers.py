@@ -1,0 +1,342 @@
+"""KV tiers below the device pool: host memory, then optionally disk.
+
+    device pool (BlockPool)        host tier (HostTier)                disk tier (DiskTier)
+    -----------------------        --------------------                --------------------
+    ref_cnt 0, cached, LRU front
+        | allocate() reuses the slot
+        v
+    on_evict(batch) ----copy----> a slot (or a touch: already held)
+                                      | host full: its coldest entry goes
+                                      v
+                                  reused >= disk_min_hits? --write--> a file (tmp + rename)
+                                  then its slot takes the new block      | over the cap: coldest unlinked
+                                                                         | fails its check: unlinked, a miss
+    a prefix hit below the device (KVCacheManager.admit):
+        load()     host slots / verified files --copy--> staging, before anything can be evicted
+        allocate() fresh device blocks (which may offload others, as above)
+        onboard()  staging --copy--> the fresh blocks, named again (BlockStored device)
+
+Who frees what: device blocks, the pool (refcounts); only ``ref_cnt == 0`` blocks are
+offloaded, and their slots are reused only after the copy is issued. Host slots: only
+``HostTier.store`` reuses them, coldest first; a block being onboarded was copied to
+staging before. Disk files: only ``DiskTier`` (its cap, or a failed check).
+
+The tiers are inclusive: onboarding copies a block up and leaves the lower copy in
+place, so a block that goes back and forth between device and host is copied down once.
+
+Events: device -> host is BlockRemoved(device) (the pool) + BlockStored(host); a host
+eviction is BlockRemoved(host) (+ BlockStored(disk) when written); onboarding is
+BlockStored(device). All go to the pool's event log, drained once per step.
+
+``HostTier`` and ``TieredCache`` are bookkeeping, torch-free: the mocker runs them with
+no bytes at all (a "virtual" host tier that still models hit rates). ``BlockCopier``
+moves the bytes (torch, imported when one is built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+from kvstore.pool import EvictedBlock
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.cache import KVCache
+    from kvstore.disk import DiskTier
+
+TIERS = ("device", "host", "disk")
+
+
+class LowerTier(Protocol):
+    """A KV tier below the device pool (``HostTier``, ``DiskTier``).
+
+    Contract: it names blocks by their chained hash; ``in`` is what a prefix walk asks,
+    ``hashes()`` what a snapshot lists (under ``tier``), ``touch`` marks a block recently
+    used in its own LRU. Every change to its set of blocks is a KV event with ``tier`` in
+    the log it was given, and it frees only its own storage, coldest first. How bytes go
+    in and out differs per tier (slots for the host, files for the disk): ``TieredCache``
+    knows both.
+    """
+
+    tier: str
+
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def hashes(self) -> list[int]: ...
+
+    def touch(self, block_hash: int) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+@dataclass(slots=True)
+class HostEntry:
+    slot: int
+    parent: int | None
+    hits: int
+
+
+class HostTier:
+    """``num_slots`` block slots in host memory: hash -> slot, LRU (front = coldest)."""
+
+    tier = "host"
+
+    def __init__(self, num_slots: int, events: KvEventLog | None = None):
+        if num_slots <= 0:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.events = events if events is not None else KvEventLog(enabled=False)
+        self._entries: OrderedDict[int, HostEntry] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.stored = 0
+        self.evicted = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, block_hash: int) -> HostEntry | None:
+        return self._entries.get(block_hash)
+
+    def hashes(self) -> list[int]:
+        return list(self._entries)
+
+    def touch(self, block_hash: int) -> None:
+        if block_hash in self._entries:
+            self._entries.move_to_end(block_hash)
+
+    def counters(self) -> dict[str, int]:
+        return {"host_blocks": len(self._entries), "host_capacity_blocks": self.num_slots,
+                "host_stored_blocks": self.stored, "host_evicted_blocks": self.evicted}
+
+    def store(self, blocks: Sequence[EvictedBlock]) -> tuple[list[tuple[EvictedBlock, int]], list[tuple[int, HostEntry]]]:
+        """Give each block not held yet a slot, evicting the coldest entries when full.
+
+        Returns ``(stored, dropped)``: the new blocks with their slots, and the evicted
+        ``(hash, entry)`` whose slots they take (read a dropped slot before writing it).
+        Blocks already held are only marked recently used. ``blocks`` come coldest first;
+        of a batch larger than the tier, the hottest end is kept.
+        """
+        new: list[EvictedBlock] = []
+        for b in blocks:
+            held = self._entries.get(b.block_hash)
+            if held is None:
+                new.append(b)
+            else:
+                held.hits = max(held.hits, b.hits)
+                self._entries.move_to_end(b.block_hash)
+        stored: list[tuple[EvictedBlock, int]] = []
+        dropped: list[tuple[int, HostEntry]] = []
+        for b in new[-self.num_slots :]:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                h, old = self._entries.popitem(last=False)
+                dropped.append((h, old))
+                slot = old.slot
+                self.evicted += 1
+                self.events.append(BlockRemoved(h, self.tier))
+            self._entries[b.block_hash] = HostEntry(slot, b.parent, b.hits)
+            stored.append((b, slot))
+            self.stored += 1
+            self.events.append(BlockStored(b.block_hash, b.parent, self.tier))
+        return stored, dropped
+
+
+@dataclass
+class Staged:
+    """Blocks read from lower tiers for one admission, waiting for their device blocks."""
+
+    hashes: list[int]
+    tiers: list[str]  # where each came from
+    hits: list[int]
+    data: Any = None  # [n, layers, 2, block_size, heads, dim] on the host; None without bytes
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+class TieredCache:
+    """The policy over the lower tiers: offload what the device evicts, find and onboard prefix hits."""
+
+    def __init__(self, host: HostTier, disk: DiskTier | None = None, copier: BlockCopier | None = None,
+                 disk_min_hits: int = 2):
+        if disk is not None and copier is None:
+            raise ValueError("a disk tier stores bytes: it needs a block copier")
+        self.host = host
+        self.disk = disk
+        self.lower: list[LowerTier] = [host] if disk is None else [host, disk]  # walk order
+        self.copier = copier
+        self.disk_min_hits = disk_min_hits
+        self.hit_blocks = dict.fromkeys(TIERS[1:], 0)  # blocks onboarded from each tier
+
+    # -- device evictions (the pool's on_evict hook) -----------------------------------------
+    def offload(self, evicted: list[EvictedBlock]) -> None:
+        stored, dropped = self.host.store(evicted)
+        if dropped and self.disk is not None:
+            self._spill(dropped)  # before the new blocks overwrite the dropped slots
+        if stored and self.copier is not None:
+            self.copier.offload([b.block_id for b, _ in stored], [slot for _, slot in stored])
+
+    def _spill(self, dropped: list[tuple[int, HostEntry]]) -> None:
+        """Host evictions worth keeping go to disk: blocks reused at least ``disk_min_hits`` times."""
+        disk, copier = self.disk, self.copier
+        keep = []
+        for h, e in dropped:
+            if h in disk:
+                disk.touch(h)
+            elif e.hits >= self.disk_min_hits:
+                keep.append((h, e))
+        if keep:
+            copier.sync()  # CUDA: an earlier offload may still be writing these slots
+        for h, e in keep:
+            disk.put(h, e.parent, copier.slot_bytes(e.slot))
+
+    # -- prefix hits --------------------------------------------------------------------------
+    def holds(self, block_hash: int) -> bool:
+        return any(block_hash in t for t in self.lower)
+
+    def load(self, hashes: Sequence[int]) -> Staged:
+        """Copy the blocks of ``hashes`` to staging, host first, then disk; stops at the first
+        block it cannot read (a bad disk file ends the hit there)."""
+        sources: list[int | memoryview] = []
+        tiers: list[str] = []
+        hits: list[int] = []
+        for h in hashes:
+            entry = self.host.get(h)
+            if entry is not None:
+                self.host.touch(h)
+                sources.append(entry.slot)
+                tiers.append("host")
+                hits.append(entry.hits)
+                continue
+            payload = self.disk.get(h) if self.disk is not None else None
+            if payload is None:
+                break
+            sources.append(payload)
+            tiers.append("disk")
+            hits.append(self.disk_min_hits)
+        data = self.copier.stage(sources) if self.copier is not None and sources else None
+        return Staged(list(hashes[: len(sources)]), tiers, hits, data)
+
+    def onboard(self, staged: Staged, block_ids: list[int]) -> None:
+        """Copy staged blocks into fresh device blocks (the caller names them)."""
+        if self.copier is not None and staged.data is not None:
+            self.copier.onboard(block_ids, staged.data)
+        for t in staged.tiers:
+            self.hit_blocks[t] += 1
+
+    # -- the step and the outside world -------------------------------------------------------
+    def before_step(self) -> None:
+        if self.copier is not None:
+            self.copier.before_step()
+
+    def sync(self) -> None:
+        if self.copier is not None:
+            self.copier.sync()
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {t.tier: t.hashes() for t in self.lower}
+
+    def counters(self) -> dict[str, int]:
+        out = {f"hit_blocks_{t}": n for t, n in self.hit_blocks.items()}
+        for t in self.lower:
+            out.update(t.counters())
+        return out
+
+
+class BlockCopier:
+    """Moves whole blocks between the device KV cache and the host tier's slots.
+
+    Host slots are ``[num_slots, layers, 2, block_size, heads, dim]``: each block one
+    contiguous piece (what a disk file holds). On CPU every copy is a memcpy, done when
+    the call returns. On CUDA the slots are pinned and the copies run on a stream of
+    their own, ordered after the work already queued on the compute stream; the next
+    step waits for them on the GPU (``before_step``) and CPU reads of the slots wait
+    for them on the host (``sync``).
+    """
+
+    def __init__(self, kv: KVCache, num_slots: int):
+        import torch
+
+        self._torch = torch
+        self.kv = kv
+        spec = kv.spec
+        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.dtype = spec.dtype
+        self.cuda = kv.device.type == "cuda"
+        self.slots = torch.empty((num_slots, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        self.block_bytes = self.slots[0].numel() * self.slots.element_size()
+        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        self._done = None  # CUDA event after the last queued copy
+
+    def offload(self, block_ids: list[int], slots: list[int]) -> None:
+        """Device blocks -> host slots."""
+        from kvstore.cache import block_runs
+
+        cache = self.kv.tensor
+        with self._side_stream():
+            for b0, s0, n in block_runs(block_ids, slots):
+                blocks = cache[:, :, b0 : b0 + n].permute(2, 0, 1, 3, 4, 5)
+                if self.cuda:
+                    blocks = blocks.contiguous()  # gathered on the GPU: the copy to pinned memory is one DMA
+                self.slots[s0 : s0 + n].copy_(blocks, non_blocking=True)
+
+    def stage(self, sources: list) -> torch.Tensor:
+        """Host slots (ints) and disk payloads (bytes-like) -> one host tensor, in order."""
+        torch = self._torch
+        out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        self.sync()
+        for i, src in enumerate(sources):
+            if isinstance(src, int):
+                out[i].copy_(self.slots[src])
+            else:
+                out[i].copy_(torch.frombuffer(src, dtype=torch.uint8).view(self.dtype).view(self.block_shape))
+        return out
+
+    def onboard(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Staged blocks -> device blocks."""
+        from kvstore.cache import block_runs
+
+        cache = self.kv.tensor
+        with self._side_stream():
+            data = data.to(cache.device, non_blocking=True)  # CUDA: one DMA from pinned staging
+            for d0, b0, n in block_runs(list(range(len(block_ids))), block_ids):
+                cache[:, :, b0 : b0 + n].copy_(data[d0 : d0 + n].permute(1, 2, 0, 3, 4, 5))
+
+    def slot_bytes(self, slot: int) -> memoryview:
+        """A host slot's bytes (call ``sync`` first on CUDA)."""
+        return memoryview(self.slots[slot].reshape(-1).view(self._torch.uint8).numpy())
+
+    def before_step(self) -> None:
+        """The compute stream waits for the copies queued so far (no host wait)."""
+        if self._done is not None:
+            self._torch.cuda.current_stream(self.kv.device).wait_event(self._done)
+
+    def sync(self) -> None:
+        """The host waits for the copies queued so far."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    @contextlib.contextmanager
+    def _side_stream(self):
+        if not self.cuda:
+            yield
+            return
+        torch = self._torch
+        # The blocks were last written (or read) by work on the compute stream.
+        self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(self.stream):
+            yield
+            self._done = torch.cuda.Event()
+            self._done.record(self.stream)
