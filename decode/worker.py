@@ -198,6 +198,7 @@ class DecodeWorker(WorkerBase):
             await self._fail(raw.reply, req.request_id, str(e), 400)
             return
         seq.output_offset = req.output_offset
+        seq.priority = req.priority
         self.counters.requests += 1
         act = Active(req, raw.reply, seq, time.monotonic())
         act.span = TRACER.start_span(
@@ -235,6 +236,7 @@ class DecodeWorker(WorkerBase):
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
             sampling=act.request.sampling, created=time.time(), output_offset=act.request.output_offset,
+            priority=act.request.priority,
         )
         loop = asyncio.get_running_loop()
         act.remote = loop.call_later(timeout + DEADLINE_GRACE, self._on_prefill_timeout, rid)
@@ -332,14 +334,17 @@ class DecodeWorker(WorkerBase):
             return
         now = time.monotonic()
         model = act.request.model
+        interactive = act.request.priority >= 0  # the SLA windows (and so the planner) count only these
         if act.next_index == 0:
             act.first_token_at = now
-            self.ttft.add(now - act.arrived)
+            if interactive:
+                self.ttft.add(now - act.arrived)
             metrics.WORKER_TTFT.labels(model).observe(now - act.arrived)
             act.enter("decode")
         elif act.last_token_at:
             gap = (now - act.last_token_at) / max(1, len(out.new_token_ids))
-            self.itl.add(gap)
+            if interactive:
+                self.itl.add(gap)
             itl = metrics.WORKER_ITL.labels(model)
             for _ in out.new_token_ids:
                 itl.observe(gap)

@@ -291,6 +291,27 @@ def _check_limits(gw: Gateway, body, prompts: list[list[int]]) -> int:
     return max_out if max_out is not None else min(gw.config.default_max_tokens, limit - longest)
 
 
+PRIORITY_NAMES = {"interactive": 0, "batch": -1}
+
+
+def _priority(body, request: Request) -> int:
+    """The body's ``priority`` if set, else the ``x-priority`` header (interactive, batch or an int)."""
+    if "priority" in body.model_fields_set:
+        return body.priority
+    header = request.headers.get("x-priority", "").strip().lower()
+    if not header:
+        return 0
+    if header in PRIORITY_NAMES:
+        return PRIORITY_NAMES[header]
+    try:
+        value = int(header)
+    except ValueError:
+        raise APIError(400, "x-priority must be interactive, batch or an integer", "x-priority") from None
+    if not -(1 << 31) <= value < (1 << 31):
+        raise APIError(400, "x-priority is out of range", "x-priority")
+    return value
+
+
 def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -325,10 +346,11 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
     server_span = trace.get_current_span()
     server_span.set_attributes({"pdmesh.request_id": fmt.rid, "pdmesh.model": body.model})
     max_out = _check_limits(gw, body, prompts)
+    priority = _priority(body, request)
     admission = _Admission(gw, len(prompts) * body.n)
     streams = [
         gw.stream_choice(i, f"{fmt.rid}-{i}", body.model, prompts[i // body.n],
-                         _sampling(body, max_out, body.choice_seed(i % body.n)), body.stop_list, body.priority)
+                         _sampling(body, max_out, body.choice_seed(i % body.n)), body.stop_list, priority)
         for i in range(len(prompts) * body.n)
     ]
     headers = {"x-request-id": fmt.rid}

@@ -169,6 +169,7 @@ class PrefillWorker(WorkerBase):
                 if not 0 <= job.output_offset < len(job.token_ids):
                     raise ValueError("output_offset does not fit the prompt")
                 seq.output_offset = job.output_offset
+                seq.priority = job.priority
             except (RequestError, ValueError) as e:
                 error = str(e)
         if error is not None:

@@ -9,6 +9,14 @@ sequence is preempted by recompute: its blocks are freed (they stay cached, or
 are offloaded, so the recompute is mostly a prefix hit) and it goes back to the
 front of the queue.
 
+Priority (higher first; interactive traffic 0, batch below): the queue and the
+running set are ordered by priority, then arrival. A waiting sequence that does
+not fit preempts lower-priority running ones, and while any higher-priority
+sequence is running or waiting, lower-priority ones are paused (they keep their
+blocks but skip steps), so an interactive request never shares a step with a
+flood of batch work. The lowest priority, most recent sequence is always the
+first victim.
+
 The scheduler never touches tensors; ``SchedulerOutput`` is a plain value the
 runner executes.
 """
@@ -86,7 +94,23 @@ class Scheduler:
     # -- queue management ---------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the queue by priority; ``front``: ahead of its peers (a preempted or requeued one)."""
+        for i, other in enumerate(self.waiting):
+            if other.priority < seq.priority or (front and other.priority == seq.priority):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Into the running set, after every sequence of its priority or higher."""
+        for i, other in enumerate(self.running):
+            if other.priority < seq.priority:
+                self.running.insert(i, seq)
+                return
+        self.running.append(seq)
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -123,21 +147,46 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._make_room_for(out, budget)
+        top = max(self.waiting[0].priority if self.waiting else -(1 << 62),
+                  self.running[0].priority if self.running else -(1 << 62))
         i = 0
+        pressure = False
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.priority < top:
+                break  # paused while higher-priority work exists (the rest rank lower still)
             n = min(seq.num_uncomputed_tokens, budget)
             if self._grow_or_preempt(seq, n, out):
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
                 i += 1
-        if not out.preempted:
-            self._admit(out, budget)
+            else:
+                pressure = True
+        if not pressure:
+            self._admit(out, budget, top)
         return out
+
+    def _make_room_for(self, out: SchedulerOutput, budget: int) -> None:
+        """Preempt lower-priority running sequences until the head of the queue fits."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        while self.running and self.running[-1].priority < head.priority and not self._fits(head, budget):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hit = self.kv.match_prefix(seq)
+        n = min(seq.num_tokens - len(hit) * self.kv.block_size, budget)
+        return self.kv.can_admit(seq, hit, n)
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.grow(seq, n):
-            victim = self.running.pop()
+            victim = self.running.pop()  # the lowest priority, most recently admitted
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -150,11 +199,13 @@ class Scheduler:
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, top: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.priority < top:
+                break  # lower-priority work waits until the higher-priority work is done
             n = self._take_blocks(seq, budget)
             if n is None:
                 break
@@ -162,7 +213,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
 
@@ -206,7 +257,7 @@ class Scheduler:
             self.retire(seq)
         else:
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
         return self.output_of(seq, [first])
 
     def fail_remote(self, request_id: str) -> Sequence | None:
@@ -217,7 +268,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         return seq
 
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
