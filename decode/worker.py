@@ -134,7 +134,7 @@ class DecodeWorker(WorkerBase):
         stack.push_async_callback(self.membership.stop)
         s = bus.subjects
         subs = [
-            await bus.subscribe(s.generate(model, self.worker_id), self._on_generate, GenerateRequest),
+            await bus.subscribe(s.generate(model, self.worker_id), self._admit_soon, GenerateRequest),
             await bus.subscribe(s.cancel(model, self.worker_id), self._on_cancel, Cancel),
             await bus.subscribe(s.kv_ready(model, self.worker_id), self._on_kv_ready, PrefillDone),
             await bus.subscribe(s.load_model(model), self._on_load, LoadReport),
@@ -172,6 +172,13 @@ class DecodeWorker(WorkerBase):
         return self.settings.max_queued or 4 * self.engine.scheduler.config.max_num_seqs
 
     # -- requests -----------------------------------------------------------------
+    async def _admit_soon(self, req: GenerateRequest, raw) -> None:
+        """A subscription runs its handler one message at a time, and admitting waits for the engine
+        to finish its step: handled inline, a worker would take one new request per step."""
+        task = asyncio.create_task(self._on_generate(req, raw))
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
     async def _on_generate(self, req: GenerateRequest, raw) -> None:
         if not raw.reply:
             log.warning("generate %s without a reply subject: dropped", req.request_id)
@@ -220,6 +227,8 @@ class DecodeWorker(WorkerBase):
         if reservation is None:
             self.counters.bump("local_prefill")
             self.counters.bump("local_prefill_tokens", len(req.token_ids))
+            if len(req.token_ids) >= threshold:  # meant for the prefill pool, which had no room
+                self.counters.bump("overflow_prefill_tokens", len(req.token_ids))
             metrics.PREFILL_DECISIONS.labels(req.model, "local").inc()
             act.enter("prefill.local")
         else:
@@ -265,6 +274,7 @@ class DecodeWorker(WorkerBase):
             await self._abort(rid)
             return
         self.counters.bump("local_prefill_fallback")
+        self.counters.bump("overflow_prefill_tokens", len(act.request.token_ids))
         metrics.PREFILL_DECISIONS.labels(self.engine.model_name, "fallback").inc()
         act.enter("prefill.local", **{"pdmesh.fallback": True})
         await self.loop.call(lambda e: e.fail_remote(rid))

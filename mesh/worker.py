@@ -95,7 +95,7 @@ def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> Engin
 class Window:
     """Samples of a latency from the last ``horizon`` seconds, for load reports."""
 
-    def __init__(self, horizon: float = 20.0, size: int = 4096):
+    def __init__(self, horizon: float = 6.0, size: int = 4096):
         self.horizon = horizon
         self._v: deque[tuple[float, float]] = deque(maxlen=size)
 

@@ -25,6 +25,7 @@ from mesh.registry import Membership
 log = logging.getLogger(__name__)
 
 EMA = 0.3  # weight of a new capacity observation
+PEAK_DECAY = 0.02  # prefill capacity: a peak-hold that forgets this share per window
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Planner:
         self._last: dict[tuple[str, str], _Rate] = {}  # (worker, counter) -> last value seen
         self.prefill_capacity = 0.0  # prompt tokens/s one prefill worker sustains
         self.decode_capacity = 0.0  # sequences one decode worker runs at the ITL target
+        self.decode_base_ms = 0.0  # ITL p90 of a worker with next to no load (the step's fixed cost)
+        self._prefilling_until: dict[str, float] = {}  # decode worker -> until when its ITL p90s show overflow
         self.decisions: list[PlannerDecision] = []
         self._task: asyncio.Task | None = None
         self._sub = None
@@ -119,26 +122,40 @@ class Planner:
         demand = sum(rates.values()) + local + backlog / self.config.window_s
         for r in prefill:  # a busy worker shows what one worker sustains
             if r.capacity and r.active_jobs >= max(1, r.capacity // 2) and rates[r.worker_id] > 0:
-                self.prefill_capacity = _ema(self.prefill_capacity, rates[r.worker_id])
+                # A peak-hold, not an average: a worker busy for part of the window shows less than it
+                # can do, and averaging those shrinks the capacity, and grows the pool, with every replica.
+                self.prefill_capacity = max(rates[r.worker_id], (1 - PEAK_DECAY) * self.prefill_capacity)
         latency = max((r.ttft_p90_ms for r in decode), default=0.0)
         return PoolWindow(now, await self.connector.replicas("prefill"), demand, self.prefill_capacity, latency)
 
     async def _decode_window(self, now, decode: list[LoadReport]) -> PoolWindow:
         demand = float(sum(r.running + r.waiting + r.waiting_for_kv for r in decode))
+        target = self.config.itl_ms
+        clean = []  # workers whose ITL p90 is about decoding, not about long prompts they prefilled
         for r in decode:
+            if self._rate(r, "overflow_prefill_tokens", now) > 0:  # the prefill pool had no room
+                self._prefilling_until[r.worker_id] = now + self.config.latency_horizon_s
+            if now >= self._prefilling_until.get(r.worker_id, 0.0):
+                clean.append(r)
+        for r in clean:
             if r.running and r.itl_p90_ms > 0:
-                # the sequences this worker would run exactly at the ITL target
-                at_target = r.running * self.config.itl_ms / r.itl_p90_ms
+                base = self.decode_base_ms
+                self.decode_base_ms = r.itl_p90_ms if base <= 0 else min(base, r.itl_p90_ms)
+        base = min(self.decode_base_ms, 0.9 * target)
+        for r in clean:
+            # only loaded windows say much: the batch must fill a fair share of the room above the base
+            if r.running and r.itl_p90_ms >= base + 0.25 * (target - base):
+                # ITL is a fixed step cost plus a part that grows with the load: scale that part
+                at_target = r.running * (target - base) / (r.itl_p90_ms - base)
                 if r.capacity:
                     at_target = min(at_target, r.capacity)
-                if r.itl_p90_ms > 0.5 * self.config.itl_ms:  # only loaded windows say much
-                    self.decode_capacity = _ema(self.decode_capacity, at_target)
+                self.decode_capacity = _ema(self.decode_capacity, at_target)
         cards = self._cards("decode")
         per = max((c.kv_blocks for c in cards), default=0)
-        latency = max((r.itl_p90_ms for r in decode), default=0.0)
+        latency = max((r.itl_p90_ms for r in clean), default=0.0)
         used = sum(r.kv_blocks_used for r in decode)
         return PoolWindow(now, await self.connector.replicas("decode"), demand, self.decode_capacity, latency,
-                          used, per)
+                          used, per, self.decode_base_ms)
 
     @staticmethod
     def _least_loaded(reports: list[LoadReport]) -> list[str]:

@@ -44,6 +44,7 @@ class PlannerConfig:
     down_latency_fraction: float = 0.6  # scale down only while latency is below this share of target
     trend_windows: int = 4
     kv_headroom: float = 0.85  # plan decode pools to fill at most this share of their KV blocks
+    latency_horizon_s: float = 6.0  # workers report p90s over this long: after a change, older sizes show
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_prefill <= self.max_prefill:
@@ -57,7 +58,7 @@ class PlannerConfig:
         if self.up_cooldown_s is None:
             object.__setattr__(self, "up_cooldown_s", 2 * self.window_s)
         if self.down_cooldown_s is None:
-            object.__setattr__(self, "down_cooldown_s", 6 * self.window_s)
+            object.__setattr__(self, "down_cooldown_s", 3 * self.window_s)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class PoolWindow:
     latency_ms: float  # prefill pool: TTFT p90; decode pool: ITL p90 (0: no traffic)
     kv_blocks_used: int = 0  # decode: blocks in use across the pool
     kv_blocks_per_replica: int = 0
+    base_latency_ms: float = 0.0  # the latency with next to no load (decode: one sequence's step)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,9 @@ class PoolPlanner:
             return self._change(w, current, needed, why)
         if needed < current and self._fits(current - 1, w):
             self.below_count += 1
-            calm = w.latency_ms <= self.config.down_latency_fraction * self.target_ms
+            # calm: the load-dependent part of the latency is well under its room (the base is the floor)
+            base = min(w.base_latency_ms, self.target_ms)
+            calm = w.latency_ms <= base + self.config.down_latency_fraction * (self.target_ms - base)
             if (
                 self.below_count >= self.config.down_windows
                 and calm
@@ -166,7 +170,8 @@ class PoolPlanner:
             by_kv = math.ceil(w.kv_blocks_used / (w.kv_blocks_per_replica * self.config.kv_headroom))
             if by_kv > needed:
                 needed, why = by_kv, f"KV {w.kv_blocks_used} blocks -> {by_kv}"
-        if w.latency_ms > self.target_ms and needed <= w.replicas:
+        fresh = w.t - self.last_change_t >= self.config.latency_horizon_s  # p90s that describe this size
+        if w.latency_ms > self.target_ms and needed <= w.replicas and fresh:
             needed = w.replicas + 1
             why = f"p90 {w.latency_ms:.0f} ms > target {self.target_ms:.0f} ms"
         return needed, why

@@ -83,8 +83,12 @@ def test_latency_over_target_adds_a_replica_even_when_capacity_says_enough():
     planner = PoolPlanner("decode", CFG)
     d = planner.observe(PoolWindow(0.0, 2, demand=10, capacity=60, latency_ms=80))
     assert d.target == 3 and "p90" in d.reason
+    # 5 s later the p90 still describes the old size (workers report over the last 6 s): hold
     d = planner.observe(PoolWindow(5.0, 3, demand=10, capacity=60, latency_ms=80))
-    assert d.target == 3 and "cooldown" in d.reason
+    assert d.target == 3 and "p90" not in d.reason
+    # past the horizon and the cooldown, a p90 still over target adds another
+    d = planner.observe(PoolWindow(12.0, 3, demand=10, capacity=60, latency_ms=80))
+    assert d.target == 4 and "p90" in d.reason
 
 
 def test_bounds_are_enforced_and_config_is_validated():
