@@ -45,9 +45,13 @@ def _add_model(sub) -> None:
     t.set_defaults(func=cmd_model_tiny)
 
 
-def add_pool_flags(p: argparse.ArgumentParser) -> None:
+def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
     """Engine and KV pool flags shared by every role that runs an engine (and by ``mesh up``)."""
-    p.add_argument("--model", default=None, help="Hugging Face model directory")
+    if multi_model:
+        p.add_argument("--model", action="append", default=None,
+                       help="Hugging Face model directory; repeat to serve several models on one mesh")
+    else:
+        p.add_argument("--model", default=None, help="Hugging Face model directory")
     p.add_argument("--served-name", default=None, help="model name on the bus and in the API (default: the directory name)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--device", default=None)
@@ -58,6 +62,8 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-gb", type=float, default=None, help="cap of the disk KV tier (default 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
 
 
@@ -106,7 +112,7 @@ def _add_gateway(sub) -> None:
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
     add_bus_flags(p)
-    add_pool_flags(p)
+    add_pool_flags(p, multi_model=True)
     p.add_argument("--mock", action="store_true", help="mocker workers instead of a model")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -235,6 +241,8 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
 
         if args.host_kv_gb or args.disk_kv_dir:
             raise CliError("the mocker has no KV bytes: --host-kv-gb and --disk-kv-dir are for model workers")
+        if args.tp != 1:
+            raise CliError("the mocker has no model to shard: --tp is for model workers")
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
@@ -246,12 +254,12 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     model = args.model or settings().model
     if not model:
         raise CliError("--model DIR is required (or MESH_MODEL)")
-    ModelConfig.from_dir(model)
+    ModelConfig.from_dir(model).check_tp(args.tp)
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb}
     return EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         **{k: v for k, v in tiers.items() if v is not None},
     )
 
@@ -324,12 +332,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.prefill < 0 or args.decode < 1:
         raise CliError("--decode must be >= 1 and --prefill >= 0")
-    model = None
+    models: list[str] = []
     if not args.mock:
-        model = args.model = str(args.model or ensure_tiny_model(default_model_dir()))
-        engine_config(args)  # validates the model directory and flags before anything starts
+        models = [str(m) for m in (args.model or [ensure_tiny_model(default_model_dir())])]
+        names = [Path(m).name for m in models]
+        if len(set(names)) != len(names):
+            raise CliError(f"two --model directories share a name ({', '.join(names)}): models are named by directory")
+        if args.served_name and len(models) > 1:
+            raise CliError("--served-name names one model; with several --model each is named by its directory")
+        for m in models:  # validates every model directory and the flags before anything starts
+            args.model = m
+            engine_config(args)
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.tp != 1:
+        flags += ["--tp", str(args.tp)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
                  "transports", "disagg_threshold"):
         value = getattr(args, name)
@@ -346,9 +363,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if planner is not None:  # start inside the planner's bounds
         args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
         args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
-    plan = UpPlan(model=model, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
+    plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
                   port=args.port, nats_url=args.nats, ns=args.ns, worker_flags=flags,
-                  gateway_flags=gateway_flags, planner=planner)
+                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name)
     return asyncio.run(run_up(plan))
 
 

@@ -52,7 +52,7 @@ def ensure_tiny_model(path: Path) -> Path:
 class UpPlan:
     """What to start; built from the CLI flags."""
 
-    model: str | None  # None with mock
+    models: list[str]  # model directories, one pool pair each ([] with mock)
     mock: bool
     prefill: int
     decode: int
@@ -63,13 +63,18 @@ class UpPlan:
     worker_flags: list[str] = field(default_factory=list)  # pool flags passed to every worker
     gateway_flags: list[str] = field(default_factory=list)
     planner: PlannerConfig | None = None  # None: fixed pools
+    served_name: str | None = None  # the one model's name when --served-name is given
 
 
-def worker_argv(plan: UpPlan, nats_url: str) -> dict[str, list[str]]:
-    """The command line of each pool's workers (the connector adds ``--worker-id``)."""
+def served_name(model_dir: str) -> str:
+    return Path(model_dir).name
+
+
+def worker_argv(plan: UpPlan, nats_url: str, model_dir: str | None) -> dict[str, list[str]]:
+    """The command line of one model's pool workers (the connector adds ``--worker-id``)."""
     py = [sys.executable, "-m", "mesh.cli"]
     bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
-    model = [] if plan.mock else ["--model", plan.model]
+    model = [] if model_dir is None else ["--model", model_dir]
     decode_role = "mock" if plan.mock else "decode"
     mock = ["--mock"] if plan.mock else []
     return {
@@ -78,23 +83,31 @@ def worker_argv(plan: UpPlan, nats_url: str) -> dict[str, list[str]]:
     }
 
 
+def _token(model_dir: str | None) -> str:
+    from mesh.protocol import subject_token
+
+    return subject_token(served_name(model_dir) if model_dir else "mock")
+
+
 def gateway_argv(plan: UpPlan, nats_url: str) -> list[str]:
     bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
-    model = [] if plan.mock else ["--model", plan.model]
+    model = [arg for m in plan.models for arg in ("--model", m)]
     return [sys.executable, "-m", "mesh.cli", "gateway", *bus, *model, "--host", plan.host,
             "--port", str(plan.port), *plan.gateway_flags]
 
 
-async def _wait_healthy(url: str, gateway: subprocess.Popen, timeout: float) -> bool:
+async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, timeout: float) -> bool:
+    """Healthy, and every model has a live worker (a mesh is up when all of it is)."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if gateway.poll() is not None:
                 return False
             try:
-                r = await client.get(url)
-                if r.status_code == 200:
-                    return True
+                if (await client.get(f"{base}/health")).status_code == 200:
+                    live = {m["id"] for m in (await client.get(f"{base}/v1/models")).json()["data"]}
+                    if models <= live:
+                        return True
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.3)
@@ -119,15 +132,24 @@ async def run_up(plan: UpPlan) -> int:
     if url is None:
         nats = EmbeddedNats().start()
         url = nats.url
-    pools = LocalConnector(worker_argv(plan, url), env=dict(os.environ))
+    # one pool pair (and one planner) per model: they scale on their own, on the same bus
+    model_dirs: list[str | None] = list(plan.models) or [None]
+    pools = {
+        (served_name(m) if m else "mock"): LocalConnector(
+            worker_argv(plan, url, m), env=dict(os.environ), prefix=f"{_token(m)}-{os.getpid()}")
+        for m in model_dirs
+    }
     gateway = None
-    planner = bus = membership = None
+    planners: list[Planner] = []
+    bus = membership = None
     try:
-        await pools.scale("decode", plan.decode)
-        await pools.scale("prefill", plan.prefill)
+        for connector in pools.values():
+            await connector.scale("decode", plan.decode)
+            await connector.scale("prefill", plan.prefill)
         gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent)  # noqa: ASYNC220 (returns at once)
-        health = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}/health"
-        if not await _wait_healthy(health, gateway, timeout=120.0):
+        base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
+        names = {plan.served_name} if plan.served_name else set(pools)
+        if not await _wait_ready(base, names, gateway, timeout=120.0):
             print(f"mesh: error: the mesh did not come up (gateway {'exited' if gateway.poll() is not None else 'not healthy'})",
                   file=sys.stderr)
             return 1
@@ -135,26 +157,30 @@ async def run_up(plan: UpPlan) -> int:
             bus = await Bus.connect(url, "planner", ns=plan.ns or "mesh")
             membership = Membership(bus)
             await membership.start()
-            planner = Planner(bus, membership, pools, plan.planner)
-            await planner.start()
-        what = "mocker" if plan.mock else plan.model
-        mode = "planner on" if planner else "fixed pools"
+            for name, connector in pools.items():
+                planner = Planner(bus, membership, connector, plan.planner, model=name)
+                await planner.start()
+                planners.append(planner)
+        what = "mocker" if plan.mock else ", ".join(plan.models)
+        mode = "planner on" if planners else "fixed pools"
         print(
             f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
-            f"({plan.prefill} prefill, {plan.decode} decode, {mode}; NATS {url}). Ctrl-C stops it.",
+            f"({plan.prefill} prefill, {plan.decode} decode{' per model' if len(pools) > 1 else ''}, {mode}; "
+            f"NATS {url}). Ctrl-C stops it.",
             flush=True,
         )
         while not stop.is_set():
-            if planner is None:  # fixed pools: replace a worker that died
-                for pool, n in (("decode", plan.decode), ("prefill", plan.prefill)):
-                    if await pools.replicas(pool) < n:
-                        await pools.scale(pool, n)
+            if not planners:  # fixed pools: replace a worker that died
+                for connector in pools.values():
+                    for pool, n in (("decode", plan.decode), ("prefill", plan.prefill)):
+                        if await connector.replicas(pool) < n:
+                            await connector.scale(pool, n)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
     finally:
         # The gateway first (no new requests), then the workers (they drain), then the bus.
-        if planner is not None:
+        for planner in planners:
             await planner.stop()
         if membership is not None:
             await membership.stop()
@@ -162,6 +188,6 @@ async def run_up(plan: UpPlan) -> int:
             await bus.close()
         if gateway is not None:
             await asyncio.to_thread(_stop_gateway, gateway)
-        await pools.close()
+        await asyncio.gather(*(connector.close() for connector in pools.values()))
         if nats is not None:
             nats.stop()

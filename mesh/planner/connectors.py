@@ -107,7 +107,7 @@ class LocalConnector:
                     p.proc.send_signal(signal.SIGTERM)
 
     def _spawn(self, pool: str) -> _Proc:
-        wid = f"{pool}-{self.prefix}-{next(self._ids)}"
+        wid = f"{pool}-{self.prefix}-{next(self._ids)}"  # the prefix keeps ids unique per connector
         proc = subprocess.Popen([*self.argv[pool], "--worker-id", wid], env=self.env, preexec_fn=die_with_parent)
         p = _Proc(wid, proc)
         self.procs[pool].append(p)
