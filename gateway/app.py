@@ -14,6 +14,7 @@ A request's life, and who releases what:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -235,7 +236,8 @@ async def _completions(gw: Gateway, request: Request) -> Response:
     gw.check_model(body.model)
     raw_prompts = body.prompts()
     prompts = []
-    with TRACER.start_as_current_span("tokenize"):
+    texts = any(isinstance(p, str) for p in raw_prompts)
+    with TRACER.start_as_current_span("tokenize") if texts else contextlib.nullcontext():  # token ids: no work
         for p in raw_prompts:
             if isinstance(p, str):
                 p = await _off_loop(len(p), gw.require_tokenizer(body.model, "prompt").encode, p)
