@@ -8,6 +8,11 @@ over ``[:, :, block_ids]``.
 
 On CPU the tensor can live in a shared-memory file so that a prefill worker on
 the same host writes a decode worker's blocks in place (the ``shm`` transport).
+
+A tensor-parallel worker shards its KV by head: rank r holds a ``KVCache`` of
+its own heads, and rank 0 sees the full head set as a ``ShardedKVCache`` over
+all of them. Both offer the same whole-block operations, and ``copy_blocks``
+copies between any two of them, re-sharding heads when the layouts differ.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -65,7 +70,31 @@ class KVCacheSpec:
             other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
 
 
-class KVCache:
+class _BlockIO:
+    """Whole-block reads and writes in the block-major layout the transports send."""
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def head_shards(self) -> list[tuple[int, int, KVCache]]:
+        """(first head, end head, cache) of every shard, in head order."""
+        raise NotImplementedError
+
+    def read_block_major(self, block_ids: list[int]) -> torch.Tensor:
+        """``[n, layers, 2, block_size, heads, dim]``, contiguous: each block's bytes in one piece."""
+        return self.read_blocks(block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_block_major(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.write_blocks(block_ids, data.permute(1, 2, 0, 3, 4, 5))
+
+    def copy_blocks_to(self, dst: _BlockIO, src_ids: list[int], dst_ids: list[int]) -> None:
+        copy_blocks(self, dst, src_ids, dst_ids)
+
+
+class KVCache(_BlockIO):
     """Owns the KV tensor; hands out per-layer views and whole-block copies."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device, shm_path: str | None = None):
@@ -90,6 +119,15 @@ class KVCache:
         self.shm_path = shm_path
         self._mmap = None
         self.tensor = self._map(shm_path, spec, create=False)
+        return self
+
+    @classmethod
+    def of_tensor(cls, spec: KVCacheSpec, tensor: torch.Tensor) -> KVCache:
+        """Wrap a KV tensor that lives elsewhere (another rank's, opened by CUDA IPC)."""
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, its spec says {spec.shape}")
+        self = cls.__new__(cls)
+        self.spec, self.device, self.shm_path, self._mmap, self.tensor = spec, tensor.device, None, None, tensor
         return self
 
     def _map(self, path: str | None, spec: KVCacheSpec, create: bool) -> torch.Tensor:
@@ -128,19 +166,8 @@ class KVCache:
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         self.tensor.index_copy_(2, idx, data.to(self.device, self.spec.dtype))
 
-    def read_block_major(self, block_ids: list[int]) -> torch.Tensor:
-        """``[n, layers, 2, block_size, heads, dim]``, contiguous: each block's bytes in one piece."""
-        return self.read_blocks(block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
-
-    def write_block_major(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.write_blocks(block_ids, data.permute(1, 2, 0, 3, 4, 5))
-
-    def copy_blocks_to(self, dst: KVCache, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Copy blocks into another cache in place, one strided copy per run of consecutive ids."""
-        if len(src_ids) != len(dst_ids):
-            raise ValueError("source and destination block lists differ in length")
-        for s0, d0, n in block_runs(src_ids, dst_ids):
-            dst.tensor[:, :, d0 : d0 + n].copy_(self.tensor[:, :, s0 : s0 + n])
+    def head_shards(self) -> list[tuple[int, int, KVCache]]:
+        return [(0, self.spec.num_kv_heads, self)]
 
     def close(self, unlink: bool = False) -> None:
         self.tensor = torch.empty(0)
@@ -151,6 +178,68 @@ class KVCache:
             self._mmap = None
         if unlink and self.shm_path:
             Path(self.shm_path).unlink(missing_ok=True)
+
+
+class ShardedKVCache(_BlockIO):
+    """A tensor-parallel worker's KV as its rank 0 sees it: the full head set over one
+    ``KVCache`` per rank (rank r's heads follow rank r-1's). Block ids are the same on
+    every rank. Reads gather the heads of all shards, writes scatter them, so a
+    transport sees one full-head cache whatever the TP degree. There is no single
+    ``tensor``: per-layer views are each rank's own business.
+    """
+
+    def __init__(self, shards: list[KVCache]):
+        first = shards[0].spec
+        if any(replace(s.spec, num_kv_heads=first.num_kv_heads) != first for s in shards):
+            raise ValueError("KV shards differ in more than their heads")
+        self.shards = shards
+        self._heads: list[tuple[int, int]] = []
+        start = 0
+        for s in shards:
+            self._heads.append((start, start + s.spec.num_kv_heads))
+            start += s.spec.num_kv_heads
+        self.spec = replace(first, num_kv_heads=start)
+        self.device = shards[0].device
+        self.shm_path = shards[0].shm_path
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        raise AttributeError("a tensor-parallel KV cache has one tensor per rank (head_shards()); "
+                             "this user of it does not support --tp > 1 yet")
+
+    def head_shards(self) -> list[tuple[int, int, KVCache]]:
+        return [(h0, h1, s) for (h0, h1), s in zip(self._heads, self.shards, strict=True)]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.cat([s.read_blocks(block_ids).to(self.device) for s in self.shards], dim=4)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        for h0, h1, s in self.head_shards():
+            s.write_blocks(block_ids, data[:, :, :, :, h0:h1])
+
+    def close(self, unlink: bool = False) -> None:
+        for s in self.shards:
+            s.close(unlink=unlink)
+
+
+def copy_blocks(src: _BlockIO, dst: _BlockIO, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Copy whole blocks between two caches of the same layout, in place, whatever the head
+    sharding of either side: one strided copy per (source shard, destination shard) head
+    overlap and run of consecutive ids. Unsharded to unsharded is one copy per run."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError("source and destination block lists differ in length")
+    if src.spec.num_kv_heads != dst.spec.num_kv_heads:
+        raise ValueError("source and destination caches hold different heads")
+    runs = block_runs(src_ids, dst_ids)
+    for d_lo, d_hi, d in dst.head_shards():
+        for s_lo, s_hi, s in src.head_shards():
+            lo, hi = max(d_lo, s_lo), min(d_hi, s_hi)
+            if lo >= hi:
+                continue
+            dst_heads = slice(lo - d_lo, hi - d_lo)
+            src_heads = slice(lo - s_lo, hi - s_lo)
+            for s0, d0, n in runs:
+                d.tensor[:, :, d0 : d0 + n, :, dst_heads].copy_(s.tensor[:, :, s0 : s0 + n, :, src_heads])
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

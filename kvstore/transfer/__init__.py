@@ -7,6 +7,12 @@ Two sides, one name per transport:
     prefill side KvSender.usable(params)        -> can this process reach the decode worker this way?
                  KvSender.send(job, params, src, src_blocks) -> TransferResult
 
+``src`` (and the receiver's ``kv``) is the worker's ``engine.kv_cache``: a
+``KVCache``, or for a tensor-parallel worker a ``ShardedKVCache`` (the full head
+set over one cache per rank, no single tensor). ``shm`` and ``nats`` re-shard
+heads between any two TP degrees; ``cuda_ipc`` and ``nccl`` take one tensor and
+do not serve TP > 1 yet.
+
 The decode worker lists the transports it accepts, best first; the prefill
 worker uses the first one it can. Coordination (job, completion) is always a
 NATS message; only the bytes take the transport's path.

@@ -5,6 +5,10 @@ Flow control: every few megabytes the sender makes a chunk a request and waits
 for the receiver's reply, so at most one window is in flight and a slow
 decode worker is never cut off as a slow consumer. The last chunk is always a
 request: when ``send`` returns, the receiver holds every byte.
+
+Tensor parallelism needs nothing here: a TP worker's cache is a ``ShardedKVCache``,
+whose block-major bytes are always the full head set (gathered from the sender's
+ranks, split over the receiver's), so the two sides' TP degrees may differ.
 """
 
 from __future__ import annotations

@@ -150,6 +150,14 @@ class ModelConfig:
             )
         return model
 
+    def check_tp(self, tp: int) -> None:
+        """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
+        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size}
+        bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
+        if bad:
+            raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -203,6 +211,7 @@ class EngineConfig:
     disk_kv_dir: str | None = None  # disk tier under this directory (needs a host tier)
     disk_kv_gb: float = 8.0  # cap of the disk tier
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
+    tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -222,6 +231,10 @@ class EngineConfig:
             raise ValueError("disk_kv_gb must be > 0 and disk_min_hits >= 0")
         if self.disk_kv_dir and not self.has_host_tier:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.has_host_tier:
+            raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
 
     @property
     def has_host_tier(self) -> bool:

@@ -3,15 +3,22 @@
 Workers run ``step()`` in a thread of their own (see ``mesh.engine.loop``);
 ``generate()`` runs prompts to completion in the calling thread (the CLI, tests,
 benchmarks).
+
+With ``tp > 1`` this process is rank 0 of a tensor-parallel group
+(``mesh.engine.tp``): it holds its share of the model and of the KV heads,
+and ``kv_cache`` is the full head set over every rank's share (what the
+transports move), while attention here runs on its own share only.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+from dataclasses import replace
 
 import torch
 
-from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache
 from kvstore.disk import DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
 from mesh.engine.attention import create_backend, default_backend
@@ -22,6 +29,7 @@ from mesh.engine.runner import ModelRunner
 from mesh.engine.sampler import Sampler
 from mesh.engine.scheduler import SchedulerOutput
 from mesh.engine.sequence import SampledToken
+from mesh.engine.tp import TensorParallel, shard_spec
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +40,10 @@ class Engine(EngineCore):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = mc = ModelConfig.from_dir(config.model)
+        mc.check_tp(config.tp)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         bs = config.block_size
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len)
         super().__init__(
@@ -51,24 +59,51 @@ class Engine(EngineCore):
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        self.kv_spec = KVCacheSpec(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.kv_cache = KVCache(self.kv_spec, self.device, shm_path=config.kv_shm_path)
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
+        # Rank 0 starts the other ranks first: they load their shards while it loads its own.
+        self.tp = None
+        if config.tp > 1:
+            self.tp = TensorParallel(replace(config, attention_backend=backend), num_blocks, max_len,
+                                     _rank_kv_files(config, self.device))
+        try:
+            shard = {"shard": self.tp.shard} if self.tp else {}
+            self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, **shard)
+            own_kv = KVCache(shard_spec(mc, config, num_blocks, self.dtype), self.device,
+                             shm_path=config.kv_shm_path)
+            self.kv_cache = ShardedKVCache([own_kv, *self.tp.join()]) if self.tp else own_kv
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.kv_spec = self.kv_cache.spec  # the full head set
         if config.has_host_tier:
             self._enable_tiers()
-        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
-        self.attention = create_backend(backend, self.kv_cache, mc.head_dim**-0.5)
+        self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed)
-        self.runner = ModelRunner(self.model, self.attention, self.sampler, bs)
+        self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
+                                  broadcast=self.tp.broadcast if self.tp else None)
         log.info(
-            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s",
+            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
-            num_blocks, bs, backend,
+            num_blocks, bs, backend, f", tensor parallel over {config.tp} ranks" if self.tp else "",
         )
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         if self.tiers is not None:
             self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
-        return self.runner.execute(out)
+        if self.tp is None:
+            return self.runner.execute(out)
+        try:
+            return self.runner.execute(out)
+        except Exception as e:
+            self.tp.abort(f"{type(e).__name__}: {e}")
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
+        if self.tp is not None:
+            self.tp.close()
+        self.kv_cache.close(unlink=True)
 
     def _enable_tiers(self) -> None:
         cfg, spec = self.config, self.kv_spec
@@ -92,6 +127,7 @@ class Engine(EngineCore):
             mc.num_layers, 1, self.config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
         ).block_bytes
         if self.device.type == "cuda":
+            block_bytes //= self.config.tp  # each GPU holds its share of the heads
             free, _total = torch.cuda.mem_get_info(self.device)
             # leave room for activations and logits of a full step
             reserve = _GIB + self.config.max_num_seqs * mc.vocab_size * 8
@@ -100,6 +136,18 @@ class Engine(EngineCore):
             budget = min(self.config.cpu_kv_gib * _GIB, _available_memory() * 0.25)
         want = self.config.max_num_seqs * -(-max_len // self.config.block_size)
         return max(16, min(int(budget // block_bytes), want))
+
+
+def _rank_kv_files(config: EngineConfig, device: torch.device) -> str | None:
+    """Where the other ranks put their KV shards (``{this}.r{rank}``): on CPU, files rank 0
+    maps (next to its own in shared memory, if it has one); on CUDA, nowhere."""
+    if device.type != "cpu":
+        return None
+    if config.kv_shm_path:
+        return config.kv_shm_path
+    from kvstore.transfer.shm import shm_path
+
+    return shm_path(f"tp-{secrets.token_hex(4)}")
 
 
 def _available_memory() -> int:

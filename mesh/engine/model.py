@@ -3,6 +3,10 @@
 Tokens of all scheduled sequences are concatenated (``[T]``); attention is the
 backend's business, so the model itself has no notion of sequences or padding.
 QKV and gate/up projections are fused into one matmul each.
+
+Under tensor parallelism (``Shard``, see ``mesh.engine.tp``) a rank holds its
+share of the heads and MLP columns; the row-parallel ``o_proj`` and
+``down_proj`` sum their partial outputs over the ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import nn
 
 from mesh.engine.attention import AttentionBackend
 from mesh.engine.config import ModelConfig
+from mesh.engine.tp import Shard
 
 
 class RMSNorm(nn.Module):
@@ -51,14 +56,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         self.layer = layer
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.shard = shard
+        _, self.num_heads = shard.part(cfg.num_heads)
+        _, self.num_kv_heads = shard.part(cfg.num_kv_heads)
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -74,28 +80,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = attn.forward(self.layer, q, k, v)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.shard.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        _, self.inter = shard.part(cfg.intermediate_size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, positions, rotary, attn):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
@@ -103,11 +110,12 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None):
         super().__init__()
         self.cfg = cfg
+        self.shard = shard or Shard()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

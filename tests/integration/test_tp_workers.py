@@ -1,0 +1,140 @@
+"""Tensor-parallel workers as real processes: ``--tp 2`` workers (rank 0 the worker, rank 1 a
+helper process it starts, gloo between them) next to ``--tp 1`` ones.
+
+A prefill worker of one TP degree feeds a decode worker of another through each CPU
+transport (shm: the prefill worker copies head ranges between the rank files; nats: the
+full head set crosses the bus and the decode side splits it by rank): greedy output equals
+the single-process TP=1 engine's. An aggregated ``--tp 2`` decode worker does too, and
+killing its rank 0 with SIGKILL leaves no rank process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from kvstore.transfer.shm import PREFIX, SHM_DIR, remove_stale_files
+from mesh.engine import Engine, EngineConfig, SamplingParams
+from tests.integration.conftest import Watcher
+from tests.integration.test_mesh import run_all
+
+THRESHOLD = 64
+LENGTHS = [5, 20, 63, 64, 90, 150, 256, 400, 600]
+LONG = sum(1 for n in LENGTHS if n >= THRESHOLD)
+
+
+def prompts(seed: int = 5):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    engine = Engine(EngineConfig(tiny_model, num_kv_blocks=1024))
+    seqs = engine.generate(prompts(), SamplingParams(max_tokens=16, temperature=0.0))
+    return [s.output_token_ids for s in seqs]
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The helper ranks a worker started (its children running mesh.engine.tp)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"mesh.engine.tp" in cmd:
+            out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop a test's workers now (and free the two cores for the next test)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"),
+                         [("shm", 1, 2), ("shm", 2, 1), ("nats", 1, 2), ("nats", 2, 1)])
+async def test_prefill_and_decode_of_different_tp_degrees(cluster, tiny_model, expected, transport,
+                                                          prefill_tp, decode_tp):
+    ns = f"tp-{transport}-{prefill_tp}{decode_tp}"
+    flags = ["--ns", ns, "--model", str(tiny_model), "--device-kv-blocks", "1024", "--transports", transport]
+    dec, pre = f"dec-{ns}", f"pre-{ns}"
+    procs = [
+        cluster.worker("decode", *flags, "--tp", str(decode_tp), "--disagg-threshold", str(THRESHOLD),
+                       "--worker-id", dec),
+        cluster.worker("prefill", *flags, "--tp", str(prefill_tp), "--worker-id", pre, "--prefill-capacity", "16"),
+    ]
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "both workers")
+        await w.fresh_load(pre)  # the decode worker hears prefill load reports too
+        await asyncio.sleep(1.2)
+        results = await run_all(w.bus, dec, prompts())
+        assert [toks for toks, _ in results] == expected
+        d = await w.fresh_load(dec)
+        p = await w.fresh_load(pre)
+        assert d.counters.get("remote_prefill_done", 0) == LONG, d.counters
+        assert d.counters.get(f"transport_{transport}", 0) == LONG
+        assert d.counters.get("local_prefill", 0) == len(LENGTHS) - LONG
+        assert p.counters.get(f"transport_{transport}", 0) == LONG, p.counters
+        assert d.kv_blocks_used == 0 and d.running == 0
+    finally:
+        await w.close()
+        stop(procs)
+
+
+async def test_aggregated_tp2_worker_and_no_rank_outlives_a_killed_worker(cluster, tiny_model, expected):
+    ns, dec = "tp-agg", "dec-tp-agg"
+    worker = cluster.worker("decode", "--ns", ns, "--model", str(tiny_model), "--device-kv-blocks", "1024",
+                            "--tp", "2", "--max-num-batched-tokens", "256", "--worker-id", dec)
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        await w.wait_for(lambda: w.membership.get(dec), 120, "the decode worker")
+        # no prefill pool here: every prompt is prefilled by the worker's two ranks, in chunks
+        results = await run_all(w.bus, dec, prompts())
+        assert [toks for toks, _ in results] == expected
+        d = await w.fresh_load(dec)
+        assert d.counters.get("local_prefill", 0) == len(LENGTHS)
+        ranks = rank_processes(worker.pid)
+        assert len(ranks) == 1
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        deadline = time.monotonic() + 15
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(alive(r) for r in ranks), "a tensor-parallel rank outlived its worker"
+        # its KV files (one per rank) are stale now: the next decode worker's sweep removes them all
+        files = list(SHM_DIR.glob(f"{PREFIX}{worker.pid}-*"))
+        assert len(files) == 2
+        remove_stale_files()
+        assert not any(f.exists() for f in files)
+    finally:
+        await w.close()

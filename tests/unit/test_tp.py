@@ -1,0 +1,237 @@
+"""Tensor parallelism in one process tree: a TP=2 engine (rank 0 here, rank 1 a helper
+process over gloo) against the TP=1 engine, and head re-sharding of KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
+from kvstore.transfer.shm import ShmReceiver, ShmSender
+from mesh.engine import Engine, EngineConfig, ModelError, SamplingParams
+from mesh.engine.tp import TensorParallelError
+from mesh.protocol import PrefillJob
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def run_with_logits(engine: Engine, prompts, params=GREEDY):
+    """Greedy outputs, and the logits of every step's rows (in step order)."""
+    engine.runner.capture_logits = True
+    seqs = [engine.new_sequence(p, params) for p in prompts]
+    for s in seqs:
+        engine.add(s)
+    logits = []
+    while engine.has_work:
+        engine.step()
+        logits.append(engine.runner.last_logits)
+    return [s.output_token_ids for s in seqs], [s.num_cached_tokens for s in seqs], logits
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), "a tensor-parallel rank outlived its engine"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model):
+    """TP=1 and TP=2 engines on the tiny model (4 heads, 2 KV heads), chunked prefill on."""
+    kw = dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
+    one = Engine(EngineConfig(tiny_model, **kw))
+    two = Engine(EngineConfig(tiny_model, tp=2, **kw))
+    yield one, two
+    pids = two.tp.pids
+    files = [shard.shm_path for shard in two.kv_cache.shards[1:]]
+    assert files and all(os.path.exists(f) for f in files)  # rank 1's KV, mapped here too
+    two.close()
+    assert_gone(pids)
+    assert not any(os.path.exists(f) for f in files)
+
+
+def test_tp2_is_token_identical_to_tp1_with_chunked_prefill_and_a_prefix_hit(tiny_pair):
+    one, two = tiny_pair
+    prompts = prompts_of([3, 17, 40, 100, 9, 230], 4096)
+    out1, _, logits1 = run_with_logits(one, prompts)
+    out2, _, logits2 = run_with_logits(two, prompts)
+    assert out1 == out2
+    assert len(logits2) > 12 + 1  # the 230-token prompt took several 64-token chunks
+    assert len(logits1) == len(logits2)
+    for a, b in zip(logits1, logits2, strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    # a prompt sharing the 230-token prompt's first 200 tokens: its full blocks are cached
+    shared = [*prompts[5][:200], 5, 6, 7]
+    out1, cached1, _ = run_with_logits(one, [shared])
+    out2, cached2, _ = run_with_logits(two, [shared])
+    assert cached2 == cached1 == [200]
+    assert out1 == out2
+    assert two.pool.num_used == 0
+
+
+def test_rank0_kv_is_the_full_head_set_over_both_ranks(tiny_pair):
+    one, two = tiny_pair
+    assert isinstance(two.kv_cache, ShardedKVCache)
+    assert two.kv_cache.spec == one.kv_cache.spec  # 2 KV heads in all, one per rank
+    assert [(lo, hi) for lo, hi, _ in two.kv_cache.head_shards()] == [(0, 1), (1, 2)]
+    # the same prompt leaves the same KV bytes, whichever rank computed a head
+    prompt = prompts_of([50], 4096, seed=9)[0]
+    blocks, seqs = [], []
+    for e in (one, two):
+        seq = e.new_sequence(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        seq.hold_blocks = True  # as a prefill worker does: the blocks stay ours until release
+        e.add(seq)
+        while not seq.is_finished:
+            e.step()
+        blocks.append(list(seq.block_table))
+        seqs.append(seq)
+    a = one.kv_cache.read_blocks(blocks[0])
+    b = two.kv_cache.read_blocks(blocks[1])
+    assert a.shape[2] == 7 and a.abs().max() > 0
+    assert (a - b).abs().max().item() < 1e-4
+    for e, seq in zip((one, two), seqs, strict=True):
+        e.release(seq.request_id)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied"])
+def test_hf_checkpoints_tp2_matches_tp1(hf_checkpoints, family):
+    """qwen2: the q/k/v biases are sharded with their heads; qwen3: per-head q/k norms
+    (replicated) and head_dim != hidden / heads; llama_tied: a tied, replicated lm_head."""
+    path = hf_checkpoints[family]
+    prompts = prompts_of([5, 33, 64], 512, seed=3)
+    one = Engine(EngineConfig(path, num_kv_blocks=64))
+    out1, _, logits1 = run_with_logits(one, prompts)
+    two = Engine(EngineConfig(path, num_kv_blocks=64, tp=2))
+    try:
+        out2, _, logits2 = run_with_logits(two, prompts)
+    finally:
+        two.close()
+    assert out1 == out2
+    for a, b in zip(logits1, logits2, strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_a_dead_rank_fails_the_step_and_every_later_one(tiny_model):
+    engine = Engine(EngineConfig(tiny_model, num_kv_blocks=64, tp=2))
+    pids = engine.tp.pids
+    try:
+        assert engine.generate([[5, 6, 7]], GREEDY)[0].num_output_tokens == 12
+        os.kill(pids[0], signal.SIGKILL)
+        assert_gone(pids)
+        with pytest.raises(RuntimeError):
+            engine.generate([[5, 6, 7, 8]], GREEDY)
+        with pytest.raises(TensorParallelError, match="closed"):
+            engine.generate([[9, 10]], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_tp_must_divide_heads_and_excludes_kv_tiers(tiny_model):
+    with pytest.raises(ModelError, match="--tp 3"):
+        Engine(EngineConfig(tiny_model, tp=3))
+    with pytest.raises(ValueError, match="tiers"):
+        EngineConfig(tiny_model, tp=2, host_kv_blocks=16)
+    with pytest.raises(ValueError, match="tp"):
+        EngineConfig(tiny_model, tp=0)
+
+
+def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypatch):
+    import mesh.up
+    from mesh.cli import CliError, build_parser, engine_config, main
+
+    args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2"])
+    assert engine_config(args).tp == 2
+    with pytest.raises(ModelError):
+        engine_config(build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "3"]))
+    with pytest.raises(CliError):
+        engine_config(build_parser().parse_args(["worker", "mock", "--tp", "2"]), mock=True)
+    plans = []
+
+    async def fake_run_up(plan):
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(mesh.up, "run_up", fake_run_up)
+    assert main(["up", "--model", str(tiny_model), "--tp", "2"]) == 0
+    flags = plans[0].worker_flags
+    assert flags[flags.index("--tp") + 1] == "2"
+
+
+# -- head re-sharding of KV blocks ----------------------------------------------------
+
+SPEC = KVCacheSpec(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=4, head_dim=8, dtype=torch.float32)
+
+
+def sharded(tp: int, paths: list[str] | None = None) -> KVCache | ShardedKVCache:
+    spec = KVCacheSpec(SPEC.num_layers, SPEC.num_blocks, SPEC.block_size, SPEC.num_kv_heads // tp,
+                       SPEC.head_dim, SPEC.dtype)
+    shards = [KVCache(spec, torch.device("cpu"), shm_path=paths[r] if paths else None) for r in range(tp)]
+    return shards[0] if tp == 1 else ShardedKVCache(shards)
+
+
+def filled(tp: int, seed: int = 0) -> tuple[KVCache | ShardedKVCache, torch.Tensor]:
+    kv = sharded(tp)
+    full = torch.randn(SPEC.shape, generator=torch.Generator().manual_seed(seed))
+    kv.write_blocks(list(range(SPEC.num_blocks)), full)
+    return kv, full
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2), (1, 1)])
+def test_copy_blocks_reshards_heads(src_tp, dst_tp):
+    src, full = filled(src_tp)
+    assert torch.equal(src.read_blocks(list(range(SPEC.num_blocks))), full)
+    dst = sharded(dst_tp)
+    src_ids, dst_ids = [1, 2, 3, 7, 0], [5, 6, 7, 1, 11]
+    copy_blocks(src, dst, src_ids, dst_ids)
+    assert torch.equal(dst.read_blocks(dst_ids), full[:, :, src_ids])
+    untouched = [b for b in range(SPEC.num_blocks) if b not in dst_ids]
+    assert not dst.read_blocks(untouched).any()
+
+
+def test_block_major_bytes_are_the_same_whatever_the_sharding():
+    """What the nats transport sends (the full head set, block-major) and how it lands."""
+    one, _ = filled(1, seed=4)
+    two, _ = filled(2, seed=4)
+    ids = [3, 0, 9]
+    data = two.read_block_major(ids)
+    assert torch.equal(data, one.read_block_major(ids))
+    dst = sharded(2)
+    dst.write_block_major([4, 5, 6], data)
+    assert torch.equal(dst.read_blocks([4, 5, 6]), one.read_blocks(ids))
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1)])
+def test_shm_transport_reshards_into_the_decode_workers_rank_files(tmp_path, src_tp, dst_tp):
+    paths = [str(tmp_path / f"kv.r{r}") for r in range(dst_tp)]
+    decode_kv = sharded(dst_tp, paths)
+    receiver = ShmReceiver(decode_kv)
+    params = receiver.params("r1", [2, 3])
+    assert ("shards" in params) == (dst_tp > 1)  # TP 1 params are what they always were
+    src, full = filled(src_tp, seed=2)
+    sender = ShmSender()
+    assert sender.usable(params)
+    job = PrefillJob(request_id="r1", model="m", token_ids=[1] * 8, decode_worker="d", num_cached_tokens=0,
+                     dest_block_ids=[2, 3], transports={"shm": params}, deadline=time.time() + 10, block_size=4)
+    result = asyncio.run(sender.send(job, params, src, [8, 9]))
+    assert result.bytes == 2 * SPEC.block_bytes
+    assert torch.equal(decode_kv.read_blocks([2, 3]), full[:, :, [8, 9]])
+    decode_kv.close(unlink=True)
