@@ -286,8 +286,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from prefill.worker import PrefillWorker as cls
     else:
         from decode.worker import DecodeWorker as cls
-    asyncio.run(cls(ws).run())
-    return 0
+    worker = cls(ws)
+    asyncio.run(worker.run())
+    return worker.exit_code
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import socket
 import time
 from collections import deque
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mesh.bus import Bus
 from mesh.engine.core import EngineCore
@@ -178,10 +178,19 @@ class WorkerBase:
         self._tasks: list[asyncio.Task] = []
         self.last_load: LoadReport | None = None
         self.metrics_port = 0
+        self.exit_code = 0
 
     # -- for subclasses -----------------------------------------------------------
     def build(self) -> EngineCore:
         return build_engine(self.settings)
+
+    def _engine_died(self, stop: asyncio.Event) -> None:
+        """The engine can never step again: leave (drain what is left, deregister) and exit non-zero,
+        so that whoever runs the worker replaces it and gateways resume its streams elsewhere."""
+        log.error("the engine is broken for good: %s worker %s leaves", self.role, self.worker_id)
+        self.exit_code = 1
+        self.settings = replace(self.settings, drain_timeout=0.0)
+        stop.set()
 
     def warm_up(self) -> None:
         """One tiny request before the card goes up: the first step faults in pages and picks
@@ -246,7 +255,7 @@ class WorkerBase:
                 self.engine.pool.events.enabled = False
             self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._outputs.put_nowait,
                                    after_work=self.kv_events.flush if self.kv_events else None,
-                                   name=f"engine-{self.role}")
+                                   name=f"engine-{self.role}", on_failure=lambda e: self._engine_died(stop))
             self.loop.start()
             stack.callback(self.loop.stop)
             if self.kv_events is not None:

@@ -40,11 +40,13 @@ class EngineLoop:
         on_outputs: Callable[[list], None],
         after_work: Callable[[Any], None] | None = None,
         name: str = "engine",
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
         self.after_work = after_work  # engine thread, after every step and every batch of commands
+        self.on_failure = on_failure  # event loop: the engine thread died
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -79,16 +81,21 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 try:
                     outs = self.engine.step()
-                except Exception:
-                    # One bad step fails the requests in it, not the worker.
+                except Exception as e:
+                    # One bad step fails the requests in it, not the worker...
                     log.exception("engine step failed; failing the running requests")
                     outs = self._fail_running()
+                    if getattr(e, "fatal", False):  # ...unless the engine can never step again
+                        self.emit(outs)
+                        raise
                 self.step_seconds = time.perf_counter() - t0
                 self.emit(outs)
                 self._after_work()
         except BaseException as e:  # a broken engine must be visible, not a silent dead thread
             self.failure = e
             log.exception("engine thread died")
+            if self.on_failure is not None:
+                self.loop.call_soon_threadsafe(self.on_failure, e)
 
     def _fail_running(self) -> list:
         from mesh.engine.scheduler import StepOutput

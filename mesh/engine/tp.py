@@ -118,7 +118,9 @@ def _join_group(store: dist.Store, rank: int, size: int, device: torch.device):
 
 
 class TensorParallelError(RuntimeError):
-    pass
+    """A rank is gone: this engine can never step again (the worker should exit and be replaced)."""
+
+    fatal = True
 
 
 class TensorParallel:

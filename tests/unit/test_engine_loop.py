@@ -50,3 +50,26 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_serves_on():
         assert loop.failure is None
     finally:
         loop.stop()
+
+
+async def test_a_fatal_engine_error_ends_the_loop_and_says_so():
+    class Broken(RuntimeError):
+        fatal = True
+
+    class Dead(MockEngine):
+        def execute(self, out):
+            raise Broken("a rank is gone")
+
+    engine = Dead(MockConfig(speedup=1000, num_blocks=64))
+    outs: list = []
+    died = asyncio.get_running_loop().create_future()
+    loop = EngineLoop(engine, asyncio.get_running_loop(), outs.extend, on_failure=died.set_result)
+    loop.start()
+    try:
+        await loop.call(lambda e: e.add(e.new_sequence([1, 2, 3], SamplingParams(max_tokens=5), request_id="r")))
+        error = await asyncio.wait_for(died, 10)
+        assert isinstance(error, Broken) and loop.failure is error
+        await asyncio.sleep(0.05)
+        assert [o.finish_reason for o in outs if o.request_id == "r"] == ["error"]  # its request was failed
+    finally:
+        loop.stop()
