@@ -62,6 +62,8 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
     p.add_argument("--disk-kv-gb", type=float, default=None, help="cap of the disk KV tier (default 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                   help="GPU: the share of the device this worker may use, weights and KV (two models on one GPU: 0.4 each)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
@@ -260,6 +262,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
+        kv_memory_fraction=args.kv_memory_fraction,
         **{k: v for k, v in tiers.items() if v is not None},
     )
 
@@ -345,7 +348,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             args.model = m
             engine_config(args)
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",

@@ -198,7 +198,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda if available
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: what memory allows
-    kv_memory_fraction: float = 0.85  # GPU: share of free memory for KV after weights
+    kv_memory_fraction: float = 0.85  # GPU: share of the whole device this worker may use (weights + KV)
     cpu_kv_gib: float = 4.0  # CPU: cap for the KV pool when num_kv_blocks is not given
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -128,10 +128,14 @@ class Engine(EngineCore):
         ).block_bytes
         if self.device.type == "cuda":
             block_bytes //= self.config.tp  # each GPU holds its share of the heads
-            free, _total = torch.cuda.mem_get_info(self.device)
-            # leave room for activations and logits of a full step
+            free, total = torch.cuda.mem_get_info(self.device)
+            # This worker may use ``kv_memory_fraction`` of the whole device (weights, KV, activations),
+            # so several workers (two models, say) share one GPU by giving each a fraction.
+            # Leave room for the activations and logits of a full step.
             reserve = _GIB + self.config.max_num_seqs * mc.vocab_size * 8
-            budget = max(free * self.config.kv_memory_fraction - reserve, block_bytes * 64)
+            own = torch.cuda.memory_allocated(self.device)
+            budget = min(free, total * self.config.kv_memory_fraction - own) - reserve
+            budget = max(budget, block_bytes * 64)
         else:
             budget = min(self.config.cpu_kv_gib * _GIB, _available_memory() * 0.25)
         want = self.config.max_num_seqs * -(-max_len // self.config.block_size)
