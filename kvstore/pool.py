@@ -6,9 +6,10 @@ A block is in exactly one of three states:
     cached      ref_cnt == 0, has a hash; in the free queue, reusable by a prefix hit
     empty       ref_cnt == 0, no hash; in the free queue
 
-The free queue is the eviction order (front is evicted first). Freed blocks go
-to the back, so the least recently used are reused first, and a cached block
-keeps its contents until the moment it is handed out again.
+The free queue is the eviction order (front is evicted first). Freed cached
+blocks go to the back, so the least recently used are reused first, and a cached
+block keeps its contents until the moment it is handed out again; freed empty
+blocks go to the front (reusing one evicts nothing).
 
 Who frees what:
 
@@ -157,6 +158,8 @@ class BlockPool:
             self._ref_cnt[bid] = rc - 1
             if rc == 1:
                 self._free[bid] = None
+                if self._hash[bid] is None:  # holds nothing anyone can hit: reused before any cached block
+                    self._free.move_to_end(bid, last=False)
 
     def cache(self, block_id: int, block_hash: int, parent: int | None, hits: int = 0) -> bool:
         """Name a fully computed (or onboarded) block by its chained hash. False if another block has it.

@@ -103,7 +103,10 @@ def _add_gateway(sub) -> None:
     p.add_argument("--router", default="kv", choices=["kv", "round-robin", "random", "least-loaded"],
                    help="how to pick a decode worker (default: kv, the KV-aware router)")
     p.add_argument("--router-temperature", type=float, default=0.0, help="kv router: 0 = cheapest, > 0 = softmax")
-    p.add_argument("--router-prefill-weight", type=float, default=1.0, help="kv router: weight of prefill work")
+    p.add_argument("--router-prefill-weight", type=float, default=None,
+                   help="kv router: weight of a block to prefill (default 1.0)")
+    p.add_argument("--router-decode-weight", type=float, default=None,
+                   help="kv router: weight of a block held by running requests (default 0.1)")
     p.add_argument("--first-token-timeout", type=float, default=120.0,
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
@@ -123,6 +126,9 @@ def _add_up(sub) -> None:
     p.add_argument("--transports", default=None, help="KV transports for the workers, e.g. shm,nats")
     p.add_argument("--disagg-threshold", type=int, default=None)
     p.add_argument("--router", default=None, help="gateway routing: kv (default), round-robin, random, least-loaded")
+    p.add_argument("--router-temperature", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--router-prefill-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     p.set_defaults(func=cmd_up)
@@ -317,7 +323,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature,
-                            prefill_weight=args.router_prefill_weight),
+                            **{k: v for k, v in (("prefill_weight", args.router_prefill_weight),
+                                                 ("decode_weight", args.router_decode_weight)) if v is not None}),
     ))
     # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
     config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
@@ -362,6 +369,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
     if args.router:
         gateway_flags += ["--router", args.router]
+    for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
+        if getattr(args, name) is not None:
+            gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else planner_config(args)

@@ -4,7 +4,9 @@ Built from the workers' KV events (``apply``) and snapshots (``load_snapshot``);
 ``overlap`` answers, for a request's chained block hashes, how many leading
 blocks each worker holds, credited by the best tier it holds each in. Blocks of
 workers that publish no events are *predicted* from the router's own decisions
-and forgotten after a TTL (approximate mode).
+and forgotten after a TTL (approximate mode); so are the blocks a routed request
+will leave on a worker that does publish events, until the events about them
+arrive (an event on a hash replaces its prediction) or a short TTL passes.
 
 Sequence numbers: ``apply`` refuses a batch that does not follow the last one
 seen from its worker (a gap), and the router resyncs that worker from a snapshot.
@@ -44,6 +46,7 @@ class KvIndex:
         if last is None or batch.seq != last + 1:
             return False
         self._seq[w] = batch.seq
+        pred = self._predicted.get(w)
         for ev in batch.events:
             bit = TIERS.get(ev.tier, 1)
             if ev.kind == "stored":
@@ -52,6 +55,9 @@ class KvIndex:
                 self._remove(w, ev.hashes, bit)
             elif ev.kind == "cleared":
                 self.drop_worker(w, keep_seq=True)
+                pred = None
+            if pred and ev.kind != "cleared":
+                self._unpredict(w, pred, ev.hashes)  # the worker's word replaces the guess
             self.events_applied += len(ev.hashes)
         return True
 
@@ -74,6 +80,11 @@ class KvIndex:
             pred.pop(h, None)
             pred[h] = now + ttl
         self._add(worker, hashes, TIERS["predicted"])
+
+    def _unpredict(self, worker: str, pred: OrderedDict[int, float], hashes: Iterable[int]) -> None:
+        gone = [h for h in hashes if pred.pop(h, None) is not None]
+        if gone:
+            self._remove(worker, gone, TIERS["predicted"])
 
     def expire(self, now: float | None = None) -> int:
         """Forget predictions past their TTL; returns how many went."""

@@ -7,7 +7,11 @@ without NATS. Modes:
   would prefill there) + decode_weight * (blocks it holds for running requests)``, where the
   prompt's blocks are discounted by the worker's cached overlap (tier-weighted). Temperature 0
   takes the cheapest (ties broken at random); above 0 it samples from a softmax over the
-  normalized costs, which spreads load when costs are close.
+  normalized costs, which spreads load when costs are close. A held block weighs a tenth of a
+  block to prefill by default: prefill is what a new request waits for, while a running
+  sequence's blocks cost each decode step little (and a decode weight of 1 let ordinary
+  differences in running requests outweigh a long cached prefix: on the Mooncake trace replay
+  the hit rate fell from 29% to 20%, and loaded TTFT p50 went from 0.43x to 0.82x round-robin's).
 - ``round-robin``, ``random``: ignore caches and load.
 - ``least-loaded``: the fewest active plus pending blocks.
 """
@@ -25,10 +29,11 @@ MODES = ("kv", "round-robin", "random", "least-loaded")
 class RouterConfig:
     mode: str = "kv"
     prefill_weight: float = 1.0
-    decode_weight: float = 1.0
+    decode_weight: float = 0.1
     temperature: float = 0.0
     tier_weights: dict[str, float] = field(default_factory=lambda: {"device": 1.0, "host": 0.75, "disk": 0.25})
     predict_ttl: float = 120.0  # approximate mode: how long a routed prefix is assumed cached
+    pending_ttl: float = 10.0  # event mode: how long a routed prefix counts before its events arrive
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -195,8 +195,13 @@ class KvRouter:
         self._count(decision.worker_id, request_id or uuid.uuid4().hex,
                     _Inflight(now, req.prompt_blocks, decision.new_blocks))
         card = next(c for c in cards if c.worker_id == decision.worker_id)
-        if hashes and not card.publishes_kv_events:
-            idx.predict(card.worker_id, hashes, self.config.predict_ttl)
+        if hashes:
+            # Until the worker's own events show these blocks (after its prefill), the router
+            # credits them from its decision, so that a request sharing the prefix that arrives
+            # meanwhile follows this one instead of computing the same blocks elsewhere. Workers
+            # without events are only ever predicted (approximate mode).
+            ttl = self.config.pending_ttl if card.publishes_kv_events else self.config.predict_ttl
+            idx.predict(card.worker_id, hashes, ttl)
         self._spawn(self._publish(RouterDecision(
             self.router_id, model, decision.worker_id, request_id, req.prompt_blocks, decision.new_blocks,
             decision.overlap_blocks, decision.mode, now,

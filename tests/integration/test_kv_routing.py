@@ -63,7 +63,10 @@ async def test_router_follows_the_prefix_forgets_evictions_and_dead_workers(clus
         done = await ask(w.bus, first.worker_id, prefix + [1, 2, 3], router=router, request_id="first")
         assert done.usage.cached_tokens == 0
         holder = first.worker_id
-        await w.wait_for(lambda: router.index("tiny").overlap(hashes).get(holder, 0) >= 40, 10, "events")
+        idx = router.index("tiny")
+        assert idx.overlap(hashes).get(holder, 0) >= 40  # predicted from the decision until the events come
+        await w.wait_for(lambda: all("device" in idx.tiers_of(holder, h) and "predicted" not in idx.tiers_of(holder, h)
+                                     for h in hashes), 10, "events")
         for k in range(3):
             d = router.route("tiny", prefix + [10 + k], f"again-{k}")
             assert d.worker_id == holder and d.overlap_blocks >= 40

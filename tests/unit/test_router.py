@@ -80,6 +80,20 @@ def test_approximate_mode_predictions_expire():
     assert idx.overlap([1]) == {}
 
 
+def test_a_routed_prefix_counts_until_the_events_about_it_arrive():
+    idx = KvIndex()
+    idx.load_snapshot("a", 0, {})
+    idx.predict("a", [1, 2, 3, 4], ttl=10.0, now=100.0)  # routed there, not yet prefilled
+    assert idx.overlap([1, 2, 3, 4]) == {"a": 4.0}
+    assert idx.apply(batch("a", 1, stored([1, 2, 3])))  # the worker's events replace the guess...
+    assert idx.tiers_of("a", 1) == {"device"} and idx.tiers_of("a", 4) == {"predicted"}
+    assert idx.apply(batch("a", 2, removed([2])))  # ...so an eviction ends the credit at once
+    assert idx.overlap([1, 2, 3, 4]) == {"a": 1.0}
+    assert idx.expire(now=111.0) == 1  # block 4 was never stored: forgotten after the TTL
+    assert idx.tiers_of("a", 4) == set()
+    assert idx.num_blocks("a") == 2  # 1 and 3, from its events
+
+
 def test_event_log_to_wire_merges_chains():
     events = [BlockStored(1, None, "device"), BlockStored(2, 1, "device"), BlockStored(7, None, "device"),
               BlockRemoved(5, "device"), BlockRemoved(6, "device"), BlockRemoved(8, "host")]
@@ -101,9 +115,12 @@ def test_kv_cost_prefers_the_cached_worker_unless_it_is_much_busier():
     d = pick_worker(req, loads(a=5, b=5), {"a": 8.0}, cfg, rng)
     assert d.worker_id == "a" and d.new_blocks == 2 and d.overlap_blocks == 8.0
     costs = kv_costs(req, loads(a=5, b=5), {"a": 8.0}, cfg)
-    assert costs == {"a": 2 + 5, "b": 10 + 5}
-    # a holds the prefix but carries 20 more active blocks: b is cheaper
-    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, cfg, rng).worker_id == "b"
+    assert costs == {"a": 2 + 0.5, "b": 10 + 0.5}
+    # a held block costs a tenth of a block to prefill: 20 more active blocks on a do not outweigh
+    # its 8 cached ones, 200 more do
+    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, cfg, rng).worker_id == "a"
+    assert pick_worker(req, loads(a=205, b=5), {"a": 8.0}, cfg, rng).worker_id == "b"
+    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, RouterConfig(decode_weight=1.0), rng).worker_id == "b"
     # pending prefill counts as prefill work
     busy = [WorkerLoad("a", 5, pending_prefill_blocks=30), WorkerLoad("b", 5)]
     assert pick_worker(req, busy, {"a": 8.0}, cfg, rng).worker_id == "b"
