@@ -6,7 +6,11 @@ a fixed function of the sequence, so every completed stream is checked token
 for token, whichever workers it went through. At the end every request is
 either correct, or ended with a clear error (an HTTP error or an SSE error
 event), or hung (no answer within the client timeout): the last two are
-counted, hung and incorrect must be zero.
+counted, hung and incorrect must be zero. It prints those counts, how many
+streams the gateway migrated to another worker mid-request (and how many
+requests it re-sent before their first token), and the latency of
+completed requests that had a fault (a kill or the NATS restart) in flight next
+to those that had none.
 
     python bench/chaos.py [--seconds 300] [--clients 8] [--kill-every 6]
 """
@@ -51,6 +55,10 @@ class Outcome:
     errors: int = 0
     hung: int = 0
     latencies: list[float] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each completed request
+    faults: list[float] = field(default_factory=list)  # when a worker was killed or NATS went down
+    migrations: int | None = None  # streams the gateway resumed on another worker mid-stream (its /metrics)
+    reroutes: int | None = None  # requests it re-sent elsewhere before their first token
     error_kinds: dict[str, int] = field(default_factory=dict)
     incorrect_samples: list[str] = field(default_factory=list)
     kills: int = 0
@@ -116,7 +124,9 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, o
     except httpx.HTTPError as e:
         out.error(type(e).__name__)
         return
-    out.latencies.append(time.monotonic() - t0)
+    t1 = time.monotonic()
+    out.latencies.append(t1 - t0)
+    out.spans.append((t0, t1))
     if got == expected_tokens(prompt, n):
         out.correct += 1
     else:
@@ -175,6 +185,7 @@ async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float 
                         dead.remove((t, p))
                     if not restarted_nats and now - start >= seconds * nats_restart_at:
                         log(f"  [{now - start:5.1f}s] restarting NATS")
+                        out.faults.append(time.monotonic())
                         nats.stop()
                         await asyncio.sleep(1.0)
                         nats.start()
@@ -186,6 +197,7 @@ async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float 
                     if victims:
                         victim = rng.choice(victims)
                         log(f"  [{now - start:5.1f}s] kill -9 {victim.argv[victim.argv.index('--worker-id') + 1]}")
+                        out.faults.append(time.monotonic())
                         victim.kill()
                         out.kills += 1
                         dead.append((now + rng.uniform(2.0, 6.0), victim))
@@ -194,6 +206,7 @@ async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float 
                     out.restarts += 1
 
             await asyncio.gather(monkey(), *(user(i) for i in range(clients)))
+            out.migrations, out.reroutes = await scrape_counters(client, url)
     finally:
         gateway.stop()
         for p in workers:
@@ -202,9 +215,38 @@ async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float 
     return out
 
 
+async def scrape_counters(client: httpx.AsyncClient, url: str) -> tuple[int | None, int | None]:
+    """The gateway's (migrations, reroutes) counters from its /metrics."""
+    try:
+        text = (await client.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return None, None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("pdmesh_gateway_migrations_total", "pdmesh_gateway_reroutes_total"):
+            found[name] = int(float(value))
+    return found.get("pdmesh_gateway_migrations_total"), found.get("pdmesh_gateway_reroutes_total")
+
+
+def _or_unknown(n: int | None) -> str:
+    return "unknown" if n is None else str(n)
+
+
+def _pcts(xs: list[float]) -> str:
+    xs = sorted(xs)
+    if not xs:
+        return "none"
+    return (f"{len(xs)} requests, p50 {statistics.median(xs) * 1e3:.0f} ms, "
+            f"p99 {xs[int(0.99 * (len(xs) - 1))] * 1e3:.0f} ms")
+
+
 def report(out: Outcome, seconds: float) -> str:
     lat = sorted(out.latencies)
     p99 = lat[int(0.99 * (len(lat) - 1))] if lat else float("nan")
+    # "during a fault": a worker was killed or NATS went down while the request was in flight
+    hit = [t1 - t0 for t0, t1 in out.spans if any(t0 <= f <= t1 for f in out.faults)]
+    calm = [t1 - t0 for t0, t1 in out.spans if not any(t0 <= f <= t1 for f in out.faults)]
     lines = [
         f"chaos for {seconds:.0f}s: {out.kills} kills, {out.restarts} restarts, "
         f"1 NATS restart",
@@ -212,6 +254,10 @@ def report(out: Outcome, seconds: float) -> str:
         f"clear errors {out.errors} {out.error_kinds or ''}, hung {out.hung}",
         f"latency of completed requests: p50 {statistics.median(lat) * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms"
         if lat else "no request completed",
+        f"  in flight during a fault (kill or NATS restart): {_pcts(hit)}",
+        f"  no fault in flight: {_pcts(calm)}",
+        f"gateway: migrated mid-stream {_or_unknown(out.migrations)}, re-sent before the first token "
+        f"{_or_unknown(out.reroutes)}",
     ]
     if out.incorrect_samples:
         lines.append(f"incorrect: {out.incorrect_samples}")

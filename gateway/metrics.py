@@ -18,7 +18,8 @@ class GatewayStats:
     requests: Counter = field(default_factory=Counter)  # (endpoint, status) -> count
     completion_tokens: int = 0
     cancels: int = 0  # requests cancelled on a worker (client gone, stop string, error)
-    migrations: int = 0  # streams resumed on another worker after theirs died or went silent
+    migrations: int = 0  # streams resumed on another worker after theirs died or went silent mid-stream
+    reroutes: int = 0  # requests sent to another worker after theirs died or went silent before a token
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -40,6 +41,9 @@ class GatewayStats:
             "# HELP pdmesh_gateway_migrations_total Streams resumed on another worker mid-request.",
             "# TYPE pdmesh_gateway_migrations_total counter",
             f"pdmesh_gateway_migrations_total {self.migrations}",
+            "# HELP pdmesh_gateway_reroutes_total Requests sent to another worker after theirs died before a token.",
+            "# TYPE pdmesh_gateway_reroutes_total counter",
+            f"pdmesh_gateway_reroutes_total {self.reroutes}",
             "# HELP pdmesh_gateway_inflight_requests Choices admitted and not finished.",
             "# TYPE pdmesh_gateway_inflight_requests gauge",
             f"pdmesh_gateway_inflight_requests {gw.inflight}",

@@ -244,7 +244,10 @@ class Gateway:
                     if migrations >= cfg.max_migrations or e.status not in (503, 504) or not self._untried(model, tried):
                         raise
                     migrations += 1
-                    self.stats.migrations += 1
+                    if generated:
+                        self.stats.migrations += 1
+                    else:
+                        self.stats.reroutes += 1
                     span.add_event("migrated", {"pdmesh.from": worker_id, "pdmesh.after_tokens": len(generated)})
                     log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e, len(generated))
                     self._cancel_later(model, worker_id, request_id)  # if it is only slow, free it

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 INFLIGHT_TTL = 30.0  # seconds a decision counts as load if no load report shows it
 REPORT_MARGIN = 0.25  # a load report this much newer than a decision already shows it
+SILENT_AFTER = 3.5  # seconds without a load report (workers send one a second) before a worker gets no new work
 SNAPSHOT_TIMEOUT = 5.0
 
 
@@ -58,6 +59,7 @@ class KvRouter:
         self.rng = random.Random()
         self.indexes: dict[str, KvIndex] = {}
         self.loads: dict[str, LoadReport] = {}
+        self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
         self.inflight: dict[str, OrderedDict[str, _Inflight]] = {}  # worker -> request id -> load
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
@@ -103,6 +105,7 @@ class KvRouter:
             for idx in self.indexes.values():
                 idx.drop_worker(worker_id)
             self.loads.pop(worker_id, None)
+            self._heard.pop(worker_id, None)
             self.inflight.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
             return
@@ -122,6 +125,7 @@ class KvRouter:
         if report.role != "decode":
             return
         self.loads[report.worker_id] = report
+        self._heard[report.worker_id] = time.monotonic()
         queue = self.inflight.get(report.worker_id)
         while queue and next(iter(queue.values())).timestamp < report.timestamp - REPORT_MARGIN:
             queue.popitem(last=False)
@@ -171,7 +175,17 @@ class KvRouter:
 
     # -- deciding -----------------------------------------------------------------------
     def candidates(self, model: str) -> list[WorkerCard]:
-        return [c for c in self.membership.cards(model, "decode") if c.status == "ready"]
+        """Ready decode workers of ``model``, less those whose load reports stopped.
+
+        A worker killed outright keeps its card until the card's TTL runs out (up to 10 s);
+        its load reports stop at once, so after ``SILENT_AFTER`` it gets no new requests. If
+        every worker is silent (the bus itself was down), all of them stay candidates.
+        """
+        ready = [c for c in self.membership.cards(model, "decode") if c.status == "ready"]
+        now = time.monotonic()
+        heard = self._heard
+        live = [c for c in ready if now - heard.get(c.worker_id, now) <= SILENT_AFTER]
+        return live or ready
 
     def route(self, model: str, token_ids: list[int], request_id: str = "",
               exclude: set[str] | frozenset[str] = frozenset()) -> Decision:

@@ -14,3 +14,5 @@ async def test_chaos_loses_nothing_and_hangs_nothing():
     assert out.hung == 0
     assert out.incorrect == 0, out.incorrect_samples
     assert out.correct >= 0.5 * out.total  # most requests ride through the faults
+    assert out.migrations is not None and out.reroutes is not None  # the gateway counts both
+    assert any(t0 <= f <= t1 for t0, t1 in out.spans for f in out.faults)  # faults hit requests in flight

@@ -84,6 +84,9 @@ async def test_router_follows_the_prefix_forgets_evictions_and_dead_workers(clus
         # 3. a killed worker is never chosen again
         victim = next(x for x in workers if x != holder)
         os.kill(workers[victim].pid, signal.SIGKILL)
+        # its load reports stop at once: within 4.5 s it gets no new work (its card may outlive it to 10 s)
+        await w.wait_for(lambda: victim not in {c.worker_id for c in router.candidates("tiny")}, 8,
+                         "the router to stop choosing the silent worker")
         await w.wait_for(lambda: w.membership.get(victim) is None, 15, "the card to expire")
         chosen = {router.route("tiny", [rng.randrange(3, 4096) for _ in range(40)]).worker_id for _ in range(30)}
         assert victim not in chosen and chosen <= set(workers)

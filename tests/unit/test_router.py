@@ -151,3 +151,36 @@ def test_other_modes():
         RouterConfig(mode="fastest")
     with pytest.raises(LookupError):
         pick_worker(req, [], {}, RouterConfig(), rng)
+
+
+class _Cards:
+    """Just what ``KvRouter.candidates`` reads of the membership."""
+
+    def __init__(self, cards):
+        self._cards = cards
+
+    def cards(self, model=None, role=None):
+        return [c for c in self._cards if (model is None or c.model == model) and (role is None or c.role == role)]
+
+
+async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
+    import mesh.router.router as router_module
+    from mesh.protocol import LoadReport, WorkerCard
+    from mesh.router.router import KvRouter
+
+    cards = [WorkerCard(w, "decode", "m", 16, 100, 1024, "h", 1, 0.0, 0.0) for w in ("a", "b", "c")]
+    router = KvRouter(None, _Cards(cards), RouterConfig(mode="round-robin"))
+    clock = [1000.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: clock[0])
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]  # none reported yet: all kept
+    for w in ("a", "b", "c"):
+        await router._on_load(LoadReport(w, "m", "decode", 0.0), None)
+    clock[0] += 2.0
+    for w in ("a", "c"):
+        await router._on_load(LoadReport(w, "m", "decode", 0.0), None)
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
+    clock[0] += 2.0  # b silent for 4 s (killed; its card is still there)
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "c"]
+    assert {router.route("m", list(range(40))).worker_id for _ in range(6)} == {"a", "c"}
+    clock[0] += 10.0  # everyone silent (the bus was down): nobody is excluded
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
