@@ -23,7 +23,8 @@ from mesh.client import StreamError
 from mesh.protocol import DecodeError, TokenChunk, decode
 
 _TIMED_OUT = object()
-_GONE = b""  # pushed when the stream's worker left the registry (no chunk is ever empty)
+_GONE = object()  # pushed when the stream's worker left the registry
+_NO_RESPONDERS = object()  # NATS answered the request itself: nobody subscribes to the worker's subject
 
 
 class WorkerGone(StreamError):
@@ -71,6 +72,9 @@ class ReplyStreams:
         if stream is None:
             self.stray += 1
             return
+        if not msg.data:  # no chunk is ever empty: this is the server's 503 "no responders" status
+            stream.push(_NO_RESPONDERS)
+            return
         stream.push(msg.data)
 
 
@@ -85,10 +89,10 @@ class ReplyStream:
         self.subject = f"{owner.prefix}.{key}"
         self.worker_id = worker_id
         self.expect = 0
-        self._pending: deque[bytes] = deque()
+        self._pending: deque[bytes | object] = deque()
         self._waiter: asyncio.Future | None = None
 
-    def push(self, data: bytes) -> None:
+    def push(self, data: bytes | object) -> None:
         self._pending.append(data)
         w = self._waiter
         if w is not None and not w.done():
@@ -109,10 +113,12 @@ class ReplyStream:
         out = []
         while self._pending:
             data = self._pending.popleft()
-            if data is _GONE:
+            if data is _GONE or data is _NO_RESPONDERS:
                 if out:  # hand over what did arrive; the next call reports the loss
                     self._pending.appendleft(data)
                     break
+                if data is _NO_RESPONDERS:
+                    raise StreamError(f"worker {self.worker_id} is not listening (it died?)", 503)
                 raise WorkerGone(self.worker_id)
             try:
                 chunk = decode(data, TokenChunk)

@@ -241,6 +241,8 @@ class Gateway:
                     attempt += 1
                 except StreamError as e:
                     # The worker died or went silent: resume on another one, after the tokens the client has.
+                    if e.status in (503, 504):
+                        self.router.suspect(worker_id)
                     if migrations >= cfg.max_migrations or e.status not in (503, 504) or not self._untried(model, tried):
                         raise
                     migrations += 1

@@ -245,6 +245,11 @@ class KvRouter:
         while queue and d.timestamp - next(iter(queue.values())).timestamp > INFLIGHT_TTL:
             queue.popitem(last=False)
 
+    def suspect(self, worker: str) -> None:
+        """A request to ``worker`` found nobody there or went silent: no new work for it until
+        its next load report (which a worker that is only slow sends within a second)."""
+        self._heard[worker] = time.monotonic() - SILENT_AFTER - 1.0
+
     def first_token(self, worker: str, request_id: str) -> None:
         """The request's prefill is done: it no longer counts as pending prefill."""
         d = self.inflight.get(worker, {}).get(request_id)

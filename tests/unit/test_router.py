@@ -182,5 +182,10 @@ async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
     clock[0] += 2.0  # b silent for 4 s (killed; its card is still there)
     assert [c.worker_id for c in router.candidates("m")] == ["a", "c"]
     assert {router.route("m", list(range(40))).worker_id for _ in range(6)} == {"a", "c"}
+    await router._on_load(LoadReport("b", "m", "decode", 0.0), None)  # b is back
+    router.suspect("c")  # a request found nobody on c's subject: c waits for its next report
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "b"]
+    await router._on_load(LoadReport("c", "m", "decode", 0.0), None)
+    assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
     clock[0] += 10.0  # everyone silent (the bus was down): nobody is excluded
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
