@@ -382,7 +382,7 @@ class DecodeWorker(WorkerBase):
             act.end_spans(outcome, **{"pdmesh.output_tokens": out.num_output_tokens,
                                       "pdmesh.cached_tokens": out.num_cached_tokens,
                                       "pdmesh.finish_reason": out.finish_reason})
-        await self.bus.publish(act.reply, chunk)
+        await self.bus.publish(act.reply, chunk, traced=False)
 
     async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:
         self.counters.errors += 1

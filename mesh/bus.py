@@ -88,9 +88,12 @@ class Bus:
         return self.nc.max_payload
 
     async def publish(self, subject: str, msg: Any, reply: str = "", headers: dict | None = None,
-                      span=None) -> None:
-        """``span``: carry this span's trace context (default: the current span's)."""
-        await self.nc.publish(subject, encode(msg), reply=reply, headers=outgoing_headers(headers, span))
+                      span=None, traced: bool = True) -> None:
+        """``span``: carry this span's trace context (default: the current span's). ``traced=False``
+        for high-rate messages nobody continues a trace from (token chunks, load reports, KV
+        events): a header costs the sender an injection and every receiver a parse."""
+        hdrs = outgoing_headers(headers, span) if traced else headers
+        await self.nc.publish(subject, encode(msg), reply=reply, headers=hdrs)
 
     async def request(self, subject: str, msg: Any, expect: type[T], timeout: float) -> T:
         reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=outgoing_headers())

@@ -78,7 +78,7 @@ class KvEventPublisher:
         while True:
             batch = await self._queue.get()
             try:
-                await self.bus.publish(subject, batch)
+                await self.bus.publish(subject, batch, traced=False)
                 self.published += 1
             except Exception as e:  # the gap in numbers makes routers resync
                 log.warning("could not publish KV events: %s", e)

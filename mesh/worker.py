@@ -318,7 +318,7 @@ class WorkerBase:
             try:
                 report = await asyncio.wait_for(self.loop.call(self.load), 10.0)
                 self.last_load = report
-                await self.bus.publish(subject, report)
+                await self.bus.publish(subject, report, traced=False)
             except Exception as e:
                 log.warning("load report failed: %s", e)
             await asyncio.sleep(self.settings.load_interval)

@@ -262,4 +262,4 @@ class KvRouter:
 
     async def _publish(self, d: RouterDecision) -> None:
         with contextlib.suppress(Exception):
-            await self.bus.publish(self.bus.subjects.router_decisions(), d)
+            await self.bus.publish(self.bus.subjects.router_decisions(), d, traced=False)
