@@ -56,7 +56,7 @@ class KvIndex:
             elif ev.kind == "cleared":
                 self.drop_worker(w, keep_seq=True)
                 pred = None
-            if pred and ev.kind != "cleared":
+            if pred:
                 self._unpredict(w, pred, ev.hashes)  # the worker's word replaces the guess
             self.events_applied += len(ev.hashes)
         return True
