@@ -34,6 +34,14 @@ class WorkerGone(StreamError):
         super().__init__(f"worker {worker_id} went away mid-request", 503)
 
 
+class NoResponders(StreamError):
+    """NATS itself answered the request: nobody subscribes to the worker's subject (it died, or
+    it is re-subscribing after the server restarted)."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(f"worker {worker_id} is not listening", 503)
+
+
 class ReplyStreams:
     """The gateway's reply subscription and the streams waiting on it."""
 
@@ -122,7 +130,7 @@ class ReplyStream:
                     self._pending.appendleft(data)
                     break
                 if data is _NO_RESPONDERS:
-                    raise StreamError(f"worker {self.worker_id} is not listening (it died?)", 503)
+                    raise NoResponders(self.worker_id)
                 raise WorkerGone(self.worker_id)
             try:
                 chunk = decode(data, TokenChunk)

@@ -21,7 +21,7 @@ from opentelemetry import trace
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.errors import APIError, upstream
 from gateway.metrics import GatewayStats
-from gateway.replies import ReplyStreams
+from gateway.replies import NoResponders, ReplyStreams
 from mesh import client, metrics
 from mesh.bus import Bus
 from mesh.client import StreamError
@@ -44,6 +44,7 @@ from mesh.tracing import child_context
 log = logging.getLogger(__name__)
 TRACER = tracer("pdmesh.gateway")
 SILENCE_CHECK = 0.5  # seconds between looks for workers whose load reports stopped
+UNREACHABLE_BACKOFF = 0.5  # seconds between rounds over workers nobody answers for
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class GatewayConfig:
     idle_timeout: float = 60.0
     retries: int = 2  # re-pick a worker when one is draining or vanished before answering
     max_migrations: int = 2  # a worker that dies mid-stream: resume elsewhere this many times
+    unreachable_wait: float = 5.0  # every worker tried is unreachable: keep trying this long before a 503
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
@@ -258,16 +260,26 @@ class Gateway:
                     # The worker died or went silent: resume on another one, after the tokens the client has.
                     if e.status in (503, 504):
                         self.router.suspect(worker_id)
-                    if migrations >= cfg.max_migrations or e.status not in (503, 504) or not self._untried(model, tried):
-                        raise
-                    migrations += 1
-                    if generated:
-                        self.stats.migrations += 1
-                    else:
+                    exhausted = migrations >= cfg.max_migrations or not self._untried(model, tried)
+                    if (isinstance(e, NoResponders) and exhausted
+                            and time.monotonic() - started < cfg.unreachable_wait):
+                        # Nobody listens anywhere we tried: after a NATS restart the workers are back
+                        # within a second or two. Wait a little and try them all again.
                         self.stats.reroutes += 1
-                    span.add_event("migrated", {"pdmesh.from": worker_id, "pdmesh.after_tokens": len(generated)})
-                    log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e, len(generated))
-                    self._cancel_later(model, worker_id, request_id)  # if it is only slow, free it
+                        await asyncio.sleep(UNREACHABLE_BACKOFF)
+                        tried.clear()
+                    else:
+                        if exhausted or e.status not in (503, 504):
+                            raise
+                        migrations += 1
+                        if generated:
+                            self.stats.migrations += 1
+                        else:
+                            self.stats.reroutes += 1
+                        span.add_event("migrated", {"pdmesh.from": worker_id, "pdmesh.after_tokens": len(generated)})
+                        log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e,
+                                    len(generated))
+                        self._cancel_later(model, worker_id, request_id)  # if it is only slow, free it
                     req = _resumed(req, prompt_ids, sampling, generated)
                 stream.close()
                 self.router.finished(stream.worker_id, request_id)
