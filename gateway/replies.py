@@ -62,10 +62,6 @@ class ReplyStreams:
         if self._sub is not None:
             await self._sub.unsubscribe()
 
-    def workers(self) -> set[str]:
-        """Workers with streams open."""
-        return {s.worker_id for s in self._streams.values()}
-
     def worker_gone(self, worker_id: str) -> int:
         """Wake every stream served by ``worker_id`` with ``WorkerGone``; returns how many."""
         gone = [s for s in self._streams.values() if s.worker_id == worker_id]

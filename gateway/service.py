@@ -43,7 +43,6 @@ from mesh.tracing import child_context
 
 log = logging.getLogger(__name__)
 TRACER = tracer("pdmesh.gateway")
-SILENCE_CHECK = 0.5  # seconds between looks for workers whose load reports stopped
 UNREACHABLE_BACKOFF = 0.5  # seconds between rounds over workers nobody answers for
 
 
@@ -91,7 +90,6 @@ class Gateway:
         self.inflight = 0
         self.stats = GatewayStats()
         self._background: set[asyncio.Task] = set()
-        self._silence_watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         setup_tracing("pdmesh-gateway")
@@ -104,17 +102,6 @@ class Gateway:
         self.router = KvRouter(self.bus, self.membership, self.config.router)
         await self.router.start()
         await self.bus.subscribe(self.bus.subjects.planner_decisions(), self._on_planner, PlannerDecision)
-        self._silence_watch = asyncio.get_running_loop().create_task(self._watch_silence())
-
-    async def _watch_silence(self) -> None:
-        """Streams from a worker whose load reports stopped (killed outright, or hung) are resumed
-        elsewhere at once, not after its card expires or the stream's idle timeout."""
-        while True:
-            await asyncio.sleep(SILENCE_CHECK)
-            for worker_id in self.router.silent() & self.replies.workers():
-                if n := self.replies.worker_gone(worker_id):
-                    log.warning("worker %s stopped reporting with %d requests in flight: resuming them elsewhere",
-                                worker_id, n)
 
     def _on_member(self, worker_id: str, card: WorkerCard | None) -> None:
         if card is None and self.replies is not None and self.replies.worker_gone(worker_id):
@@ -125,8 +112,6 @@ class Gateway:
         metrics.PLANNER_REPLICAS.labels(d.model, d.pool, "target").set(d.target)
 
     async def stop(self) -> None:
-        if self._silence_watch is not None:
-            self._silence_watch.cancel()
         if self._background:  # cancels of abandoned requests: let them reach the bus
             await asyncio.wait(list(self._background), timeout=1.0)
         if self.router:

@@ -60,7 +60,6 @@ class KvRouter:
         self.indexes: dict[str, KvIndex] = {}
         self.loads: dict[str, LoadReport] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
-        self._suspected: dict[str, float] = {}  # worker -> when a request found nobody there (monotonic)
         self.inflight: dict[str, OrderedDict[str, _Inflight]] = {}  # worker -> request id -> load
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
@@ -107,7 +106,6 @@ class KvRouter:
                 idx.drop_worker(worker_id)
             self.loads.pop(worker_id, None)
             self._heard.pop(worker_id, None)
-            self._suspected.pop(worker_id, None)
             self.inflight.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
             return
@@ -185,17 +183,9 @@ class KvRouter:
         """
         ready = [c for c in self.membership.cards(model, "decode") if c.status == "ready"]
         now = time.monotonic()
-        heard, suspected = self._heard, self._suspected
-        live = [c for c in ready if now - heard.get(c.worker_id, now) <= SILENT_AFTER
-                and suspected.get(c.worker_id, -1.0) <= heard.get(c.worker_id, 0.0)]
+        heard = self._heard
+        live = [c for c in ready if now - heard.get(c.worker_id, now) <= SILENT_AFTER]
         return live or ready
-
-    def silent(self) -> set[str]:
-        """Workers whose load reports stopped more than ``SILENT_AFTER`` ago, when others' did not
-        (if nobody's arrive, the bus is down, not the workers)."""
-        now = time.monotonic()
-        quiet = {w for w, t in self._heard.items() if now - t > SILENT_AFTER}
-        return quiet if len(quiet) < len(self._heard) else set()
 
     def route(self, model: str, token_ids: list[int], request_id: str = "",
               exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
@@ -258,7 +248,7 @@ class KvRouter:
     def suspect(self, worker: str) -> None:
         """A request to ``worker`` found nobody there or went silent: no new work for it until
         its next load report (which a worker that is only slow sends within a second)."""
-        self._suspected[worker] = time.monotonic()
+        self._heard[worker] = time.monotonic() - SILENT_AFTER - 1.0
 
     def first_token(self, worker: str, request_id: str) -> None:
         """The request's prefill is done: it no longer counts as pending prefill."""

@@ -163,7 +163,7 @@ class _Cards:
         return [c for c in self._cards if (model is None or c.model == model) and (role is None or c.role == role)]
 
 
-async def test_a_worker_whose_load_reports_stop_gets_no_new_work_and_counts_as_silent(monkeypatch):
+async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
     import mesh.router.router as router_module
     from mesh.protocol import LoadReport, WorkerCard
     from mesh.router.router import KvRouter
@@ -179,17 +179,13 @@ async def test_a_worker_whose_load_reports_stop_gets_no_new_work_and_counts_as_s
     for w in ("a", "c"):
         await router._on_load(LoadReport(w, "m", "decode", 0.0), None)
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
-    assert router.silent() == set()
     clock[0] += 2.0  # b silent for 4 s (killed; its card is still there)
     assert [c.worker_id for c in router.candidates("m")] == ["a", "c"]
-    assert router.silent() == {"b"}  # the gateway resumes b's streams elsewhere
     assert {router.route("m", list(range(40))).worker_id for _ in range(6)} == {"a", "c"}
     await router._on_load(LoadReport("b", "m", "decode", 0.0), None)  # b is back
     router.suspect("c")  # a request found nobody on c's subject: c waits for its next report
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b"]
-    assert router.silent() == set()  # a suspicion alone does not end c's other streams
     await router._on_load(LoadReport("c", "m", "decode", 0.0), None)
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
     clock[0] += 10.0  # everyone silent (the bus was down): nobody is excluded
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
-    assert router.silent() == set()
