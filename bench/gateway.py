@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -51,6 +50,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
+from sse_client import Connection
+
 from mesh.bus import Bus
 from mesh.natsserver import free_port
 from mesh.protocol import GenerateRequest, SamplingOptions
@@ -61,70 +62,6 @@ OUTPUT_TOKENS = 64
 VOCAB = 32000  # the mocker's
 TARGET_RPS_C32 = 200.0
 TARGET_ADDED_P50_MS = 3.0
-
-
-# -- a minimal streaming HTTP/1.1 client ---------------------------------------------------
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON and yields SSE ``data:`` payloads."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
-
-    async def post_sse(self, path: str, body: bytes):
-        """Yields (monotonic time, payload bytes) per SSE event; the status must be 200."""
-        if self.writer is None:
-            await self.open()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
-        r = self.reader
-        status = await r.readline()
-        if b" 200 " not in status:
-            raise RuntimeError(f"HTTP status {status!r}")
-        chunked, length = False, None
-        while True:
-            line = await r.readline()
-            if line in (b"\r\n", b""):
-                break
-            k, _, v = line.partition(b":")
-            k = k.strip().lower()
-            if k == b"transfer-encoding" and b"chunked" in v.lower():
-                chunked = True
-            elif k == b"content-length":
-                length = int(v)
-        if not chunked:  # one body: split into events
-            data = await r.readexactly(length or 0)
-            now = time.monotonic()
-            for ev in data.split(b"\n\n"):
-                if ev.startswith(b"data: "):
-                    yield now, ev[6:]
-            return
-        buf = b""
-        while True:
-            size = int((await r.readline()).strip(), 16)
-            if size == 0:
-                await r.readline()
-                return
-            buf += await r.readexactly(size)
-            await r.readexactly(2)
-            now = time.monotonic()
-            while (end := buf.find(b"\n\n")) >= 0:
-                ev, buf = buf[:end], buf[end + 2:]
-                if ev.startswith(b"data: "):
-                    yield now, ev[6:]
 
 
 # -- one request ------------------------------------------------------------------------------

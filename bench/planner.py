@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -59,6 +58,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from sse_client import Connection
 
 from mesh.bus import Bus
 from mesh.natsserver import free_port
@@ -92,53 +93,6 @@ def phases(quick: bool, spec: str | None = None) -> list[Phase]:
         Phase("generation-heavy", s, 12.0, 32, 100),
         Phase("idle", s, 1.0, 32, 8),
     ]
-
-
-# -- a minimal streaming HTTP/1.1 client ---------------------------------------------------
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection: POST JSON, yield (time, payload) per SSE ``data:`` event."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
-
-    async def post_sse(self, path: str, body: bytes):
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-        self.writer.write((f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                           f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
-        r = self.reader
-        status = await r.readline()
-        chunked, length = False, 0
-        while (line := await r.readline()) not in (b"\r\n", b""):
-            k, _, v = line.partition(b":")
-            k = k.strip().lower()
-            if k == b"transfer-encoding" and b"chunked" in v.lower():
-                chunked = True
-            elif k == b"content-length":
-                length = int(v)
-        if b" 200 " not in status or not chunked:
-            body = await r.readexactly(length) if not chunked else b""
-            raise RuntimeError(f"{status.strip().decode(errors='replace')} {body[:200]!r}")
-        buf = b""
-        while (size := int((await r.readline()).strip(), 16)) > 0:
-            buf += await r.readexactly(size)
-            await r.readexactly(2)
-            now = time.monotonic()
-            while (end := buf.find(b"\n\n")) >= 0:
-                ev, buf = buf[:end], buf[end + 2:]
-                if ev.startswith(b"data: "):
-                    yield now, ev[6:]
-        await r.readline()
 
 
 def tokens_in(event: bytes) -> int:
