@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from mesh.natsserver import free_port
+from tests.procs import alive
 
 
 def descendants(pid: int) -> set[int]:
@@ -31,14 +32,6 @@ def descendants(pid: int) -> set[int]:
                 out.add(c)
                 todo.append(c)
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

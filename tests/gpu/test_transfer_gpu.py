@@ -26,7 +26,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -51,6 +50,7 @@ from mesh.engine import Engine, EngineConfig, SamplingParams
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import GenerateRequest, LoadReport, PrefillJob, SamplingOptions
 from mesh.registry import Membership
+from tests.procs import stop_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -271,18 +271,6 @@ def spawn_worker(role: str, *flags: str, env: dict) -> subprocess.Popen:
     )
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 async def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -355,4 +343,4 @@ async def test_cluster_prefills_remotely_and_decodes_like_one_engine(transport, 
         with contextlib.suppress(Exception):
             await members.stop()
         await bus.close()
-        await asyncio.to_thread(stop, procs)
+        await asyncio.to_thread(stop_processes, procs)

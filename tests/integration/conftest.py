@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from mesh.bus import Bus
 from mesh.natsserver import EmbeddedNats, free_port
 from mesh.protocol import LoadReport
 from mesh.registry import Membership
+from tests.procs import stop_processes
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +54,7 @@ class Cluster:
         return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
 
 
 @pytest.fixture(scope="module")

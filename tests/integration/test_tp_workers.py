@@ -14,7 +14,6 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from kvstore.transfer.shm import PREFIX, SHM_DIR, remove_stale_files
 from mesh.engine import Engine, EngineConfig, SamplingParams
 from tests.integration.conftest import Watcher
 from tests.integration.test_mesh import run_all
+from tests.procs import alive, stop_processes
 
 THRESHOLD = 64
 LENGTHS = [5, 20, 63, 64, 90, 150, 256, 400, 600]
@@ -59,27 +59,6 @@ def rank_processes(pid: int) -> list[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """Stop a test's workers now (and free the two cores for the next test)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"),
                          [("shm", 1, 2), ("shm", 2, 1), ("nats", 1, 2), ("nats", 2, 1)])
 async def test_prefill_and_decode_of_different_tp_degrees(cluster, tiny_model, expected, transport,
@@ -108,7 +87,7 @@ async def test_prefill_and_decode_of_different_tp_degrees(cluster, tiny_model, e
         assert d.kv_blocks_used == 0 and d.running == 0
     finally:
         await w.close()
-        stop(procs)
+        stop_processes(procs)
 
 
 async def test_aggregated_tp2_worker_and_no_rank_outlives_a_killed_worker(cluster, tiny_model, expected):

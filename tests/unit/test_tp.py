@@ -17,6 +17,7 @@ from kvstore.transfer.shm import ShmReceiver, ShmSender
 from mesh.engine import Engine, EngineConfig, ModelError, SamplingParams
 from mesh.engine.tp import TensorParallelError
 from mesh.protocol import PrefillJob
+from tests.procs import alive
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -37,14 +38,6 @@ def run_with_logits(engine: Engine, prompts, params=GREEDY):
         engine.step()
         logits.append(engine.runner.last_logits)
     return [s.output_token_ids for s in seqs], [s.num_cached_tokens for s in seqs], logits
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def assert_gone(pids, timeout=10.0):

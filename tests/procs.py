@@ -1,0 +1,29 @@
+"""Process helpers the tests share: is a pid still running, stop what a test started."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM them all, then wait up to 20 s each before SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
