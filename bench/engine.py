@@ -431,10 +431,23 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
 def run_gpu(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         sys.exit(f"bench/engine.py --gpu: CUDA is not available here (torch {torch.__version__})")
-    return gpu_decode(args, torch.device("cuda"), LLAMA3_8B_SHAPE)
+    runs, failed = [], []
+    for backend in args.gpu_attention.split(","):  # one engine at a time: each holds 16 GB of weights
+        try:
+            runs.append(gpu_decode(args, torch.device("cuda"), LLAMA3_8B_SHAPE, backend))
+        except SystemExit as e:  # a backend that cannot run is reported; the others still run
+            print(e, file=sys.stderr)
+            failed.append({"attention": backend, "error": str(e)})
+        torch.cuda.empty_cache()
+    for r in runs[:-1]:
+        base = runs[-1]
+        print(f"decode {r['attention']} / {base['attention']}: "
+              f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x; prefill "
+              f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x")
+    return {"mode": "gpu", "runs": runs, "failed": failed}
 
 
-def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict) -> dict:
+def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, backend: str) -> dict:
     batch = args.gpu_batch
     prompt, new = (128, 32) if args.quick else (args.gpu_prompt, args.gpu_new_tokens)
     reps = args.reps or 2
@@ -447,7 +460,7 @@ def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict) -> d
                 model_dir, device=str(device), dtype="bfloat16", block_size=BLOCK_SIZE,
                 num_kv_blocks=blocks, max_num_batched_tokens=batch * prompt, max_num_seqs=batch,
                 max_model_len=prompt + new + BLOCK_SIZE, enable_prefix_caching=False,
-                attention_backend=args.gpu_attention,
+                attention_backend=backend,
             ))
         runner = OursRunner(engine)
         rng = random.Random(args.seed)
@@ -456,13 +469,15 @@ def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict) -> d
     except (ValueError, ImportError, RuntimeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         sys.exit(f"bench/engine.py --gpu: the engine did not run with attention "
-                 f"{args.gpu_attention!r}: {msg}")
+                 f"{backend!r}: {msg}")
     t1, steps = [], []
     for _ in range(reps):  # every step ends in .tolist() of the sampled ids: a device sync
         t1.append(runner.generate(prompts, 1)[0])
         stamps = runner.generate(prompts, new)[1]
         steps.append(statistics.median(decode_gaps(stamps)))
-    return _gpu_report(engine, batch, prompt, new, min(t1), min(steps), args.hbm_tbps)
+    report = _gpu_report(engine, batch, prompt, new, min(t1), min(steps), args.hbm_tbps)
+    del engine, runner
+    return report
 
 
 def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, step_s: float,
@@ -507,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     g = p.add_argument_group("GPU (--gpu replaces the CPU comparison)")
     g.add_argument("--gpu", action="store_true", help="Llama-3-8B-shaped bf16 decode on CUDA")
-    g.add_argument("--gpu-attention", default="flashinfer")
+    g.add_argument("--gpu-attention", default="flashinfer",
+                   help="attention backend(s), comma-separated; the last is the baseline of the ratios")
     g.add_argument("--gpu-batch", type=int, default=64)
     g.add_argument("--gpu-prompt", type=int, default=512)
     g.add_argument("--gpu-new-tokens", type=int, default=128)
@@ -516,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_gpu(args) if args.gpu else run_cpu(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return 1 if result.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 # files) or bench/out/gpu: gpu_check.log, gpu_tests.xml, bench_engine.json.
 # Each step has a time limit, and all share one deadline (GPU_CHECK_SECONDS,
 # default 420), so the whole check ends inside 8 minutes even when a step hangs.
+# The FlashInfer kernel build runs in the background while the transport checks run.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logdir=${OUT:-bench/out/gpu}
@@ -112,15 +113,18 @@ main() {
     setup_env
     step machine 60 bash -c show_machine
     step install 120 bash -c install || { echo "install failed: nothing to test"; return 1; }
-    # the transports need no FlashInfer kernels (the tiny model runs the torch backend): before the warm-up
+    # nvcc builds the FlashInfer kernels on the CPUs while the transports (which need none of
+    # them: the tiny model runs the torch backend) are tested and measured on the GPU
+    local warm_log=/tmp/warm_kernels.log
+    step warm-kernels 300 bash -c warm_kernels >"$warm_log" 2>&1 &
+    local warm_pid=$!
     step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
-    step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
-    step warm-kernels 240 bash -c warm_kernels
-    step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
     step gpu-marked-elsewhere 90 bash -c 'pytest_gpu tests -m gpu --ignore=tests/gpu'
-    if [ -f bench/engine.py ]; then
-        step bench-engine 150 "$py" bench/engine.py --gpu --json "$logdir/bench_engine.json"
-    fi
+    step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
+    wait "$warm_pid" || failed+=("warm-kernels")
+    cat "$warm_log"
+    step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
+    step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,torch}" --json "$logdir/bench_engine.json"
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))
 }
