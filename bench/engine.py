@@ -476,8 +476,40 @@ def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, back
         stamps = runner.generate(prompts, new)[1]
         steps.append(statistics.median(decode_gaps(stamps)))
     report = _gpu_report(engine, batch, prompt, new, min(t1), min(steps), args.hbm_tbps)
+    if args.gpu_profile:
+        report["profile"] = profile_decode(engine, prompts, args.gpu_profile)
     del engine, runner
     return report
+
+
+def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
+    """Where a decode step's time goes: kernel time on the GPU against the step's wall time.
+    Kernel time well under wall time means the step waits on the host (launches, Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add(engine.new_sequence(p, params))
+    engine.step()  # the prefill, outside the profile
+    engine.step()
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps
+    while engine.has_work:
+        engine.step()
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) / steps
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / steps
+    print(f"  profile ({engine.attention.name}, {steps} decode steps, under the profiler): wall "
+          f"{wall * 1e3:.2f} ms/step, GPU kernels {kernel_us / 1e3:.2f} ms/step "
+          f"({kernel_us / 1e6 / wall:.0%} busy), {launches:.0f} kernel launches/step")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    return {"wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3, "launches_per_step": launches}
 
 
 def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, step_s: float,
@@ -527,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gpu-batch", type=int, default=64)
     g.add_argument("--gpu-prompt", type=int, default=512)
     g.add_argument("--gpu-new-tokens", type=int, default=128)
+    g.add_argument("--gpu-profile", type=int, default=0, metavar="STEPS",
+                   help="also profile this many decode steps (torch.profiler): kernel time vs wall time")
     g.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth (H200: 4.8)")
     args = p.parse_args(argv)
     result = run_gpu(args) if args.gpu else run_cpu(args)

@@ -119,12 +119,13 @@ main() {
     step warm-kernels 300 bash -c warm_kernels >"$warm_log" 2>&1 &
     local warm_pid=$!
     step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
-    step gpu-marked-elsewhere 90 bash -c 'pytest_gpu tests -m gpu --ignore=tests/gpu'
+    # GPU tests outside tests/gpu, by file: collecting all of tests/ needs the CPU suite's dev extras
+    step gpu-marked-elsewhere 90 bash -c 'pytest_gpu -m gpu $(grep -rl --include="test_*.py" "mark.gpu" tests | grep -v "^tests/gpu/")'
     step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
     wait "$warm_pid" || failed+=("warm-kernels")
     cat "$warm_log"
     step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
-    step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,torch}" --json "$logdir/bench_engine.json"
+    step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))
 }

@@ -238,8 +238,38 @@ def copy_blocks(src: _BlockIO, dst: _BlockIO, src_ids: list[int], dst_ids: list[
                 continue
             dst_heads = slice(lo - d_lo, hi - d_lo)
             src_heads = slice(lo - s_lo, hi - s_lo)
-            for s0, d0, n in runs:
-                d.tensor[:, :, d0 : d0 + n, :, dst_heads].copy_(s.tensor[:, :, s0 : s0 + n, :, src_heads])
+            copy_block_tensor(d.tensor[:, :, :, :, dst_heads], s.tensor[:, :, :, :, src_heads],
+                              src_ids, dst_ids, runs)
+
+
+# On a GPU a strided copy per run is a kernel launch per run, and scattered blocks make
+# one run each; past this many runs the blocks move by index instead.
+MAX_CUDA_RUNS = 8
+GATHER_BYTES = 256 << 20  # the staging buffer of an indexed copy: this many bytes of layers at a time
+
+
+def copy_block_tensor(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int],
+                      runs: list[tuple[int, int, int]] | None = None, indexed: bool | None = None) -> None:
+    """Copy blocks (dim 2 of the ``[layers, 2, blocks, ...]`` layout) between two KV tensors.
+
+    One strided copy per run of consecutive ids; on CUDA, with many short runs (a
+    fragmented pool), an index gather and scatter per group of layers instead: a few
+    large kernels rather than one small one per block (``indexed`` forces either way).
+    """
+    runs = block_runs(src_ids, dst_ids) if runs is None else runs
+    if indexed is None:
+        indexed = dst.device.type == "cuda" and len(runs) > MAX_CUDA_RUNS
+    if not indexed:
+        for s0, d0, n in runs:
+            dst[:, :, d0 : d0 + n].copy_(src[:, :, s0 : s0 + n])
+        return
+    src_idx = torch.as_tensor(src_ids, dtype=torch.long).to(src.device, non_blocking=True)
+    dst_idx = torch.as_tensor(dst_ids, dtype=torch.long).to(dst.device, non_blocking=True)
+    layer_bytes = len(src_ids) * src[0, :, 0].numel() * src.element_size()
+    step = max(1, GATHER_BYTES // max(1, layer_bytes))
+    for l0 in range(0, src.shape[0], step):
+        gathered = src[l0 : l0 + step].index_select(2, src_idx).to(dst.device, dst.dtype, non_blocking=True)
+        dst[l0 : l0 + step].index_copy_(2, dst_idx, gathered)
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

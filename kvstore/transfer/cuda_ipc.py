@@ -38,7 +38,7 @@ from functools import lru_cache
 
 import torch
 
-from kvstore.cache import KVCache, KVCacheSpec, block_runs
+from kvstore.cache import KVCache, KVCacheSpec, copy_block_tensor
 from kvstore.transfer import TransferResult, host_id, register_receiver, register_sender
 from mesh.protocol import PrefillJob
 
@@ -72,20 +72,49 @@ def visible_devices() -> dict[str, int]:
 
 
 @lru_cache(maxsize=1)
-def _cu_mem_get_address_range():
+def _libcuda() -> ctypes.CDLL:
     # CuPy does not wrap cuMemGetAddressRange; the driver library is there wherever a GPU is
-    fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return fn
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    return lib
 
 
-def allocation_range(ptr: int) -> tuple[int, int]:
-    """(base, size) of the device allocation holding ``ptr`` (needs a current context)."""
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = _cu_mem_get_address_range()(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"cuMemGetAddressRange failed (CUresult {rc})")
+        raise RuntimeError(f"{what} failed (CUresult {rc})")
+
+
+@contextlib.contextmanager
+def _primary_context(index: int):
+    """Make the device's primary context (the one the runtime, PyTorch and CuPy use) current on
+    this thread. A driver API call needs one, and a thread that never ran CUDA work has none:
+    PyTorch and CuPy skip cudaSetDevice when the device is already the current one."""
+    lib = _libcuda()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
+
+
+def allocation_range(ptr: int, device: int) -> tuple[int, int]:
+    """(base, size) of the allocation on ``device`` that holds ``ptr``."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with _primary_context(device):
+        rc = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    _check(rc, "cuMemGetAddressRange")
     return base.value, size.value
 
 
@@ -97,8 +126,7 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, int]:
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     rt = cupy.cuda.runtime
     with cupy.cuda.Device(t.device.index):
-        rt.pointerGetAttributes(ptr)  # a runtime call: the device's primary context is now current here
-        base, size = allocation_range(ptr)
+        base, size = allocation_range(ptr, t.device.index)
         try:
             handle = rt.ipcGetMemHandle(base)
         except Exception as e:  # cupy.cuda.runtime.CUDARuntimeError
@@ -214,8 +242,7 @@ class CudaIpcSender:
             with torch.cuda.device(dev), torch.cuda.stream(stream):
                 # the engine wrote the source blocks on the default stream
                 stream.wait_stream(torch.cuda.default_stream(dev))
-                for s0, d0, n in block_runs(src_ids, dst_ids):
-                    dst[:, :, d0 : d0 + n].copy_(src.tensor[:, :, s0 : s0 + n], non_blocking=True)
+                copy_block_tensor(dst, src.tensor, src_ids, dst_ids)
             stream.synchronize()
             if dst.device != dev:  # a peer copy may finish on the other device's stream
                 torch.cuda.synchronize(dst.device)

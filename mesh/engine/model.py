@@ -44,10 +44,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, head_dim]`` of the step's positions: once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,15 +73,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionBackend):
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend):
+        T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
+        v = qkv[:, hq + hkv :]
+        if self.q_norm is None:
+            # q and k are adjacent heads of the fused projection: one rotation for both
+            qk = apply_rotary(qkv[:, : hq + hkv], *rope)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :hq]), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, hq : hq + hkv]), *rope)
         o = attn.forward(self.layer, q, k, v)
         return self.shard.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
@@ -104,8 +109,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x, positions, rotary, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+    def forward(self, x, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,8 +130,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` before the final norm."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
+            x = layer(x, rope, attn)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -43,7 +44,7 @@ pytest.importorskip("cupy")
 from kvstore.cache import KVCache, KVCacheSpec
 from kvstore.transfer import make_receiver, make_sender
 from kvstore.transfer import nccl as nccl_transport
-from kvstore.transfer.cuda_ipc import device_uuid
+from kvstore.transfer.cuda_ipc import device_uuid, export_tensor
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.engine import Engine, EngineConfig, SamplingParams
@@ -294,6 +295,26 @@ async def run_prompt(bus: Bus, worker: str, model: str, rid: str, tokens: list[i
         assert chunk.error is None, chunk.error
         out += chunk.token_ids
     return out
+
+
+def test_cuda_ipc_exports_from_a_thread_that_never_ran_cuda_work():
+    # a worker builds its KV cache in the engine's thread and its receiver on the event loop's:
+    # a thread without a current CUDA context must still find the allocation to export
+    kv = KVCache(SPEC, torch.device("cuda", 0))
+    out: dict = {}
+
+    def export() -> None:
+        try:
+            out["exported"] = export_tensor(kv.tensor)
+        except Exception as e:  # reported below, with the reason
+            out["error"] = e
+
+    t = threading.Thread(target=export)
+    t.start()
+    t.join(60)
+    assert "error" not in out, out.get("error")
+    handle, offset = out["exported"]
+    assert len(handle) == 64 and offset == export_tensor(kv.tensor)[1]  # the offset seen from here
 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])

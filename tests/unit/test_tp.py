@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
+import kvstore.cache
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
 from kvstore.transfer.shm import ShmReceiver, ShmSender
 from mesh.engine import Engine, EngineConfig, ModelError, SamplingParams
 from mesh.engine.tp import TensorParallelError
@@ -198,6 +199,24 @@ def test_copy_blocks_reshards_heads(src_tp, dst_tp):
     assert torch.equal(dst.read_blocks(dst_ids), full[:, :, src_ids])
     untouched = [b for b in range(SPEC.num_blocks) if b not in dst_ids]
     assert not dst.read_blocks(untouched).any()
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 1 << 30], ids=["layer-by-layer", "all-layers"])
+def test_indexed_block_copy_equals_the_run_by_run_copy(gather_bytes, monkeypatch):
+    """The gather/scatter a GPU uses for scattered blocks, forced on CPU: same bytes as the runs."""
+    monkeypatch.setattr(kvstore.cache, "GATHER_BYTES", gather_bytes)
+    src = torch.randn(SPEC.shape, generator=torch.Generator().manual_seed(3))
+    src_ids, dst_ids = [0, 1, 2, 5, 9, 4, 11], [10, 3, 4, 0, 8, 7, 1]
+    by_runs, by_index = torch.zeros(SPEC.shape), torch.zeros(SPEC.shape)
+    copy_block_tensor(by_runs, src, src_ids, dst_ids, indexed=False)
+    copy_block_tensor(by_index, src, src_ids, dst_ids, indexed=True)
+    assert torch.equal(by_index, by_runs)
+    assert torch.equal(by_index[:, :, dst_ids], src[:, :, src_ids])
+    # through a head slice (a re-sharding copy) and into another dtype
+    half = torch.zeros(SPEC.shape, dtype=torch.bfloat16)
+    copy_block_tensor(half[:, :, :, :, 2:], src[:, :, :, :, :2], src_ids, dst_ids, indexed=True)
+    assert torch.equal(half[:, :, dst_ids, :, 2:], src[:, :, src_ids, :, :2].bfloat16())
+    assert not half[:, :, :, :, :2].any()
 
 
 def test_block_major_bytes_are_the_same_whatever_the_sharding():
