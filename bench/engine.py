@@ -485,6 +485,7 @@ def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, back
 def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
     """Where a decode step's time goes: kernel time on the GPU against the step's wall time.
     Kernel time well under wall time means the step waits on the host (launches, Python)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -503,7 +504,8 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict
     while engine.has_work:
         engine.step()
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events) / steps
+    # kernel rows only: an ATen op's row repeats the time of the kernels it launched
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / steps
     print(f"  profile ({engine.attention.name}, {steps} decode steps, under the profiler): wall "
           f"{wall * 1e3:.2f} ms/step, GPU kernels {kernel_us / 1e3:.2f} ms/step "
