@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from mesh.engine.config import ModelConfig
 from mesh.engine.errors import ModelError
-from mesh.engine.model import CausalLM, Rotary
+from mesh.engine.model import CausalLM, Rotary, pack_cpu_linears
 from mesh.engine.tp import Shard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -113,6 +113,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_p
     missing = [name for pid, (name, rows) in expected.items() if loaded.get(pid, 0) < rows]
     if missing:
         raise ModelError(f"{cfg.path} is missing weights for {', '.join(missing[:3])}")
+    if device.type == "cpu":
+        pack_cpu_linears(model)
     return model
 
 
