@@ -34,6 +34,9 @@ class PagedSequence(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
     def block_hashes(self, num_blocks: int | None = None) -> list[int]: ...
 
 
@@ -134,9 +137,11 @@ class KVCacheManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = seq.block_hashes(full)
+        prompt = seq.num_prompt_tokens
+        bs = self.block_size
         for i in range(seq.num_cached_blocks, len(hashes)):
             parent = hashes[i - 1] if i > 0 else None
-            self.pool.cache(seq.block_table[i], hashes[i], parent)
+            self.pool.cache(seq.block_table[i], hashes[i], parent, generated=(i + 1) * bs > prompt)
         seq.num_cached_blocks = len(hashes)
 
     def free(self, seq: PagedSequence) -> None:

@@ -6,10 +6,22 @@ A block is in exactly one of three states:
     cached      ref_cnt == 0, has a hash; in the free queue, reusable by a prefix hit
     empty       ref_cnt == 0, no hash; in the free queue
 
-The free queue is the eviction order (front is evicted first). Freed cached
-blocks go to the back, so the least recently used are reused first, and a cached
-block keeps its contents until the moment it is handed out again; freed empty
-blocks go to the front (reusing one evicts nothing).
+The free blocks wait in three queues, taken in this order when blocks are allocated
+(the front of each first):
+
+    empty       reusing one evicts nothing
+    probation   cached blocks never hit since they were computed: seen once
+    protected   cached blocks that served a prefix hit: seen again, far likelier to be
+                asked for once more; at most ``protected_share`` of the pool, beyond that
+                the least recent go back to probation
+
+A cached block keeps its contents until the moment it is handed out again. Within a
+queue the least recently freed go first, and ``free()`` takes a block table in
+reverse so that a chain's last blocks are evicted before its first (a prefix is only
+as useful as its leading blocks). Blocks holding generated tokens (past the prompt)
+join probation at the front: no request asked for them yet, so they are the first
+cached blocks to go. This is segmented LRU; on the Mooncake trace with 8 workers it
+keeps ~3 points more of the prompt tokens cached than plain LRU (``bench/cache_policy.py``).
 
 Who frees what:
 
@@ -48,6 +60,11 @@ class NoFreeBlocks(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+PROTECTED_SHARE = 0.5
+
+_IN_USE, _EMPTY, _PROBATION, _PROTECTED = range(4)
+
+
 class BlockPool:
     def __init__(
         self,
@@ -55,6 +72,7 @@ class BlockPool:
         enable_caching: bool = True,
         tier: str = "device",
         on_evict: Callable[[list[EvictedBlock]], None] | None = None,
+        protected_share: float = PROTECTED_SHARE,
     ):
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
@@ -67,7 +85,12 @@ class BlockPool:
         self._hash: list[int | None] = [None] * num_blocks
         self._parent: list[int | None] = [None] * num_blocks
         self._hits = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._generated = [False] * num_blocks
+        self._where = [_EMPTY] * num_blocks
+        # the free blocks, by queue; allocation takes from the first non-empty one, front first
+        self._queues: tuple[OrderedDict[int, None], ...] = (
+            OrderedDict(), OrderedDict((i, None) for i in range(num_blocks)), OrderedDict(), OrderedDict())
+        self._max_protected = int(protected_share * num_blocks)
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.events = KvEventLog()
         # counters: prefix-cache queries and hits, in blocks
@@ -77,11 +100,12 @@ class BlockPool:
     # -- queries -------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        q = self._queues
+        return len(q[_EMPTY]) + len(q[_PROBATION]) + len(q[_PROTECTED])
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -101,6 +125,10 @@ class BlockPool:
 
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
+
+    def eviction_order(self) -> list[int]:
+        """The free blocks in the order ``allocate`` would hand them out."""
+        return [b for q in self._queues[_EMPTY:] for b in q]
 
     def match_prefix(self, hashes: Sequence[int], below: Callable[[int], bool] | None = None) -> list:
         """Block ids of the longest cached prefix of ``hashes`` (no references taken).
@@ -124,13 +152,16 @@ class BlockPool:
 
     # -- mutations -----------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue, each with one reference."""
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        """Take ``n`` free blocks (empty, then probation, then protected), each with one reference."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
         out = []
         evicted: list[EvictedBlock] = []
+        queues = self._queues[_EMPTY:]
         for _ in range(n):
-            bid, _ = self._free.popitem(last=False)
+            queue = next(q for q in queues if q)
+            bid, _ = queue.popitem(last=False)
+            self._where[bid] = _IN_USE
             h = self._hash[bid]
             if h is not None:
                 evicted.append(EvictedBlock(bid, h, self._parent[bid], self._hits[bid]))
@@ -142,29 +173,51 @@ class BlockPool:
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on blocks found by a prefix hit (pulls cached ones off the free queue)."""
+        """Take a reference on blocks found by a prefix hit (pulls cached ones off the free queues)."""
         for bid in block_ids:
             if self._ref_cnt[bid] == 0:
-                del self._free[bid]
+                del self._queues[self._where[bid]][bid]
+                self._where[bid] = _IN_USE
             self._ref_cnt[bid] += 1
             self._hits[bid] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per block; give the ids in the order they should be evicted."""
+        first_out: list[int] = []
         for bid in block_ids:
             rc = self._ref_cnt[bid]
             if rc <= 0:
                 raise RuntimeError(f"block {bid} freed more often than taken")
             self._ref_cnt[bid] = rc - 1
-            if rc == 1:
-                self._free[bid] = None
-                if self._hash[bid] is None:  # holds nothing anyone can hit: reused before any cached block
-                    self._free.move_to_end(bid, last=False)
+            if rc > 1:
+                continue
+            if self._hash[bid] is None:
+                self._enqueue(bid, _EMPTY)
+            elif self._hits[bid] > 0:
+                self._enqueue(bid, _PROTECTED)
+            elif self._generated[bid]:
+                first_out.append(bid)
+            else:
+                self._enqueue(bid, _PROBATION)
+        probation = self._queues[_PROBATION]
+        for bid in reversed(first_out):  # the first given ends at the very front
+            self._enqueue(bid, _PROBATION)
+            probation.move_to_end(bid, last=False)
+        protected = self._queues[_PROTECTED]
+        while len(protected) > self._max_protected:
+            bid, _ = protected.popitem(last=False)
+            self._enqueue(bid, _PROBATION)
 
-    def cache(self, block_id: int, block_hash: int, parent: int | None, hits: int = 0) -> bool:
+    def _enqueue(self, bid: int, where: int) -> None:
+        self._queues[where][bid] = None
+        self._where[bid] = where
+
+    def cache(self, block_id: int, block_hash: int, parent: int | None, hits: int = 0,
+              generated: bool = False) -> bool:
         """Name a fully computed (or onboarded) block by its chained hash. False if another block has it.
 
         ``hits``: prefix hits the block served before (an onboarded block keeps its count).
+        ``generated``: the block holds tokens past the prompt (no request asked for them yet).
         """
         if not self.enable_caching or self._hash[block_id] is not None:
             return False
@@ -173,6 +226,7 @@ class BlockPool:
         self._hash[block_id] = block_hash
         self._parent[block_id] = parent
         self._hits[block_id] = hits
+        self._generated[block_id] = generated
         self._cached[block_hash] = block_id
         self.events.append(BlockStored(block_hash, parent, self.tier))
         return True
@@ -182,12 +236,17 @@ class BlockPool:
 
         Nothing goes to ``on_evict``: stale KV must not be offloaded.
         """
-        for bid in list(self._free):
-            self._evict(bid)
+        for where in (_PROBATION, _PROTECTED):
+            queue = self._queues[where]
+            while queue:
+                bid, _ = queue.popitem(last=False)
+                self._evict(bid)
+                self._enqueue(bid, _EMPTY)
 
     def _evict(self, bid: int) -> None:
         h = self._hash[bid]
         if h is not None:
             self._hash[bid] = None
+            self._generated[bid] = False
             del self._cached[h]
             self.events.append(BlockRemoved(h, self.tier))

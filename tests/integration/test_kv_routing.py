@@ -73,9 +73,12 @@ async def test_router_follows_the_prefix_forgets_evictions_and_dead_workers(clus
             done = await ask(w.bus, d.worker_id, prefix + [10 + k], router=router, request_id=f"again-{k}")
             assert done.usage.cached_tokens >= 640 - 16  # served from the decode worker's cache
 
-        # 2. the holder evicts the prefix (its 96-block pool fills with other prompts): no more credit
+        # 2. the holder evicts the prefix (its 96-block pool fills with other prompts, each asked
+        # twice: blocks that served a hit outlive blocks seen once, so they must be hits too):
+        # no more credit
         for _ in range(3):
             other = [rng.randrange(3, 4096) for _ in range(700)]
+            await ask(w.bus, holder, other)
             await ask(w.bus, holder, other)
         await w.wait_for(lambda: router.index("tiny").overlap(hashes).get(holder, 0) < 40, 10,
                          "the removal events")

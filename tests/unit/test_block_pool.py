@@ -43,6 +43,56 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert events == [BlockStored(111, None, "device"), BlockStored(222, 111, "device"), BlockRemoved(222, "device")]
 
 
+def test_blocks_that_served_a_hit_outlive_blocks_seen_once():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    for bid, h in ((a, 1), (b, 2), (c, 3)):
+        pool.cache(bid, h, None)
+    pool.free([a])
+    pool.touch([a])  # a prefix hit on a
+    pool.free([a, b, c])  # a is freed first, so plain LRU would evict it first
+    pool.free([d])  # empty: nothing lost by reusing it
+    assert pool.eviction_order() == [d, b, c, a]
+    assert pool.allocate(3) == [d, b, c]
+    assert pool.lookup(1) == a and pool.lookup(2) is None and pool.lookup(3) is None
+
+
+def test_generated_blocks_are_the_first_cached_blocks_to_go_tail_first():
+    pool = BlockPool(5)
+    p1, p2, g1, g2, other = pool.allocate(5)
+    pool.cache(other, 9, None)
+    pool.free([other])  # an older prompt block
+    pool.cache(p1, 1, None)
+    pool.cache(p2, 2, 1)
+    pool.cache(g1, 3, 2, generated=True)
+    pool.cache(g2, 4, 3, generated=True)
+    pool.free(reversed([p1, p2, g1, g2]))  # as the manager frees a finished sequence
+    assert pool.eviction_order() == [g2, g1, other, p2, p1]
+
+
+def test_protected_blocks_beyond_their_share_go_back_to_probation():
+    pool = BlockPool(4, protected_share=0.5)  # at most 2 protected
+    ids = pool.allocate(4)
+    for h, bid in enumerate(ids):
+        pool.cache(bid, 100 + h, None)
+    pool.free(ids)
+    pool.touch(ids)
+    pool.free(ids)  # all four were hit; the two freed first are demoted, at the back of probation
+    assert pool.eviction_order() == ids
+
+
+def test_manager_marks_blocks_past_the_prompt_as_generated():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    s = seq(range(6))  # block 0 is prompt, block 1 holds prompt tokens 4-5 and two generated ones
+    assert kv.grow(s, 8)
+    s.append_token(7)
+    s.append_token(8)
+    s.num_computed_tokens = 8
+    kv.cache_computed(s)
+    assert [pool._generated[b] for b in s.block_table] == [False, True]
+
+
 def test_touch_takes_cached_block_off_the_free_queue():
     pool = BlockPool(2)
     (a,) = pool.allocate(1)

@@ -1,0 +1,130 @@
+"""The prefix cache's eviction policy on a Mooncake trace, without the mesh.
+
+Replays the trace's prompts (the token mapping of ``bench/trace_replay.py``) through
+one real ``BlockPool`` per worker, one request at a time: the request goes to the
+worker holding the longest prefix of it (ties: the worker that has prefilled the
+fewest tokens), takes its hit, computes the rest and its ``output_length`` generated
+tokens, and frees its blocks. No load, no event delay, no concurrency: an upper bound
+for any router, which isolates what the eviction policy keeps.
+
+    python bench/cache_policy.py --trace ../shared/data/traces/mooncake_synthetic_trace.jsonl
+
+Policies: ``lru`` (one queue, least recently freed first), ``slru`` (the pool's
+default: blocks that served a hit are protected, up to half the pool; generated
+blocks go first), and Belady's optimal eviction per worker (knows each block's next
+use on that worker; same routing decisions) as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import trace_replay as tr
+
+from kvstore.pool import BlockPool
+from mesh.hashing import block_hashes, model_seed
+
+
+def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, seed: int = 0) -> float:
+    hseed = model_seed(tr.MODEL)
+    share = 0.0 if policy == "lru" else 0.5
+    pools = [BlockPool(blocks, protected_share=share) for _ in range(workers)]
+    prefilled = [0] * workers
+    rng = random.Random(seed)
+    fresh = iter(range(1 << 62, 1 << 63))  # hashes of generated blocks: never asked for again
+    hit_tokens = prompt_tokens = 0
+    for r in requests:
+        hashes = block_hashes(r.prompt, block_size, hseed)
+        usable = hashes[: (len(r.prompt) - 1) // block_size]
+        overlaps = []
+        for pool in pools:
+            n = 0
+            while n < len(usable) and pool.lookup(usable[n]) is not None:
+                n += 1
+            overlaps.append(n)
+        best = max(overlaps)
+        w = min((i for i, n in enumerate(overlaps) if n == best), key=lambda i: (prefilled[i], rng.random()))
+        pool = pools[w]
+        hit = [pool.lookup(h) for h in usable[:best]]
+        pool.touch(hit)
+        total_blocks = (len(r.prompt) + r.max_tokens) // block_size
+        rest = pool.allocate(min(total_blocks - best, blocks - best))
+        table = hit + rest
+        for i in range(best, len(table)):
+            generated = i >= len(hashes)
+            h = next(fresh) if generated else hashes[i]
+            pool.cache(table[i], h, table[i - 1] if i else None, generated=generated and policy != "lru")
+        pool.free(reversed(table))
+        hit_tokens += best * block_size
+        prompt_tokens += len(r.prompt)
+        prefilled[w] += len(r.prompt) - best * block_size
+    return hit_tokens / prompt_tokens
+
+
+def belady(requests, workers: int, blocks: int, block_size: int = 16, seed: int = 0) -> float:
+    """Routing as ``run`` with LRU would route it is not knowable in advance, so this routes by
+    longest prefix over the caches Belady keeps (ties as above) and evicts, per worker, the
+    block whose next use is farthest away (a prompt block's next request, if any)."""
+    hseed = model_seed(tr.MODEL)
+    seqs = [block_hashes(r.prompt, block_size, hseed) for r in requests]
+    next_use: list[dict[int, int]] = []
+    upcoming: dict[int, int] = {}
+    for i in range(len(seqs) - 1, -1, -1):
+        next_use.append({h: upcoming.get(h, 1 << 60) for h in seqs[i]})
+        for h in seqs[i]:
+            upcoming[h] = i
+    next_use.reverse()
+    caches: list[dict[int, int]] = [{} for _ in range(workers)]  # hash -> next use
+    prefilled = [0] * workers
+    rng = random.Random(seed)
+    hit_tokens = prompt_tokens = 0
+    for i, r in enumerate(requests):
+        usable = seqs[i][: (len(r.prompt) - 1) // block_size]
+        overlaps = []
+        for c in caches:
+            n = 0
+            while n < len(usable) and usable[n] in c:
+                n += 1
+            overlaps.append(n)
+        best = max(overlaps)
+        w = min((j for j, n in enumerate(overlaps) if n == best), key=lambda j: (prefilled[j], rng.random()))
+        c = caches[w]
+        for h in seqs[i]:
+            c[h] = next_use[i][h]
+        if len(c) > blocks:
+            for h, _ in sorted(c.items(), key=lambda kv: kv[1])[blocks:]:
+                del c[h]
+        hit_tokens += best * block_size
+        prompt_tokens += len(r.prompt)
+        prefilled[w] += len(r.prompt) - best * block_size
+    return hit_tokens / prompt_tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, required=True)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--blocks", type=int, nargs="+", default=[3600, 4096],
+                   help="blocks per worker (3,600: what 4,096 leave free beside running requests)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--belady", action="store_true", help="also the optimal-eviction ceiling (slow)")
+    args = p.parse_args()
+    if not args.trace.is_file():
+        sys.exit(f"bench/cache_policy.py: no trace at {args.trace}")
+    requests = tr.load_trace(args.trace, 1.0, args.limit, None)
+    oracle = sum(tr.oracle_hits(requests)) / sum(len(r.prompt) for r in requests)
+    print(f"{len(requests)} requests, {args.workers} workers; prefix hit rate (cached / prompt tokens), "
+          f"unlimited shared cache: {oracle:.1%}")
+    print(f"{'blocks/worker':>14} {'lru':>8} {'slru':>8} {'slru/lru':>9}" + (f" {'belady':>8}" if args.belady else ""))
+    for blocks in args.blocks:
+        lru, slru = run(requests, args.workers, blocks, "lru"), run(requests, args.workers, blocks, "slru")
+        extra = f" {belady(requests, args.workers, blocks):>8.1%}" if args.belady else ""
+        print(f"{blocks:>14} {lru:>8.1%} {slru:>8.1%} {slru / lru:>8.2f}x{extra}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
