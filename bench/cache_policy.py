@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +29,9 @@ from kvstore.pool import BlockPool
 from mesh.hashing import block_hashes, model_seed
 
 
-def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, seed: int = 0) -> float:
+def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, seed: int = 0,
+        uncached: list[int] | None = None) -> float:
+    """Prefix hit rate; ``uncached`` (if given) gets each request's prompt tokens left to prefill."""
     hseed = model_seed(tr.MODEL)
     share = 0.0 if policy == "lru" else 0.5
     pools = [BlockPool(blocks, protected_share=share) for _ in range(workers)]
@@ -61,6 +64,8 @@ def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, 
         hit_tokens += best * block_size
         prompt_tokens += len(r.prompt)
         prefilled[w] += len(r.prompt) - best * block_size
+        if uncached is not None:
+            uncached.append(len(r.prompt) - best * block_size)
     return hit_tokens / prompt_tokens
 
 
@@ -118,11 +123,20 @@ def main() -> int:
     oracle = sum(tr.oracle_hits(requests)) / sum(len(r.prompt) for r in requests)
     print(f"{len(requests)} requests, {args.workers} workers; prefix hit rate (cached / prompt tokens), "
           f"unlimited shared cache: {oracle:.1%}")
-    print(f"{'blocks/worker':>14} {'lru':>8} {'slru':>8} {'slru/lru':>9}" + (f" {'belady':>8}" if args.belady else ""))
+    # TTFT grows with the prompt tokens a request must prefill: the median of those, against the
+    # median prompt (no cache, as round-robin nearly is), bounds what routing can do to TTFT p50
+    no_cache = statistics.median(len(r.prompt) for r in requests)
+    print(f"{'blocks/worker':>14} {'lru':>8} {'slru':>8} {'slru/lru':>9} {'median to prefill':>18} "
+          f"{'/ no cache':>10}" + (f" {'belady':>8}" if args.belady else ""))
     for blocks in args.blocks:
-        lru, slru = run(requests, args.workers, blocks, "lru"), run(requests, args.workers, blocks, "slru")
+        left: list[int] = []
+        lru = run(requests, args.workers, blocks, "lru")
+        slru = run(requests, args.workers, blocks, "slru", uncached=left)
         extra = f" {belady(requests, args.workers, blocks):>8.1%}" if args.belady else ""
-        print(f"{blocks:>14} {lru:>8.1%} {slru:>8.1%} {slru / lru:>8.2f}x{extra}", flush=True)
+        med = statistics.median(left)
+        print(f"{blocks:>14} {lru:>8.1%} {slru:>8.1%} {slru / lru:>8.2f}x {med:>18.0f} {med / no_cache:>10.2f}"
+              f"{extra}", flush=True)
+    print(f"median prompt: {no_cache:.0f} tokens")
     return 0
 
 
