@@ -448,6 +448,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, backend: str) -> dict:
+    """``backend``: an attention backend name; ``NAME:eager`` turns CUDA graphs off."""
+    backend, _, how = backend.partition(":")
     batch = args.gpu_batch
     prompt, new = (128, 32) if args.quick else (args.gpu_prompt, args.gpu_new_tokens)
     reps = args.reps or 2
@@ -460,7 +462,7 @@ def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, back
                 model_dir, device=str(device), dtype="bfloat16", block_size=BLOCK_SIZE,
                 num_kv_blocks=blocks, max_num_batched_tokens=batch * prompt, max_num_seqs=batch,
                 max_model_len=prompt + new + BLOCK_SIZE, enable_prefix_caching=False,
-                attention_backend=backend,
+                attention_backend=backend, cuda_graphs=how != "eager",
             ))
         runner = OursRunner(engine)
         rng = random.Random(args.seed)
@@ -507,7 +509,8 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict
     # kernel rows only: an ATen op's row repeats the time of the kernels it launched
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / steps
-    print(f"  profile ({engine.attention.name}, {steps} decode steps, under the profiler): wall "
+    label = engine.attention.name + (" + CUDA graphs" if engine.runner.graphs is not None else "")
+    print(f"  profile ({label}, {steps} decode steps, under the profiler): wall "
           f"{wall * 1e3:.2f} ms/step, GPU kernels {kernel_us / 1e3:.2f} ms/step "
           f"({kernel_us / 1e6 / wall:.0%} busy), {launches:.0f} kernel launches/step")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
@@ -526,8 +529,10 @@ def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, st
     achieved = (w_bytes + kv_bytes) / step_s
     roofline_step = (w_bytes + kv_bytes) / (hbm_tbps * 1e12)
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device)
+    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    label = engine.attention.name + (" + CUDA graphs" if graphs else "")
     print(f"engine benchmark (GPU): Llama-3-8B shape, random bf16 weights, {name}, "
-          f"attention {engine.attention.name}, torch {torch.__version__}")
+          f"attention {label}, torch {torch.__version__}")
     print(f"batch {batch}, prompt {prompt}, {new} new tokens; decode step = median gap between "
           f"consecutive engine steps, best run")
     print(f"  prefill          {batch * prompt / t1:>10.0f} tok/s   ({t1 * 1e3:.1f} ms incl. first token)")
@@ -537,7 +542,7 @@ def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, st
     print(f"  achieved         {achieved / 1e12:>10.2f} TB/s = {achieved / (hbm_tbps * 1e12):.0%} of "
           f"{hbm_tbps} TB/s HBM (roofline step {roofline_step * 1e3:.2f} ms)")
     return {
-        "mode": "gpu", "device": name, "attention": engine.attention.name, "batch": batch,
+        "mode": "gpu", "device": name, "attention": label, "batch": batch,
         "prompt": prompt, "new_tokens": new, "t1_s": t1, "step_ms": step_s * 1e3,
         "decode_tok_s": batch / step_s, "prefill_tok_s": batch * prompt / t1,
         "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes,
@@ -557,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_argument_group("GPU (--gpu replaces the CPU comparison)")
     g.add_argument("--gpu", action="store_true", help="Llama-3-8B-shaped bf16 decode on CUDA")
     g.add_argument("--gpu-attention", default="flashinfer",
-                   help="attention backend(s), comma-separated; the last is the baseline of the ratios")
+                   help="attention backend(s), comma-separated, NAME:eager without CUDA graphs; "
+                        "the last is the baseline of the ratios")
     g.add_argument("--gpu-batch", type=int, default=64)
     g.add_argument("--gpu-prompt", type=int, default=512)
     g.add_argument("--gpu-new-tokens", type=int, default=128)

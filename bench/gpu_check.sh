@@ -12,6 +12,7 @@
 # Each step has a time limit, and all share one deadline (GPU_CHECK_SECONDS,
 # default 420), so the whole check ends inside 8 minutes even when a step hangs.
 # The FlashInfer kernel build runs in the background while the transport checks run.
+# GPU_CHECK_PARTS="flashinfer engine" skips the transports (a recheck after engine work).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logdir=${OUT:-bench/out/gpu}
@@ -109,6 +110,10 @@ EOF
 }
 export -f setup_env show_machine install warm_kernels
 
+want() {  # GPU_CHECK_PARTS: which parts run (default: all of transfer, flashinfer, engine)
+    [[ " ${GPU_CHECK_PARTS:-transfer flashinfer engine} " == *" $1 "* ]]
+}
+
 main() {
     setup_env
     step machine 60 bash -c show_machine
@@ -118,14 +123,20 @@ main() {
     local warm_log=/tmp/warm_kernels.log
     step warm-kernels 300 bash -c warm_kernels >"$warm_log" 2>&1 &
     local warm_pid=$!
-    step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
-    # GPU tests outside tests/gpu, by file: collecting all of tests/ needs the CPU suite's dev extras
-    step gpu-marked-elsewhere 90 bash -c 'pytest_gpu -m gpu $(grep -rl --include="test_*.py" "mark.gpu" tests | grep -v "^tests/gpu/")'
-    step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
+    if want transfer; then
+        step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
+        # GPU tests outside tests/gpu, by file: collecting all of tests/ needs the CPU suite's dev extras
+        step gpu-marked-elsewhere 90 bash -c 'pytest_gpu -m gpu $(grep -rl --include="test_*.py" "mark.gpu" tests | grep -v "^tests/gpu/")'
+        step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
+    fi
     wait "$warm_pid" || failed+=("warm-kernels")
     cat "$warm_log"
-    step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
-    step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
+    if want flashinfer; then
+        step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
+    fi
+    if want engine; then
+        step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,flashinfer:eager,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
+    fi
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))
 }

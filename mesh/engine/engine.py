@@ -24,6 +24,7 @@ from kvstore.tiers import BlockCopier
 from mesh.engine.attention import create_backend, default_backend
 from mesh.engine.config import EngineConfig, ModelConfig
 from mesh.engine.core import CoreConfig, EngineCore
+from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.loader import load_model
 from mesh.engine.runner import ModelRunner
 from mesh.engine.sampler import Sampler
@@ -80,12 +81,17 @@ class Engine(EngineCore):
             self._enable_tiers()
         self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed)
+        graphs = None
+        if (config.cuda_graphs and self.device.type == "cuda" and self.tp is None
+                and getattr(self.attention, "supports_cuda_graphs", False)):
+            graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device)
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
-                                  broadcast=self.tp.broadcast if self.tp else None)
+                                  broadcast=self.tp.broadcast if self.tp else None, graphs=graphs)
         log.info(
-            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s",
+            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
             num_blocks, bs, backend, f", tensor parallel over {config.tp} ranks" if self.tp else "",
+            ", CUDA graphs for decode" if graphs else "",
         )
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mesh.engine.attention import AttentionBackend, AttentionBatch
+from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.model import CausalLM
 from mesh.engine.sampler import Sampler
 from mesh.engine.scheduler import SchedulerOutput
@@ -34,8 +35,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
-                 broadcast: Callable[[StepInputs], None] | None = None):
+                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs  # CUDA: pure decode steps replay from graphs
         self.attention = attention
         self.sampler = sampler
         self.block_size = block_size
@@ -87,6 +89,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the step's tokens; writes their KV."""
+        if self.graphs is not None and len(step.input_ids) == len(step.query_lens):  # one token each: decode
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slot_mapping,
+                                     step.context_lens, step.block_tables)
+            if hidden is not None:
+                return hidden
         batch = AttentionBatch(step.query_lens, step.context_lens, step.block_tables,
                                self._to_device(step.slot_mapping))
         self.attention.plan(batch)

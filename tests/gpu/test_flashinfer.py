@@ -221,3 +221,58 @@ def test_cuda_default_serves_a_model_flashinfer_cannot(tiny_model):
     assert engine.attention.name == "torch"
     (seq,) = engine.generate([[5, 6, 7, 8]], greedy(4))
     assert len(seq.output_token_ids) == 4
+
+
+# -- CUDA graphs -----------------------------------------------------------------
+
+
+def test_cuda_graph_decode_agrees_with_eager_decode_as_the_batch_shrinks(small_model, prompts):
+    # each sequence stops at its own length: decode batches of 7, 6, ..., 1 replay the graphs of
+    # sizes 8, 4, 2 and 1, most of them with pad rows
+    lengths = [4 + 3 * i for i in range(len(prompts))]
+    ref = make_engine(small_model, "float32", "torch")
+    ref_logits, _ = step_logits(ref, prompts, 1)
+    same_logits, _ = step_logits(make_engine(small_model, "bfloat16", "torch"), prompts, 1)
+    margin = 2 * (same_logits[0] - ref_logits[0]).abs().max().item()
+    eager = make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=False)
+    graphed = make_engine(small_model, "bfloat16", "flashinfer")
+    assert eager.runner.graphs is None and graphed.runner.graphs is not None
+
+    # the first decode step: the same logits as the eager step, up to this dtype's noise
+    (eager_logits, _), (graph_logits, _) = step_logits(eager, prompts, 2), step_logits(graphed, prompts, 2)
+    assert graphed.runner.graphs.replays == 1 and set(graphed.runner.graphs.graphs) == {8}
+    assert (graph_logits[1] - eager_logits[1]).abs().max().item() <= margin
+
+    runs = {name: e.generate(prompts, [greedy(n) for n in lengths]) for name, e in
+            (("eager", eager), ("graphed", graphed))}
+    assert [len(s.output_token_ids) for s in runs["graphed"]] == lengths
+    assert set(graphed.runner.graphs.graphs) == {8, 4, 2, 1}
+    assert graphed.runner.graphs.replays >= max(lengths)
+    assert_greedy_agree(runs["graphed"], runs["eager"], ref, margin)
+    # the cache the graphs wrote serves a prefix hit like the eager one
+    again = {name: e.generate([prompts[5]], greedy(8)) for name, e in (("eager", eager), ("graphed", graphed))}
+    assert again["graphed"][0].num_cached_tokens == again["eager"][0].num_cached_tokens > 0
+    assert_greedy_agree(again["graphed"], again["eager"], ref, margin)
+
+
+def test_cuda_graph_decode_over_a_shared_prefix_longer_than_the_page_buffer(small_model):
+    # eight sequences on one cached 1,100-token prefix list its 68 blocks eight times: more pages
+    # than the graph wrapper's first buffer (pool + batch = 520), so it grows and is captured again
+    rng = random.Random(11)
+    prefix = [rng.randrange(4096) for _ in range(1100)]
+    prompts = [prefix + [rng.randrange(4096) for _ in range(5)] for _ in range(8)]
+    ref = make_engine(small_model, "float32", "torch")
+    margin = 2 * (step_logits(make_engine(small_model, "bfloat16", "torch"), prompts[:1], 1)[0][0]
+                  - step_logits(ref, prompts[:1], 1)[0][0]).abs().max().item()
+    engines = {"eager": make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=False),
+               "graphed": make_engine(small_model, "bfloat16", "flashinfer")}
+    runs = {}
+    for name, e in engines.items():
+        e.generate([[rng.randrange(4096) for _ in range(9)] for _ in range(8)], greedy(3))  # short: 8 pages
+        e.generate([prefix + [1]], greedy(2))  # caches the prefix
+        runs[name] = e.generate(prompts, greedy(6))
+        assert [s.num_cached_tokens for s in runs[name]] == [1088] * 8
+    graphs = engines["graphed"].runner.graphs
+    assert graphs.captures == 3  # batch 8 (short prompts), batch 1 (the prefix), batch 8 again
+    assert engines["graphed"].attention._graph_wrappers[8][1] >= 8 * 70
+    assert_greedy_agree(runs["graphed"], runs["eager"], ref, margin)

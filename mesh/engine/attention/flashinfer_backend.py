@@ -24,6 +24,10 @@ Why it is built this way:
   the constructor overrides this.
 * New K/V are scattered by index assignment into the flat slot view of the
   pages, the same slots the torch backend writes.
+* CUDA graphs (``mesh.engine.cuda_graphs``): a decode step padded to a fixed
+  batch size runs on that size's own decode wrapper in FlashInfer's
+  ``use_cuda_graph`` mode, whose page table lives in fixed buffers that
+  ``plan_graph`` refills before each replay.
 * ``flashinfer`` is imported when a backend is made, so this module imports,
   and registers, on machines without it.
 """
@@ -48,6 +52,7 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
 
 class FlashInferAttention:
     name = "flashinfer"
+    supports_cuda_graphs = True
 
     def __init__(self, kv: KVCache, scale: float, kernels: str = "fa2"):
         import flashinfer  # lazily: CPU machines and CI have no flashinfer
@@ -66,17 +71,52 @@ class FlashInferAttention:
         self.block_size = spec.block_size
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        # One float workspace for both wrappers: a step uses only one of them.
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.device)
+        # One float workspace for every wrapper: a step uses only one of them.
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.device)
+        self._kernels = kernels
+        self._flashinfer = flashinfer
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", backend=kernels
+            self._workspace, "NHD", backend=kernels
         )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=True, backend=kernels
+            self._workspace, "NHD", use_tensor_cores=True, backend=kernels
         )
         self._planned_for: tuple[int, torch.dtype] | None = None
+        self._graph_wrappers: dict[int, tuple] = {}  # padded batch size -> (CUDA-graph decode wrapper, pages)
+        self._active = None  # the wrapper this step runs on, when it was planned by plan_graph
 
     def plan(self, batch: AttentionBatch) -> None:
+        self._set_layout(batch)
+        self._planned_for = None  # the wrapper is planned at this step's first forward
+        self._active = None
+
+    def plan_graph(self, batch: AttentionBatch, num_qo_heads: int, dtype: torch.dtype) -> bool:
+        """Plan a pure decode step on the CUDA-graph wrapper of its (padded) batch size.
+
+        True when that wrapper is new: its buffers moved, and a graph captured on the old one
+        must be captured again. Sequences sharing cached blocks list them once each, so a step
+        can hold more pages than the pool has blocks; the page buffer grows when it must.
+        """
+        self._set_layout(batch)
+        size, pages = len(batch.query_lens), len(self._indices)
+        wrapper, capacity = self._graph_wrappers.get(size, (None, 0))
+        fresh = pages > capacity
+        if fresh:
+            capacity = max(2 * pages, self.kv.spec.num_blocks + size)
+            dev = self.kv.device
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.zeros(capacity, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=dev),
+                backend=self._kernels,
+            )
+            self._graph_wrappers[size] = (wrapper, capacity)
+        self._plan_decode(wrapper, num_qo_heads, dtype)
+        self._active = wrapper
+        return fresh
+
+    def _set_layout(self, batch: AttentionBatch) -> None:
         bs = self.block_size
         qo_indptr, kv_indptr, indices, last_page_len = [0], [0], [], []
         for qlen, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
@@ -91,32 +131,36 @@ class FlashInferAttention:
         self._last_page_len = _int32(last_page_len)
         self._pure_decode = batch.is_pure_decode
         self._slots = batch.slot_mapping
-        self._planned_for = None  # the wrapper is planned at this step's first forward
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.kv.layer(layer)
         k_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = k
         v_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = v
+        if self._active is not None:  # planned by plan_graph (maybe being captured: no host work here)
+            return self._active.run(q.contiguous(), (k_pages, v_pages))
         if self._planned_for != (q.shape[1], q.dtype):
             self._plan_wrapper(q.shape[1], q.dtype)
         wrapper = self._decode if self._pure_decode else self._prefill
         return wrapper.run(q.contiguous(), (k_pages, v_pages))
 
     def _plan_wrapper(self, num_qo_heads: int, dtype: torch.dtype) -> None:
-        # Positional up to page_size: the names differ between the wrappers and across versions.
         if self._pure_decode:
-            self._decode.plan(
-                self._kv_indptr, self._indices, self._last_page_len,
-                num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                q_data_type=dtype, kv_data_type=self.kv.spec.dtype, sm_scale=self.scale,
-            )
+            self._plan_decode(self._decode, num_qo_heads, dtype)
         else:
+            # Positional up to page_size: the names differ between the wrappers and across versions.
             self._prefill.plan(
                 self._qo_indptr, self._kv_indptr, self._indices, self._last_page_len,
                 num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size,
                 causal=True, q_data_type=dtype, kv_data_type=self.kv.spec.dtype, sm_scale=self.scale,
             )
         self._planned_for = (num_qo_heads, dtype)
+
+    def _plan_decode(self, wrapper, num_qo_heads: int, dtype: torch.dtype) -> None:
+        wrapper.plan(
+            self._kv_indptr, self._indices, self._last_page_len,
+            num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size,
+            q_data_type=dtype, kv_data_type=self.kv.spec.dtype, sm_scale=self.scale,
+        )
 
 
 def _int32(values: list[int]) -> torch.Tensor:
