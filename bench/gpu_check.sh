@@ -135,7 +135,7 @@ main() {
         step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
     fi
     if want engine; then
-        step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer,flashinfer:eager,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
+        step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer:graphs,flashinfer,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
     fi
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))

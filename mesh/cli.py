@@ -66,8 +66,8 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="GPU: the share of the device this worker may use, weights and KV (two models on one GPU: 0.4 each)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="GPU: no CUDA graphs; every decode step launches its kernels from Python")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="GPU: replay decode steps from CUDA graphs (FlashInfer attention; not yet measured on a GPU)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
 
 
@@ -270,7 +270,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
-        kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.enforce_eager,
+        kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=args.cuda_graphs,
         **{k: v for k, v in tiers.items() if v is not None},
     )
 
@@ -361,8 +361,8 @@ def cmd_up(args: argparse.Namespace) -> int:
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
-    if args.enforce_eager:
-        flags += ["--enforce-eager"]
+    if args.cuda_graphs:
+        flags += ["--cuda-graphs"]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
                  "transports", "disagg_threshold"):
         value = getattr(args, name)

@@ -205,7 +205,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
-    cuda_graphs: bool = True  # CUDA: replay decode steps from CUDA graphs (attention backends that support it)
+    cuda_graphs: bool = False  # CUDA: replay decode steps from CUDA graphs (attention backends that support it)
     kv_shm_path: str | None = None  # CPU: put the KV pool in this shared-memory file
     host_kv_gb: float = 0.0  # host tier (pinned RAM on CUDA): offloaded blocks; 0 = no tiers
     host_kv_blocks: int | None = None  # the host tier in blocks (overrides host_kv_gb)

@@ -23,6 +23,9 @@ How it is built (the scheme vLLM and SGLang use):
 * Only pure decode steps are graphed; prefill and mixed steps run eagerly. A
   capture that fails turns graphs off for the engine, with a warning: the step
   then runs eagerly, as every later one.
+
+Off by default (``EngineConfig.cuda_graphs``, ``--cuda-graphs``): written in a
+session whose device time ran out before its GPU tests could run.
 """
 
 from __future__ import annotations

@@ -234,8 +234,8 @@ def test_cuda_graph_decode_agrees_with_eager_decode_as_the_batch_shrinks(small_m
     ref_logits, _ = step_logits(ref, prompts, 1)
     same_logits, _ = step_logits(make_engine(small_model, "bfloat16", "torch"), prompts, 1)
     margin = 2 * (same_logits[0] - ref_logits[0]).abs().max().item()
-    eager = make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=False)
-    graphed = make_engine(small_model, "bfloat16", "flashinfer")
+    eager = make_engine(small_model, "bfloat16", "flashinfer")
+    graphed = make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=True)
     assert eager.runner.graphs is None and graphed.runner.graphs is not None
 
     # the first decode step: the same logits as the eager step, up to this dtype's noise
@@ -264,8 +264,8 @@ def test_cuda_graph_decode_over_a_shared_prefix_longer_than_the_page_buffer(smal
     ref = make_engine(small_model, "float32", "torch")
     margin = 2 * (step_logits(make_engine(small_model, "bfloat16", "torch"), prompts[:1], 1)[0][0]
                   - step_logits(ref, prompts[:1], 1)[0][0]).abs().max().item()
-    engines = {"eager": make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=False),
-               "graphed": make_engine(small_model, "bfloat16", "flashinfer")}
+    engines = {"eager": make_engine(small_model, "bfloat16", "flashinfer"),
+               "graphed": make_engine(small_model, "bfloat16", "flashinfer", cuda_graphs=True)}
     runs = {}
     for name, e in engines.items():
         e.generate([[rng.randrange(4096) for _ in range(9)] for _ in range(8)], greedy(3))  # short: 8 pages
