@@ -62,7 +62,8 @@ class NoFreeBlocks(RuntimeError):
 
 PROTECTED_SHARE = 0.5
 
-_IN_USE, _EMPTY, _PROBATION, _PROTECTED = range(4)
+_EMPTY, _PROBATION, _PROTECTED = range(3)  # the free queues, in the order allocate() takes from them
+_IN_USE = -1
 
 
 class BlockPool:
@@ -89,7 +90,7 @@ class BlockPool:
         self._where = [_EMPTY] * num_blocks
         # the free blocks, by queue; allocation takes from the first non-empty one, front first
         self._queues: tuple[OrderedDict[int, None], ...] = (
-            OrderedDict(), OrderedDict((i, None) for i in range(num_blocks)), OrderedDict(), OrderedDict())
+            OrderedDict((i, None) for i in range(num_blocks)), OrderedDict(), OrderedDict())
         self._max_protected = int(protected_share * num_blocks)
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.events = KvEventLog()
@@ -100,8 +101,7 @@ class BlockPool:
     # -- queries -------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        q = self._queues
-        return len(q[_EMPTY]) + len(q[_PROBATION]) + len(q[_PROTECTED])
+        return sum(len(q) for q in self._queues)
 
     @property
     def num_used(self) -> int:
@@ -128,7 +128,7 @@ class BlockPool:
 
     def eviction_order(self) -> list[int]:
         """The free blocks in the order ``allocate`` would hand them out."""
-        return [b for q in self._queues[_EMPTY:] for b in q]
+        return [b for q in self._queues for b in q]
 
     def match_prefix(self, hashes: Sequence[int], below: Callable[[int], bool] | None = None) -> list:
         """Block ids of the longest cached prefix of ``hashes`` (no references taken).
@@ -157,9 +157,8 @@ class BlockPool:
             raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
         out = []
         evicted: list[EvictedBlock] = []
-        queues = self._queues[_EMPTY:]
         for _ in range(n):
-            queue = next(q for q in queues if q)
+            queue = next(q for q in self._queues if q)
             bid, _ = queue.popitem(last=False)
             self._where[bid] = _IN_USE
             h = self._hash[bid]
