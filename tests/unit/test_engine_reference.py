@@ -113,3 +113,31 @@ def test_prefix_cache_hit_is_token_identical(llama_reference):
     shared = [*long_prompt[:50], 7, 8, 9]
     (third,) = engine.generate([shared], SamplingParams(max_tokens=8, temperature=0.0))
     assert third.num_cached_tokens == 48
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_linears_run_packed_and_agree_with_the_plain_path(hf_checkpoints, dtype, monkeypatch):
+    """The logits test above runs the packed path; this one checks that it is the packed path, and
+    that packing changes nothing beyond rounding (also in bfloat16, which transformers is not run in)."""
+    import mesh.engine.loader as loader
+    from mesh.engine.model import PackedLinear
+
+    path = hf_checkpoints["qwen2"]  # q/k/v biases: the packed path takes them too
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    prompts = prompts_of([7, 21], 256)
+
+    def logits(engine):
+        engine.runner.capture_logits = True
+        engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+        return engine.runner.last_logits
+
+    packed = Engine(EngineConfig(path, num_kv_blocks=64, dtype=dtype))
+    linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * packed.model_config.num_layers + 1  # qkv, o, gate_up, down; lm_head
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    monkeypatch.setattr(loader, "pack_cpu_linears", lambda model: 0)
+    plain = Engine(EngineConfig(path, num_kv_blocks=64, dtype=dtype))
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    tol = 1e-4 if dtype == "float32" else 5e-2  # fp32: the bound the logits test holds us to
+    torch.testing.assert_close(logits(packed), logits(plain), atol=tol, rtol=tol)
