@@ -509,12 +509,17 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict
     # kernel rows only: an ATen op's row repeats the time of the kernels it launched
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / steps
-    label = engine.attention.name + (" + CUDA graphs" if engine.runner.graphs is not None else "")
-    print(f"  profile ({label}, {steps} decode steps, under the profiler): wall "
+    print(f"  profile ({attention_label(engine)}, {steps} decode steps, under the profiler): wall "
           f"{wall * 1e3:.2f} ms/step, GPU kernels {kernel_us / 1e3:.2f} ms/step "
           f"({kernel_us / 1e6 / wall:.0%} busy), {launches:.0f} kernel launches/step")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     return {"wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3, "launches_per_step": launches}
+
+
+def attention_label(engine: Engine) -> str:
+    """The attention backend, and whether decode steps replayed CUDA graphs."""
+    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    return engine.attention.name + (" + CUDA graphs" if graphs else "")
 
 
 def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, step_s: float,
@@ -529,8 +534,7 @@ def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, st
     achieved = (w_bytes + kv_bytes) / step_s
     roofline_step = (w_bytes + kv_bytes) / (hbm_tbps * 1e12)
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device)
-    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
-    label = engine.attention.name + (" + CUDA graphs" if graphs else "")
+    label = attention_label(engine)
     print(f"engine benchmark (GPU): Llama-3-8B shape, random bf16 weights, {name}, "
           f"attention {label}, torch {torch.__version__}")
     print(f"batch {batch}, prompt {prompt}, {new} new tokens; decode step = median gap between "
