@@ -82,13 +82,21 @@ class FlashInferAttention:
             self._workspace, "NHD", use_tensor_cores=True, backend=kernels
         )
         self._planned_for: tuple[int, torch.dtype] | None = None
+        self._q_layout: tuple[int, torch.dtype] | None = None  # configure(): plan in plan(), not at layer 0
         self._graph_wrappers: dict[int, tuple] = {}  # padded batch size -> (CUDA-graph decode wrapper, pages)
         self._active = None  # the wrapper this step runs on, when it was planned by plan_graph
 
+    def configure(self, num_qo_heads: int, q_dtype: torch.dtype) -> None:
+        """The model's query heads and dtype: ``plan`` then plans the wrapper itself, so that a
+        step's host work (and its copies out of pinned buffers) is done before its first layer."""
+        self._q_layout = (num_qo_heads, q_dtype)
+
     def plan(self, batch: AttentionBatch) -> None:
         self._set_layout(batch)
-        self._planned_for = None  # the wrapper is planned at this step's first forward
+        self._planned_for = None  # unless configured, the wrapper is planned at this step's first forward
         self._active = None
+        if self._q_layout is not None:
+            self._plan_wrapper(*self._q_layout)
 
     def plan_graph(self, batch: AttentionBatch, num_qo_heads: int, dtype: torch.dtype) -> bool:
         """Plan a pure decode step on the CUDA-graph wrapper of its (padded) batch size.
