@@ -249,8 +249,12 @@ class EngineConfig:
         self._check_gpu_execution()
 
     def _check_gpu_execution(self) -> None:
+        from mesh.engine.attention import backend_names
         from mesh.engine.kernels import FUSED_KERNELS
 
+        if self.attention_backend is not None and self.attention_backend not in backend_names():
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} "
+                             f"(available: {', '.join(backend_names())})")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
         if self.async_scheduling and self.tp > 1:
