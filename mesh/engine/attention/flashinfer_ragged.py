@@ -60,7 +60,8 @@ class FlashInferRaggedAttention(FlashInferAttention):
         self._num_rows = row
         self._has_prefix = bool(prefix_rows)
         self._all_have_prefix = len(prefix_rows) == row
-        self._prefix_layout = (_int32(p_qo), _int32(p_kv), _int32(p_indices), _int32(p_last))
+        self._prefix_layout = (_int32(p_qo), _int32(p_kv), to_device(p_indices, torch.int32, self.kv.device),
+                               _int32(p_last))
         self._prefix_rows = (None if self._all_have_prefix or not prefix_rows
                              else to_device(prefix_rows, torch.long, self.kv.device))
 
