@@ -28,6 +28,7 @@ from mesh.engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
 from mesh.engine.kernels import Kernels
 from mesh.engine.loader import load_model
 from mesh.engine.model import use_kernels
+from mesh.engine.overlap import OverlappedSteps
 from mesh.engine.runner import ModelRunner, PendingStep
 from mesh.engine.sampler import Sampler
 from mesh.engine.scheduler import SchedulerOutput
@@ -92,6 +93,7 @@ class Engine(EngineCore):
         if config.has_host_tier:
             self._enable_tiers()
         use_kernels(self.model, kernels)
+        self._own_kv = own_kv
         self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed, kernels)
         graphs = None
@@ -99,6 +101,7 @@ class Engine(EngineCore):
             # Pad rows of a graphed batch write this block; it is never freed (see cuda_graphs).
             scratch = self.pool.allocate(1)[0]
             graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device, scratch, bs)
+        self._graphs = graphs
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=graphs)
         log.info(
@@ -123,6 +126,41 @@ class Engine(EngineCore):
         except Exception as e:
             self.tp.abort(f"{type(e).__name__}: {e}")
             raise
+
+    def set_execution(self, *, cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
+                      fused_kernels: tuple[str, ...] | None = None, attention_backend: str | None = None) -> None:
+        """Switch how this engine runs its steps (None: leave as is). For benchmarks that compare
+        execution modes on one copy of the weights; the engine must be idle. Graphs can only be
+        switched back on in an engine built with them; a change of kernels or attention backend
+        recaptures them."""
+        if self.has_work:
+            raise RuntimeError("set_execution on an engine with requests in it")
+        if self.tp is not None:
+            raise ValueError("set_execution is not supported with --tp > 1")
+        graphs = self._graphs
+        if cuda_graphs and graphs is None:
+            raise ValueError("this engine was built without CUDA graphs (cuda_graphs=True, on CUDA)")
+        if attention_backend is not None and attention_backend != self.attention.name:
+            self.attention = create_backend(attention_backend, self._own_kv, self.model_config.head_dim**-0.5)
+            self.runner = ModelRunner(self.model, self.attention, self.sampler, self.block_size,
+                                      graphs=self.runner.graphs)
+            if graphs is not None:
+                if not getattr(self.attention, "supports_cuda_graphs", False):
+                    raise ValueError(f"attention {attention_backend!r} cannot run in CUDA graphs")
+                graphs.attention = self.attention
+                graphs.graphs.clear()
+        if fused_kernels is not None:
+            if fused_kernels and self.device.type != "cuda":
+                raise ValueError(f"fused kernels run on CUDA only, not {self.device}")
+            kernels = Kernels.select(fused_kernels)
+            use_kernels(self.model, kernels)
+            self.sampler.kernels = kernels
+            if graphs is not None:
+                graphs.graphs.clear()  # captured with the other kernels
+        if cuda_graphs is not None:
+            self.runner.graphs = graphs if cuda_graphs else None
+        if async_scheduling is not None:
+            self.overlap = OverlappedSteps(self) if async_scheduling else None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
