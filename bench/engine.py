@@ -125,7 +125,7 @@ class OursRunner:
         engine.step = timed_step
 
     @classmethod
-    def on_cpu(cls, model_dir: Path, cases: list[Case]) -> OursRunner:
+    def on_cpu(cls, model_dir: Path, cases: list[Case], async_scheduling: bool = False) -> OursRunner:
         need_blocks = max(
             sum(-(-(n + c.new_tokens) // BLOCK_SIZE) for n in c.prompt_lens) for c in cases
         )
@@ -139,6 +139,7 @@ class OursRunner:
             max_num_batched_tokens=max(2048, *(c.prompt_tokens for c in cases)),
             # a repeated prompt would otherwise be a prefix-cache hit and skip its prefill
             enable_prefix_caching=False,
+            async_scheduling=async_scheduling,
         )))
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[float, list[float], list[list[int]]]:
@@ -328,12 +329,13 @@ def run_cpu(args: argparse.Namespace) -> dict:
     cases = build_cases(args.quick, args.seed)
     reps = args.reps or (1 if args.quick else 3)
     mc = ModelConfig.from_dir(model_dir)
-    ours, hf = OursRunner.on_cpu(model_dir, cases), HFRunner(model_dir)
+    ours, hf = OursRunner.on_cpu(model_dir, cases, args.async_scheduling), HFRunner(model_dir)
     params = sum(p.numel() for p in hf.model.parameters())
     header = (
         f"engine benchmark: {model_dir.name} ({params / 1e6:.1f}M params, fp32) on CPU "
         f"({platform.processor() or platform.machine()}, {threads} threads), "
-        f"torch {torch.__version__}, transformers {transformers.__version__}\n"
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+        f"{', ours with overlapped scheduling' if args.async_scheduling else ''}\n"
         f"decode tok/s = B / decode step (median step of a run, best of {reps} runs); prefill "
         f"tok/s = real prompt tokens / best t(1) of {reps}; ms = per decode step / per prefill call;\n"
         f"t(N)-t(1) = ours/HF by B*(N-1) / (best t(N) - best t(1)), a whole-call cross-check\n"
@@ -370,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--async-scheduling", action="store_true", help="CPU: our engine with overlapped scheduling")
     gpu = _gpu_module()
     gpu.add_arguments(p)
     args = p.parse_args(argv)
