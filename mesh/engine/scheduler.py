@@ -45,7 +45,7 @@ class ScheduledChunk:
     num_tokens: int
     # The chunk reaches the end of the sequence's tokens (in-flight ones included), so its last
     # row yields the next token. Fixed when scheduled: the sequence moves on before the step resolves.
-    samples: bool = False
+    samples: bool
 
     @property
     def end(self) -> int:
