@@ -110,6 +110,7 @@ class DecodeGraphs:
         self.inputs = StaticDecodeBatch(self.sizes[-1], device, scratch_block, block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._side: torch.cuda.Stream | None = None  # one warm-up stream: its freed blocks serve the next
         self.enabled = True
         self.replays = 0
         self.captures = 0
@@ -161,7 +162,9 @@ class DecodeGraphs:
     def _capture(self, size: int) -> None:
         ids, pos = self.inputs.input_ids[:size], self.inputs.positions[:size]
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(current)
         with torch.cuda.stream(side):  # warm-up: library handles and workspaces, outside the capture
             self.model(ids, pos, self.attention)
@@ -177,10 +180,15 @@ class DecodeGraphs:
         log.info("captured a CUDA graph for decode batches of %d", size)
 
 
+FLASHINFER_WRAPPER_BYTES = 10 << 20  # a CUDA-graph decode wrapper per size: 8 MiB int workspace + buffers
+
+
 def graph_memory_bytes(hidden: int, intermediate: int, qkv_width: int, max_batch: int, elem: int) -> int:
-    """A bound on the graph pool of decode graphs up to ``max_batch`` rows (for the KV budget):
-    the live activations of one layer (residual, norm, qkv, attention out, gate/up, act, down)
-    at the largest size, twice over for the allocator's rounding, plus 64 MiB of
-    per-graph state and FlashInfer's fixed page-table buffers."""
+    """A bound on what decode graphs up to ``max_batch`` rows take (for the KV budget): the
+    graph pool holds the live activations of one layer (residual, norm, qkv, attention out,
+    gate/up, act, down) at the largest size, twice over for the allocator's rounding; each
+    size has its own attention wrapper (FlashInfer's keeps an 8 MiB workspace); plus 64 MiB
+    for the warm-up passes and per-graph state. ``tests/gpu`` checks it against a capture."""
     per_row = (6 * hidden + 3 * intermediate + 2 * qkv_width) * elem
-    return 2 * max_batch * per_row + (64 << 20)
+    sizes = len(batch_sizes(max_batch))
+    return 2 * max_batch * per_row + sizes * FLASHINFER_WRAPPER_BYTES + (64 << 20)
