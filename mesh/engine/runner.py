@@ -100,6 +100,8 @@ class ModelRunner:
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""
+        if all(c.num_tokens == 1 for c in out.chunks):
+            return self._decode_inputs(out)
         bs = self.block_size
         ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
@@ -127,6 +129,28 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(row - 1)
         step.input_ids, step.positions, step.slot_mapping = map(np.concatenate, (ids, pos, slots))
+        return step, sample_rows
+
+    def _decode_inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
+        """``inputs`` of a step of one token per sequence (most steps): plain lists, one array each."""
+        bs = self.block_size
+        ids, pos, slots, tables, feed, sample_rows = [], [], [], [], [], []
+        for row, c in enumerate(out.chunks):
+            seq, p = c.seq, c.start
+            table = seq.block_table
+            if p < seq.num_tokens:
+                ids.append(seq.token_at(p))
+            else:  # being sampled by the step in flight
+                ids.append(IN_FLIGHT)
+                feed.append((row, seq))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+            if c.samples:
+                sample_rows.append(row)
+        n = len(ids)
+        step = StepInputs(np.array(ids, dtype=np.int64), np.array(pos, dtype=np.int64),
+                          np.array(slots, dtype=np.int64), [1] * n, [p + 1 for p in pos], tables, feed)
         return step, sample_rows
 
     def _input_ids(self, step: StepInputs, prev: PendingStep | None) -> torch.Tensor:
