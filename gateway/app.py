@@ -22,13 +22,13 @@ from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import errors
+from gateway import metrics as gateway_metrics
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,7 +42,7 @@ from gateway.streaming import (
     unless_disconnected,
 )
 from mesh.protocol import SamplingOptions
-from mesh.telemetry import REGISTRY, tracer
+from mesh.telemetry import tracer
 from mesh.tokenizer import ChatTemplateError
 from mesh.tracing import context_from
 
@@ -85,8 +85,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        text = gateway.stats.render(gateway) + generate_latest(REGISTRY).decode()
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(gateway_metrics.render(gateway), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request):
