@@ -113,6 +113,9 @@ def _add_gateway(sub) -> None:
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds a started stream may go silent before it ends with a timeout error")
+    p.add_argument("--workers", type=int, default=None,
+                   help="gateway processes on the port (SO_REUSEPORT; default: one per two cores, at most 4)")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     p.set_defaults(func=cmd_gateway)
 
 
@@ -120,7 +123,8 @@ def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
     add_bus_flags(p)
     add_pool_flags(p, multi_model=True)
-    p.add_argument("--mock", action="store_true", help="mocker workers instead of a model")
+    p.add_argument("--mock", action="store_true",
+                   help="mocker workers instead of a model (with --model DIR: under its name, vocabulary and context)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
@@ -131,6 +135,8 @@ def _add_up(sub) -> None:
     p.add_argument("--router-temperature", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-prefill-weight", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--gateway-workers", type=int, default=None,
+                   help="gateway processes on the port (default: one per two cores, at most 4)")
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     p.set_defaults(func=cmd_up)
@@ -256,6 +262,11 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
+        if args.model:  # simulate this model: its name, vocabulary and context (the gateway brings its tokenizer)
+            from mesh.engine.config import ModelConfig
+
+            mc = ModelConfig.from_dir(args.model)
+            kw.update(model_name=Path(args.model).name, vocab_size=mc.vocab_size, max_model_len=mc.max_position)
         if args.served_name:
             kw["model_name"] = args.served_name
         return MockConfig(**kw)
@@ -306,6 +317,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import asgi_app
+    from gateway.serve import PortInUse, child_argv, default_workers, reuse_port_socket, supervise
     from gateway.service import Gateway, GatewayConfig
     from mesh.config import settings
     from mesh.router.policy import RouterConfig
@@ -319,6 +331,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             raise CliError(f"model directory {m} does not exist")
     if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0:
         raise CliError("--max-inflight must be >= 1 and the timeouts > 0")
+    workers = default_workers() if args.workers is None else args.workers
+    if workers < 1:
+        raise CliError("--workers must be >= 1")
+    if workers > 1:
+        try:
+            return supervise(workers, child_argv(sys.argv[1:]), args.host, args.port)
+        except PortInUse as e:
+            raise CliError(str(e)) from None
     gw = Gateway(GatewayConfig(
         nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
@@ -334,7 +354,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                             # longer than clients' idle pools keep connections (httpx: 5 s), so the
                             # server never closes one a client is about to reuse
                             timeout_keep_alive=75)
-    uvicorn.Server(config).run()
+    sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 
@@ -346,7 +367,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 1:
         raise CliError("--decode must be >= 1 and --prefill >= 0")
     models: list[str] = []
-    if not args.mock:
+    if not args.mock or args.model:  # --mock alone: the mocker under the name "mock", no tokenizer
         models = [str(m) for m in (args.model or [ensure_tiny_model(default_model_dir())])]
         names = [Path(m).name for m in models]
         if len(set(names)) != len(names):
@@ -355,7 +376,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError("--served-name names one model; with several --model each is named by its directory")
         for m in models:  # validates every model directory and the flags before anything starts
             args.model = m
-            engine_config(args)
+            engine_config(args, mock=args.mock)
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
@@ -370,12 +391,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.mock:
         flags += ["--mock-speedup", str(args.mock_speedup)]
-    gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
+    gateway_flags = ["--served-name", args.served_name] if args.served_name and models else []
     if args.router:
         gateway_flags += ["--router", args.router]
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.gateway_workers is not None:
+        if args.gateway_workers < 1:
+            raise CliError("--gateway-workers must be >= 1")
+        gateway_flags += ["--workers", str(args.gateway_workers)]
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else planner_config(args)
