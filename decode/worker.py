@@ -396,7 +396,7 @@ class DecodeWorker(WorkerBase):
         singles: list[tuple[str, TokenChunk]] = []
         step = _StepStats()
         active = self.active
-        for out in outs:
+        for out in _per_request(outs):
             rec = active.get(out.request_id)
             if rec is None:
                 continue  # cancelled, or the tail of a request that already ended
@@ -525,6 +525,18 @@ class DecodeWorker(WorkerBase):
         busy = sum(r.active_jobs for w, r in self.prefill_loads.items() if any(c.worker_id == w for c in cards))
         mine = sum(1 for r in self.active.values() if r.state is ReqState.WAITING_FOR_KV)
         return mine < capacity and busy < capacity
+
+
+def _per_request(outs: list[StepOutput]) -> list[StepOutput] | dict.values:
+    """One output per request: a request with outputs of several steps (the event loop took
+    them together) gets one with all their tokens, and the last one's finish and counts."""
+    merged: dict[str, StepOutput] = {}
+    for out in outs:
+        prev = merged.get(out.request_id)
+        merged[out.request_id] = out if prev is None else StepOutput(
+            out.request_id, prev.new_token_ids + out.new_token_ids, prev.new_logprobs + out.new_logprobs,
+            out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+    return outs if len(merged) == len(outs) else merged.values()
 
 
 async def _unsubscribe(sub) -> None:

@@ -202,7 +202,8 @@ class WorkerBase:
         """Subscribe and start role tasks; push cleanups onto ``stack``."""
 
     async def handle_outputs(self, outs: list) -> None:
-        """Step outputs, in step order, on the event loop."""
+        """Step outputs, in step order, on the event loop (several steps' at once when the loop was
+        busy: a request may then have several outputs in ``outs``)."""
 
     def in_flight(self) -> int:
         return 0
@@ -305,8 +306,11 @@ class WorkerBase:
                 await t
 
     async def _deliver_outputs(self) -> None:
+        queue = self._outputs
         while True:
-            outs = await self._outputs.get()
+            outs = await queue.get()
+            while not queue.empty():  # steps that ended while the last ones were being sent: one go
+                outs = outs + queue.get_nowait()
             try:
                 await self.handle_outputs(outs)
             except Exception:

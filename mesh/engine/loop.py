@@ -3,7 +3,9 @@
 The event loop never waits on a model step. It hands the engine thread
 closures (``call``); the thread runs them between steps, in order, and
 resolves their futures on the event loop. Step outputs are delivered to the
-loop with ``call_soon_threadsafe``.
+loop in order; while the loop has not yet taken what was delivered, later
+steps' outputs join it, so a busy loop takes several steps in one hand-over
+(one wake-up, and one message per destination for all of them).
 
     asyncio side                      engine thread
     ------------                      -------------
@@ -19,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,6 +51,8 @@ class EngineLoop:
         self.after_work = after_work  # engine thread, after every step and every batch of commands
         self.on_failure = on_failure  # event loop: the engine thread died
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque[list] = deque()  # step outputs not yet handed to the event loop
+        self._signalled = False  # a hand-over is scheduled on the event loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds = 0.0  # duration of the last step
@@ -68,9 +73,23 @@ class EngineLoop:
         return fut
 
     def emit(self, outs: list) -> None:
-        """From the engine thread (inside a ``call``): deliver outputs in order with the step outputs."""
+        """From the engine thread (also inside a ``call``): deliver outputs in order with the step
+        outputs. Only the first of several emits before the loop takes them wakes it up."""
         if outs:
-            self.loop.call_soon_threadsafe(self.on_outputs, outs)
+            self._pending.append(outs)  # before reading the flag: a hand-over that resets it
+            if not self._signalled:  # after we read it still takes this list
+                self._signalled = True
+                self.loop.call_soon_threadsafe(self._hand_over)
+
+    def _hand_over(self) -> None:
+        """On the event loop: every output emitted so far, in order, in one call of ``on_outputs``."""
+        self._signalled = False  # before draining: an emit that sees it unset schedules another
+        outs: list = []
+        pending = self._pending
+        while pending:
+            outs.extend(pending.popleft())
+        if outs:
+            self.on_outputs(outs)
 
     def _run(self) -> None:
         try:
