@@ -2,9 +2,9 @@
 
 The engine thread drains the block pool's event log after every step and
 every command (``flush``). It numbers a batch and hands it to the event loop,
-which publishes batches in order; while the loop has not taken the last batch
-yet, new events wait and go out with the next one (a busy loop gets one batch
-for several steps, not one each). A snapshot is taken in the engine thread
+which publishes batches in order; until the loop has sent the last batch, new
+events wait and go out with the next one (a busy loop sends one batch for
+several steps, not one each). A snapshot is taken in the engine thread
 right after a flush that numbers whatever waits, so it is exactly the state
 after batch ``seq``: a router that applies the snapshot, then every batch with
 a higher number, has the worker's cache.
@@ -62,12 +62,7 @@ class KvEventPublisher:
             self._loop.call_soon_threadsafe(self._take, batch)
 
     def _take(self, batch: KvEventBatch) -> None:
-        """On the event loop: the batch is ours; events that waited for it go with the next flush,
-        which an idle engine thread is asked for (it flushes by itself after every step)."""
-        self._handing = False
         self._queue.put_nowait(batch)
-        if self._waiting and self._engine_loop is not None:
-            self._engine_loop.call(self.flush)
 
     def take_snapshot(self, engine) -> tuple[int, dict[str, list[int]]]:
         self.flush(engine, force=True)
@@ -99,6 +94,12 @@ class KvEventPublisher:
                 self.published += 1
             except Exception as e:  # the gap in numbers makes routers resync
                 log.warning("could not publish KV events: %s", e)
+            if self._queue.empty():
+                # Sent: the engine thread may number the next batch. Events that waited for this
+                # one go with its next flush (after its next step), or now if it is idle.
+                self._handing = False
+                if self._waiting and self._engine_loop is not None:
+                    self._engine_loop.call(self.flush)
 
     async def _on_snapshot(self, req: KvSnapshotRequest, raw) -> None:
         if not raw.reply:

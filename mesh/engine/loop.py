@@ -2,16 +2,17 @@
 
 The event loop never waits on a model step. It hands the engine thread
 closures (``call``); the thread runs them between steps, in order, and
-resolves their futures on the event loop. Step outputs are delivered to the
-loop in order; while the loop has not yet taken what was delivered, later
-steps' outputs join it, so a busy loop takes several steps in one hand-over
-(one wake-up, and one message per destination for all of them).
+resolves their futures on the event loop. Step outputs wait in order until the
+loop takes them (``await outputs()``); only the first step to end after the
+loop last took them wakes it, so a loop busy sending one step's tokens takes
+every step that ended meanwhile in one go (one wake-up, one message per
+destination for all of them).
 
     asyncio side                      engine thread
     ------------                      -------------
     await loop.call(fn) --queue-->    fn(engine) between two steps
                       <--future--     result / exception
-    on_outputs(outs)  <--------       engine.step()
+    await outputs()   <--pending--    engine.step() (wakes the loop only if it waits)
 """
 
 from __future__ import annotations
@@ -40,19 +41,18 @@ class EngineLoop:
         self,
         engine: Steppable,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list], None],
         after_work: Callable[[Any], None] | None = None,
         name: str = "engine",
         on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
         self.loop = loop
-        self.on_outputs = on_outputs
         self.after_work = after_work  # engine thread, after every step and every batch of commands
         self.on_failure = on_failure  # event loop: the engine thread died
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: deque[list] = deque()  # step outputs not yet handed to the event loop
-        self._signalled = False  # a hand-over is scheduled on the event loop
+        self._pending: deque[list] = deque()  # step outputs the event loop has not taken yet
+        self._signalled = True  # the loop was woken (or is not waiting): later emits need not wake it
+        self._ready = asyncio.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds = 0.0  # duration of the last step
@@ -74,22 +74,26 @@ class EngineLoop:
 
     def emit(self, outs: list) -> None:
         """From the engine thread (also inside a ``call``): deliver outputs in order with the step
-        outputs. Only the first of several emits before the loop takes them wakes it up."""
+        outputs. Only the first emit after the loop started waiting wakes it."""
         if outs:
-            self._pending.append(outs)  # before reading the flag: a hand-over that resets it
-            if not self._signalled:  # after we read it still takes this list
+            self._pending.append(outs)  # before reading the flag: a waiter that resets it
+            if not self._signalled:  # after we read it finds this list
                 self._signalled = True
-                self.loop.call_soon_threadsafe(self._hand_over)
+                self.loop.call_soon_threadsafe(self._ready.set)
 
-    def _hand_over(self) -> None:
-        """On the event loop: every output emitted so far, in order, in one call of ``on_outputs``."""
-        self._signalled = False  # before draining: an emit that sees it unset schedules another
-        outs: list = []
+    async def outputs(self) -> list:
+        """On the event loop: every output emitted since the last call, in order (waits for one)."""
         pending = self._pending
+        while True:
+            self._signalled = False  # before looking: an emit that sees it unset wakes us
+            self._ready.clear()
+            if pending:
+                break
+            await self._ready.wait()
+        outs: list = []
         while pending:
             outs.extend(pending.popleft())
-        if outs:
-            self.on_outputs(outs)
+        return outs
 
     def _run(self) -> None:
         try:

@@ -202,7 +202,10 @@ async def test_a_first_output_delivered_before_the_admission_result_is_not_lost(
         seq = worker.engine.new_sequence(req.token_ids, sampling_params(req.sampling), request_id=req.request_id)
         inbox = bus.nc.new_inbox()
         sub = await bus.nc.subscribe(inbox)
-        await bus.nc.flush()  # the server has our subscription before the worker publishes
+        # The server has our subscription once a message of our own came back through it (nats-py
+        # sends flush()'s PING ahead of a SUB still in its buffer: flush is no barrier here).
+        await bus.nc.publish(inbox, b"probe")
+        assert (await sub.next_msg(timeout=10)).data == b"probe"
         rec = DecodeRequest(req, inbox, seq, 0.0)
         worker.active[req.request_id] = rec  # as _on_generate leaves it while the admission runs
         await worker.handle_outputs([StepOutput(req.request_id, [42], [], None, 8, 0, 1)])
