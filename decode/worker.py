@@ -157,6 +157,7 @@ class DecodeWorker(WorkerBase):
             if hasattr(rx, "start"):
                 await rx.start()
             self.receivers[name] = rx
+        self.step_metrics = metrics.StepMetrics.of(model, self.role)
         self.jobs = PrefillQueue(bus, model)
         self.membership = Membership(bus, ttl=self.settings.registry_ttl)
         await self.membership.start(wait=1.0)
@@ -470,23 +471,20 @@ class DecodeWorker(WorkerBase):
         """One step's metrics, in one update per metric."""
         if not step.tokens and not step.finished:
             return
-        model = self.engine.model_name
+        m = self.step_metrics
         self.counters.bump("decode_tokens", step.tokens)
-        metrics.OUTPUT_TOKENS.labels(model).inc(step.tokens)
+        m.output_tokens.inc(step.tokens)
         for ttft in step.ttfts:
-            metrics.WORKER_TTFT.labels(model).observe(ttft)
-        if step.gaps:
-            itl = metrics.WORKER_ITL.labels(model)
-            for gap, count in step.gaps.items():
-                metrics.observe_many(itl, gap, count)
+            m.ttft.observe(ttft)
+        for gap, count in step.gaps.items():
+            metrics.observe_many(m.itl, gap, count)
         if step.interactive_tokens:
             self.itl.add(step.interactive_gap / step.interactive_tokens)
         for out, e2e in step.finished:
-            outcome = "error" if out.finish_reason == "error" else "finished"
-            metrics.WORKER_REQUESTS.labels(model, self.role, outcome).inc()
-            metrics.WORKER_E2E.labels(model).observe(e2e)
-            metrics.PROMPT_TOKENS.labels(model).inc(out.num_prompt_tokens)
-            metrics.CACHED_TOKENS.labels(model).inc(out.num_cached_tokens)
+            (m.failed if out.finish_reason == "error" else m.finished).inc()
+            m.e2e.observe(e2e)
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.cached_tokens.inc(out.num_cached_tokens)
 
     async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:
         self.counters.errors += 1

@@ -163,9 +163,10 @@ class CompletionRoutes:
 async def _counted(gw: Gateway, endpoint: str, request: Request, handler: Awaitable[Response]) -> Response:
     """Run a completion handler inside its server span (continuing the caller's ``traceparent``)
     and count its status. A streamed response ends the span when the stream ends."""
-    span = TRACER.start_span(f"POST /v1/{endpoint.replace('chat', 'chat/completions')}",
-                             context=context_from(dict(request.headers)), kind=trace.SpanKind.SERVER,
-                             attributes={"http.request.method": "POST", "http.route": request.url.path})
+    parent = context_from(dict(request.headers)) if gw.tracing else None  # no-op spans need no parent
+    span = TRACER.start_span(f"POST /v1/{endpoint.replace('chat', 'chat/completions')}", context=parent,
+                             kind=trace.SpanKind.SERVER,
+                             attributes={"http.request.method": "POST", "http.route": request.scope["path"]})
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
         response = await handler

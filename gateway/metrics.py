@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from mesh.metrics import GATEWAY_E2E, GATEWAY_ITL, GATEWAY_TTFT
 from mesh.telemetry import REGISTRY
 
 if TYPE_CHECKING:
@@ -43,12 +45,29 @@ INFLIGHT = Gauge("pdmesh_gateway_inflight_requests", "Choices admitted and not f
                  registry=REGISTRY, multiprocess_mode="livesum")
 
 
+@dataclass(frozen=True)
+class Latency:
+    """One model's latency histograms (labelled children, looked up once per model)."""
+
+    ttft: object
+    itl: object
+    e2e: object
+
+
 class GatewayStats:
     """What the gateway's code bumps; one per process."""
 
     def __init__(self):
         self.migrations = 0  # this process's, for logs and tests
         self.reroutes = 0
+        self._latency: dict[str, Latency] = {}
+
+    def latency(self, model: str) -> Latency:
+        got = self._latency.get(model)
+        if got is None:
+            got = self._latency[model] = Latency(GATEWAY_TTFT.labels(model), GATEWAY_ITL.labels(model),
+                                                 GATEWAY_E2E.labels(model))
+        return got
 
     def request(self, endpoint: str, status: int) -> None:
         REQUESTS.labels(endpoint, str(status)).inc()

@@ -89,6 +89,7 @@ class Gateway:
         self.membership: Membership | None = None
         self.router: KvRouter | None = None
         self.inflight = 0
+        self.tracing = False  # start(): whether spans are recorded (else the tracer is a no-op)
         self.stats = GatewayStats()
         self.workers_metrics = workers_registry(self)
         self.retry_policy = RetryPolicy(config.retries, config.max_migrations, config.unreachable_wait,
@@ -96,8 +97,9 @@ class Gateway:
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        setup_tracing("pdmesh-gateway")
-        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns)
+        self.tracing = setup_tracing("pdmesh-gateway")
+        # no_echo: our own routing decisions would come back to our router, to be decoded and dropped
+        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns, no_echo=True)
         self.replies = ReplyStreams(self.bus)
         await self.replies.start()
         self.membership = Membership(self.bus)
@@ -201,6 +203,7 @@ class Gateway:
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
         stream = None
         last_at = run.started
+        latency = self.stats.latency(model)
         self.stats.choice_started()
         try:
             while True:
@@ -240,14 +243,14 @@ class Gateway:
                 self.stats.tokens(len(delta.token_ids))
                 now = time.monotonic()
                 if first:
-                    metrics.GATEWAY_TTFT.labels(model).observe(now - run.started)
+                    latency.ttft.observe(now - run.started)
                 elif delta.token_ids:
-                    metrics.GATEWAY_ITL.labels(model).observe((now - last_at) / len(delta.token_ids))
+                    latency.itl.observe((now - last_at) / len(delta.token_ids))
                 last_at = now
                 if run.state is ChoiceState.FINISHED:
                     if last.finish_reason is not None:  # else a stop string ended it: the worker goes on
                         stream = self._close(stream, request_id)
-                    metrics.GATEWAY_E2E.labels(model).observe(now - run.started)
+                    latency.e2e.observe(now - run.started)
                     yield delta
                     return
                 yield delta

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -53,6 +54,27 @@ ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt c
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
 PLANNER_REPLICAS = Gauge("pdmesh_planner_replicas", "The planner's pools: current and target size",
                          ["model", "pool", "kind"], registry=REGISTRY)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """A decode worker's per-step metrics for its model: the labelled children, looked up once
+    (``labels()`` costs a lock and a dict lookup per call)."""
+
+    output_tokens: object
+    ttft: object
+    itl: object
+    e2e: object
+    prompt_tokens: object
+    cached_tokens: object
+    finished: object
+    failed: object
+
+    @classmethod
+    def of(cls, model: str, role: str) -> StepMetrics:
+        return cls(OUTPUT_TOKENS.labels(model), WORKER_TTFT.labels(model), WORKER_ITL.labels(model),
+                   WORKER_E2E.labels(model), PROMPT_TOKENS.labels(model), CACHED_TOKENS.labels(model),
+                   WORKER_REQUESTS.labels(model, role, "finished"), WORKER_REQUESTS.labels(model, role, "error"))
 
 
 def observe_many(hist, amount: float, count: int) -> None:

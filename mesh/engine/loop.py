@@ -131,6 +131,8 @@ class EngineLoop:
         return outs
 
     def _drain(self, block: bool) -> None:
+        if not block and self._commands.empty():  # between two steps, most of the time
+            return
         try:
             item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
