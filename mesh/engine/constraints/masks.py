@@ -19,11 +19,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 
 FILL_TIMEOUT = 60.0  # seconds; a fill this slow is a broken grammar engine, and fails the step
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 class StepMasks:
@@ -50,24 +49,27 @@ class StepMasks:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Mask ``logits[rows[i]]`` by ``bitmask[i]``, all rows at once, on the logits' device."""
+    """Mask ``logits[rows[i]]`` by ``bitmask[i]``, all rows at once, on the logits' device.
+
+    Each byte of the bitmask looks up its eight tokens' additive bias (0 or -inf) in a 256 x 8
+    table: one gather and one add, 3-6x faster on CPU than unpacking bits into a boolean mask for
+    ``masked_fill`` (bench/structured.py), and the same kernels on CUDA.
+    """
     vocab = logits.shape[1]
-    allowed = _unpack(bitmask, vocab, logits.device)
+    bias = _bias(bitmask.to(logits.device, non_blocking=True), vocab, logits.dtype)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    idx = torch.as_tensor(rows, device=logits.device)
-    logits[idx] = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+        logits.add_(bias)
+    else:
+        logits.index_add_(0, torch.as_tensor(rows, device=logits.device), bias)
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Bits -> bool ``[rows, vocab]`` (bit ``t % 32`` of word ``t // 32`` is token ``t``)."""
-    if device.type == "cpu":
-        # numpy's unpackbits is one C loop; int32 words in little-endian memory are bytes in token order
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        return torch.from_numpy(bits.view(np.bool_))  # 0/1 bytes are bools: no copy
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    words = bitmask.to(device, non_blocking=True)
-    return ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+def _bias(words: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, vocab]``: 0 where the token is allowed, -inf where not (bit ``t % 32`` of word
+    ``t // 32`` is token ``t``; int32 words in little-endian memory are bytes in token order)."""
+    key = (words.device, dtype)
+    table = _TABLES.get(key)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _TABLES[key] = torch.where(bits == 1, 0.0, float("-inf")).to(device=words.device, dtype=dtype)
+    per_byte = torch.nn.functional.embedding(words.view(torch.uint8).long(), table)
+    return per_byte.view(words.shape[0], -1)[:, :vocab]
