@@ -1,16 +1,28 @@
 """OpenAI request bodies, validated the way OpenAI validates them.
 
-Unknown fields are ignored (as OpenAI's server ignores them); a known field
-with a bad value is a 400 naming the field. Types are strict (``true`` is not
-the integer 1, ``"2"`` is not 2) and every number has a bound, so nothing a
+Unknown fields are ignored (as OpenAI's server ignores them), except those that
+would change what the model must produce and that we do not implement
+(``REFUSED``): those are a 400 naming the field, never silently dropped. A known
+field with a bad value is a 400 naming the field. Types are strict (``true`` is
+not the integer 1, ``"2"`` is not 2) and every number has a bound, so nothing a
 client sends can overflow the wire codec or the sampler further in.
+
+Structured output (``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``) is parsed into typed fields and checked here: schemas
+the grammar engine cannot enforce, unknown tool names, tool choices without
+tools are 400s. ``check_served`` refuses what the workers do not enforce yet.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from gateway.errors import APIError
+from mesh.engine.constraints.validate import schema_problem
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -32,11 +44,60 @@ class TextPart(BaseModel):
     text: str
 
 
+def field_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
+    """A validation error that names its request field (``gateway.errors`` reads ``param``)."""
+    return PydanticCustomError("pdmesh_field", "{message}", {"message": message, "param": param, "code": code})
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str = Field(max_length=256)
+    arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant message (the conversation's history)."""
+
+    model_config = _STRICT
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @field_validator("function")
+    @classmethod
+    def _json_arguments(cls, v: FunctionCall):
+        try:
+            json.loads(v.arguments or "{}")
+        except json.JSONDecodeError:
+            raise ValueError("function.arguments must be JSON text") from None
+        return v
+
+    def template_dict(self) -> dict:
+        """As chat templates read it: the arguments as an object (templates ``tojson`` them)."""
+        args = json.loads(self.function.arguments or "{}")
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    reasoning_content: str | None = None  # an earlier turn's thinking, for templates that show it
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -44,6 +105,142 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as Hugging Face chat templates expect it: only the keys it has (templates test
+        ``'tool_calls' in message``)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def _enforceable(schema: Any, what: str) -> Any:
+    problem = schema_problem(schema)
+    if problem:
+        raise ValueError(f"{what} cannot be enforced: {problem}")
+    return schema
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: FunctionName
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema exactly, strict or not
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v):
+        return _enforceable(v, "the schema")
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise field_error("response_format.json_schema", "missing required parameter: response_format.json_schema",
+                              "missing_required_parameter")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; absent: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v):
+        return v if v is None else _enforceable(v, "parameters")
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict:
+        """The OpenAI tool object, as templates read it (``tool.function.parameters``)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+# Fields of other servers (vLLM, TGI, llama.cpp) or of OpenAI that change what the model must
+# produce and that we do not implement: a 400 naming the field unless the value is the default.
+# Anything else unknown is ignored (harmless: metadata, store, service_tier, prediction, ...).
+def _off(v) -> bool:
+    return v is None or v is False or v == {} or v == [] or v == ""
+
+
+REFUSED: dict[str, tuple] = {
+    "logit_bias": (_off, "token biases are not implemented"),
+    "logits_processors": (_off, "logits processors are not implemented"),
+    "bad_words": (_off, "bad_words is not implemented"),
+    "allowed_token_ids": (_off, "allowed_token_ids is not implemented"),
+    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not implemented"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not implemented"),
+    "use_beam_search": (_off, "beam search is not implemented"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty is not implemented"),
+    "typical_p": (lambda v: v in (None, 1, 1.0), "typical_p is not implemented"),
+    "top_a": (lambda v: v in (None, 0, 0.0), "top_a is not implemented"),
+    "tfs": (lambda v: v in (None, 1, 1.0), "tail-free sampling is not implemented"),
+    "mirostat": (lambda v: v in (None, 0), "mirostat is not implemented"),
+    "dry_multiplier": (lambda v: v in (None, 0, 0.0), "DRY sampling is not implemented"),
+    "xtc_probability": (lambda v: v in (None, 0, 0.0), "XTC sampling is not implemented"),
+    "guided_json": (_off, "use response_format with a json_schema"),
+    "guided_regex": (_off, "regular-expression constraints are not offered"),
+    "guided_choice": (_off, "use response_format with a json_schema enum"),
+    "guided_grammar": (_off, "grammar constraints are not offered"),
+    "structured_outputs": (_off, "use response_format"),
+    "grammar": (_off, "grammar constraints are not offered"),
+    "json_schema": (_off, "use response_format"),
+    "functions": (_off, "use tools (functions is deprecated)"),
+    "function_call": (_off, "use tool_choice (function_call is deprecated)"),
+    "audio": (_off, "audio output is not implemented"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is implemented"),
+    "web_search_options": (_off, "web search is not implemented"),
+    "reasoning_effort": (_off, "reasoning_effort is not implemented"),
+    "verbosity": (_off, "verbosity is not implemented"),
+    "include_stop_str_in_output": (_off, "stop strings are always removed"),
+    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always skipped"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True), "not implemented"),
+    "truncate_prompt_tokens": (_off, "prompts are never truncated; a long one is a 400"),
+    "continue_final_message": (_off, "continue_final_message is not implemented"),
+    "chat_template": (_off, "the model's own chat template is used"),
+    "documents": (_off, "documents are not implemented"),
+    "echo": (_off, None),  # completions implements it (declared there); chat does not
+}
+
+
+def _refuse_unimplemented(data: Any, declared: set[str]) -> None:
+    if not isinstance(data, dict):
+        return
+    for name, (harmless, why) in REFUSED.items():
+        if name in data and name not in declared and not harmless(data[name]):
+            raise field_error(name, f"{name} is not supported" + (f": {why}" if why else ""), "unsupported_parameter")
 
 
 class SamplingFields(BaseModel):
@@ -70,6 +267,13 @@ class SamplingFields(BaseModel):
     user: str | None = None
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
     return_token_ids: bool = False  # vLLM's extension: token_ids (and prompt_token_ids) in each choice
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data):
+        _refuse_unimplemented(data, set(cls.model_fields))
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -111,12 +315,20 @@ class SamplingFields(BaseModel):
         return 0.0 if t < GREEDY_BELOW else t
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+RESERVED_TEMPLATE_VARS = {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # extra template variables (``enable_thinking``), as vLLM takes them
 
     @model_validator(mode="after")
     def _logprobs(self):
@@ -124,9 +336,63 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "tool names must be unique")
+        if not names:
+            for field in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, field) is not None:
+                    raise field_error(field, f"{field} is only allowed when tools are specified")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise field_error("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                             "one of the tools")
+        if self.tool_choice_mode == "auto" and self.wants_json:
+            raise field_error("response_format", "response_format with tools the model may call "
+                                                 "(tool_choice auto) is not supported", "unsupported_parameter")
+        for key in self.chat_template_kwargs or {}:
+            if not key.isidentifier() or key.startswith("_") or key in RESERVED_TEMPLATE_VARS:
+                raise field_error("chat_template_kwargs", f"chat_template_kwargs cannot set {key!r}")
+        return self
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none, auto, required or named; OpenAI's default: auto with tools, none without."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    @property
+    def forced_tools(self) -> list[FunctionDefinition]:
+        """The functions a call must be to (required: any of them; named: that one)."""
+        mode = self.tool_choice_mode
+        functions = [t.function for t in self.tools or []]
+        if mode == "required":
+            return functions
+        if mode == "named":
+            return [f for f in functions if f.name == self.tool_choice.function.name]
+        return []
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.template_dict() for t in self.tools] if self.tools else None
+
     @property
     def max_output(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -164,6 +430,10 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
     @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
@@ -175,3 +445,19 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+def check_served(body: SamplingFields) -> None:
+    """Refuse what is validated but not yet enforced end to end (a 400, never a silent drop).
+
+    The engine enforces constraints (mesh/engine/constraints); the workers do not receive them
+    until the wire carries them, and the gateway does not yet parse tool calls out of a stream.
+    Until then JSON output and tools the model may call are refused. ``tools`` with
+    ``tool_choice="none"`` are served: the template shows them, the model writes text.
+    """
+    if body.wants_json:
+        raise APIError(400, "response_format json_object and json_schema are validated but not served yet",
+                       "response_format", "unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest) and body.tool_choice_mode != "none":
+        raise APIError(400, "tool calls are validated but not served yet; tool_choice \"none\" is",
+                       "tool_choice" if body.tool_choice is not None else "tools", "unsupported_parameter")

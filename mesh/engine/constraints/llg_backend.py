@@ -12,6 +12,7 @@ import llguidance.torch as llg_torch
 import torch
 
 from mesh.engine.constraints.spec import JSON_STYLE, Constraint, ConstraintError, ConstraintKind
+from mesh.engine.constraints.validate import first_line
 
 
 class LLGuidanceMatcher:
@@ -61,10 +62,10 @@ class LLGuidanceBackend:
             raise ConstraintError(f"invalid {c.kind.value}: {e}") from None
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise ConstraintError(f"invalid {c.kind.value}: {_one_line(messages[0])}")
+            raise ConstraintError(f"invalid {c.kind.value}: {first_line(messages[0])}")
         pristine = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if pristine.is_error():
-            raise ConstraintError(f"invalid {c.kind.value}: {_one_line(pristine.get_error())}")
+            raise ConstraintError(f"invalid {c.kind.value}: {first_line(pristine.get_error())}")
         return pristine
 
     def matcher(self, compiled: llg.LLMatcher) -> LLGuidanceMatcher:
@@ -72,9 +73,3 @@ class LLGuidanceBackend:
 
     def fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
         llg_torch.fill_next_token_bitmask_par(self.executor, [(m.raw, r) for m, r in rows], bitmask)
-
-
-def _one_line(message: str) -> str:
-    """llguidance's errors carry a dump of the parser state after the first line; users get the line."""
-    first = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar engine"
-    return first[:500]
