@@ -6,7 +6,7 @@ whole message is the stream fed at once, so a parsed message and the deltas of a
 same text add up to the same thing by construction (the tests split at every character and byte).
 
     start/content --marker, or "{" opening the message--> calls --end, "]", other text--> after
-    after: content again; blanks before, between and after blocks of calls are dropped
+    after: content again; the blanks before a block, and those after the last one, are dropped
 
 Inside a call the envelope ``{"name": ..., "arguments": ...}`` is scanned a character at a time
 (strings, escapes, nesting): the call's id and name go out when the ``name`` value is complete,
@@ -302,15 +302,15 @@ class ToolCallParser:
         self._content(emit)
 
     def _content(self, text: str) -> None:
-        """Content out, less trailing blanks: they wait for more content (a block of calls drops them,
-        and so does the end of a message after calls); blanks that open content after calls are dropped."""
+        """Content out, less trailing blanks: they wait for more content (a block of calls drops
+        them, and so does the end of a message after calls)."""
         text, self.blanks = self.blanks + text, ""
         body = text.rstrip(WS)
         self.blanks = text[len(body):]
         if not body:
             return
         if self.mode == "after":
-            body, self.mode = body.lstrip(WS), "content"
+            self.mode = "content"
         self.out.content += body
 
     # -- calls ------------------------------------------------------------------------------

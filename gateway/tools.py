@@ -55,6 +55,7 @@ class ToolFormat:
     call_close: str = ""
     joiner: str = ""  # between two calls, in the grammar
     block_open: str = ""  # before the calls (Mistral's marker), in the grammar
+    after_open: str = ""  # between that marker and the calls (Mistral's templates write a blank)
     as_list: bool = False  # the calls are one JSON array
     new_id: Callable[[], str] = openai_call_id
 
@@ -69,7 +70,8 @@ class ToolFormat:
         envelope = {"anyOf": [self._envelope(f) for f in functions]}
         if self.as_list:
             array = {"type": "array", "items": envelope, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-            return f"start: {_literal(self.block_open, special_token_id)} {lark_json(array)}\n"
+            opening = " ".join(p for p in (_literal(self.block_open, special_token_id), _literal(self.after_open, _none)) if p)
+            return f"start: {opening} {lark_json(array)}\n"
         call = " ".join(p for p in (_literal(self.call_open, special_token_id), "env",
                                     _literal(self.call_close, special_token_id)) if p)
         more = f" ({_literal(self.joiner, special_token_id)} call)*" if parallel else ""
@@ -78,6 +80,10 @@ class ToolFormat:
     def _envelope(self, f: FunctionSpec) -> dict:
         return {"type": "object", "properties": {"name": {"const": f.name}, self.arguments_key: f.arguments_schema},
                 "required": ["name", self.arguments_key], "additionalProperties": False}
+
+
+def _none(text: str) -> None:
+    return None
 
 
 def _literal(text: str, special_token_id: Callable[[str], int | None]) -> str:
@@ -97,7 +103,7 @@ LLAMA3_JSON = ToolFormat(
 )
 MISTRAL = ToolFormat(
     "mistral", CallSyntax(markers=("[TOOL_CALLS]",), list_open="[", separator=","), detect=("[TOOL_CALLS]",),
-    arguments_key="arguments", block_open="[TOOL_CALLS]", as_list=True, new_id=mistral_call_id,
+    arguments_key="arguments", block_open="[TOOL_CALLS]", after_open=" ", as_list=True, new_id=mistral_call_id,
 )
 TOOL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
