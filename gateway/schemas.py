@@ -46,7 +46,7 @@ class TextPart(BaseModel):
 
 def field_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
     """A validation error that names its request field (``gateway.errors`` reads ``param``)."""
-    return PydanticCustomError("pdmesh_field", "{message}", {"message": message, "param": param, "code": code})
+    return PydanticCustomError("named_field_error", "{message}", {"message": message, "param": param, "code": code})
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
