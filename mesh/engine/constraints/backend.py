@@ -14,14 +14,17 @@ Contract:
   grammar; cheap.
 - ``fill(rows, bitmask)`` writes, for each ``(matcher, row)``, the allowed next
   tokens of that matcher into ``bitmask[row]`` (int32 words, bit ``t % 32`` of
-  word ``t // 32`` set when token ``t`` is allowed). Called from a worker thread
-  while the model step runs; it releases the GIL while it computes.
+  word ``t // 32`` set when token ``t`` is allowed).
+- ``prepare_fill(rows, bitmask)`` does the Python part of that on the caller's
+  thread and returns a no-argument callable that does the rest: the engine calls
+  it from a worker thread while the model step runs, and it must release the GIL.
 
 The default is llguidance; docs/benchmarks.md has the measurement behind that.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
 from typing import Protocol
 
@@ -54,6 +57,8 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: object) -> TokenMatcher: ...
 
     def fill(self, rows: list[tuple[TokenMatcher, int]], bitmask: torch.Tensor) -> None: ...
+
+    def prepare_fill(self, rows: list[tuple[TokenMatcher, int]], bitmask: torch.Tensor) -> Callable[[], None]: ...
 
 
 BACKENDS = {

@@ -7,8 +7,9 @@ copy of it (microseconds: the grammar and its lexer are shared). JSON follows
 
 from __future__ import annotations
 
+from functools import partial
+
 import llguidance as llg
-import llguidance.torch as llg_torch
 import torch
 
 from mesh.engine.constraints.spec import JSON_STYLE, Constraint, ConstraintError, ConstraintKind
@@ -72,4 +73,10 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.deep_copy())
 
     def fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
-        llg_torch.fill_next_token_bitmask_par(self.executor, [(m.raw, r) for m, r in rows], bitmask)
+        self.prepare_fill(rows, bitmask)()
+
+    def prepare_fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor):
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        work = [(m.raw, r) for m, r in rows]
+        ptr, words, n = bitmask.data_ptr(), bitmask.shape[1], bitmask.shape[0]
+        return partial(self.executor.unsafe_compute_mask_ptr, work, ptr, words * 4, n)

@@ -98,18 +98,20 @@ class GrammarManager:
         if not rows:
             return None
         bitmask = self._buffer(len(seqs))[: len(rows)]
-        work = [(state.matcher, j) for j, (_, state) in enumerate(rows)]
         backend = self.backend
+        # the Python side of the fill happens here: the mask thread only runs the backend's native
+        # call, which releases the GIL, so it never competes with the engine thread for it
+        fill = backend.prepare_fill([(state.matcher, j) for j, (_, state) in enumerate(rows)], bitmask)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         self.masks.steps += 1
         self.masks.rows += len(rows)
-        done = self._pool.submit(self._fill, backend, work, bitmask)
+        done = self._pool.submit(self._fill, fill)
         return StepMasks(done, [i for i, _ in rows], bitmask, self.masks)
 
-    def _fill(self, backend: GrammarBackend, work, bitmask: torch.Tensor) -> None:
+    def _fill(self, fill) -> None:
         t0 = time.perf_counter()
-        backend.fill(work, bitmask)
+        fill()
         self.masks.fill_seconds += time.perf_counter() - t0
 
     def _buffer(self, rows: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ the two. A grammar it has finished accepts only EOS, and the sequence ends when 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import xgrammar as xgr
 
@@ -67,4 +69,8 @@ class XGrammarBackend:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
 
     def fill(self, rows: list[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask([m.raw for m, _ in rows], bitmask, [r for _, r in rows])
+        self.prepare_fill(rows, bitmask)()
+
+    def prepare_fill(self, rows: list[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor):
+        return partial(self.batch.batch_fill_next_token_bitmask, [m.raw for m, _ in rows], bitmask,
+                       [r for _, r in rows])
