@@ -11,7 +11,8 @@ from gateway.reasoning import THINK, ReasoningDelta, ReasoningParser, reasoning_
 CASES = [  # prompt, output, reasoning, content
     ("<|im_start|>assistant\n", "<think>\nThe user wants 2+2. That is 4.\n</think>\n\nIt is **4**.",
      "The user wants 2+2. That is 4.", "It is **4**."),
-    ("<｜Assistant｜><think>\n", "Hmm, < and > are not tags; </thin is not either.\n</think>\n\nDone — ✓",
+    ("<｜Assistant｜><think>\n",  # noqa: RUF001 - DeepSeek's own token spelling
+     "Hmm, < and > are not tags; </thin is not either.\n</think>\n\nDone — ✓",
      "Hmm, < and > are not tags; </thin is not either.", "Done — ✓"),
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Straight to the answer.", "", "Straight to the answer."),
     ("<|im_start|>assistant\n", "No thinking here, <think> mid-text stays.", "", "No thinking here, <think> mid-text stays."),
@@ -46,7 +47,7 @@ def test_reasoning_streams_before_the_block_closes():
 
 
 def test_the_output_starts_inside_when_the_prompt_left_the_block_open():
-    assert THINK.starts_inside("<｜User｜>hi<｜Assistant｜><think>\n")
+    assert THINK.starts_inside("<｜User｜>hi<｜Assistant｜><think>\n")  # noqa: RUF001
     assert not THINK.starts_inside("<|im_start|>assistant\n")
     assert not THINK.starts_inside("<think>\nold</think>\nanswer<|im_start|>assistant\n<think>\n\n</think>\n\n")
 

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 
 from gateway import errors
 from gateway.errors import APIError
+from gateway.output_schemas import REFUSED
 from gateway.outputs import plan_chat, plan_completion
-from gateway.schemas import REFUSED, ChatCompletionRequest, CompletionRequest, check_served
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
 from mesh.engine.constraints import ConstraintKind
 from mesh.tokenizer import Tokenizer
 from tests.unit.test_tools_templates import make_dir
