@@ -31,7 +31,7 @@ from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
 from gateway.service import Gateway
 from gateway.streaming import (
     SSEResponse,
@@ -213,17 +213,17 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 async def _chat(gw: Gateway, request: Request) -> Response:
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    check_served(body)
     gw.check_model(body.model)
     tok = gw.require_tokenizer(body.model, "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = body.template_messages()
     try:
         with TRACER.start_as_current_span("template+tokenize") as span:
             prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
-                                     body.add_generation_prompt)
+                                     body.add_generation_prompt, body.template_tools(), body.chat_template_kwargs)
             span.set_attribute("pdmesh.prompt_tokens", len(prompt))
     except ChatTemplateError as e:
-        raise APIError(400, str(e), "messages") from None
+        raise APIError(400, str(e), e.param) from None
     if not prompt:
         raise APIError(400, "the messages render to an empty prompt", "messages")
     fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(body.model), [prompt], body.n,
@@ -233,6 +233,7 @@ async def _chat(gw: Gateway, request: Request) -> Response:
 
 async def _completions(gw: Gateway, request: Request) -> Response:
     body: CompletionRequest = await _parse(request, CompletionRequest)
+    check_served(body)
     gw.check_model(body.model)
     raw_prompts = body.prompts()
     prompts = []

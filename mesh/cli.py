@@ -68,6 +68,10 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="GPU: replay decode steps from CUDA graphs (FlashInfer attention; not yet measured on a GPU)")
+    p.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
+                   help="grammar engine of constrained output (xgrammar: pip install pdmesh[xgrammar])")
+    p.add_argument("--grammar-threads", type=int, default=0,
+                   help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
 
 
@@ -284,6 +288,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=args.cuda_graphs,
+        grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
         **{k: v for k, v in tiers.items() if v is not None},
     )
 
@@ -387,6 +392,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         flags += ["--tp", str(args.tp)]
     if args.cuda_graphs:
         flags += ["--cuda-graphs"]
+    if args.grammar_backend != "llguidance" or args.grammar_threads:
+        flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
                  "transports", "disagg_threshold"):
         value = getattr(args, name)
