@@ -224,6 +224,9 @@ class EngineConfig:
     enforce_eager: bool = False  # never CUDA graphs, whatever the default
     async_scheduling: bool | None = None  # overlap host and device steps; None: on CUDA as the default says
     fused_kernels: tuple[str, ...] = ()  # FlashInfer kernels for these ops (mesh.engine.kernels.FUSED_KERNELS)
+    grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
+    grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
+    grammar_cache_size: int = 256  # compiled grammars kept per worker
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -244,6 +247,8 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.grammar_threads < 0 or self.grammar_cache_size < 1:
+            raise ValueError("grammar_threads must be >= 0 and grammar_cache_size >= 1")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         self._check_gpu_execution()

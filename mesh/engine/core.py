@@ -81,6 +81,7 @@ class EngineCore:
         self.num_steps = 0
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
         self.tiers: TieredCache | None = None  # enable_tiers()
+        self.grammar = None  # a GrammarManager where the engine enforces constraints (the real engine)
         self._ids = itertools.count()
         self.overlap = OverlappedSteps(self) if core.async_scheduling else None
 
@@ -124,8 +125,10 @@ class EngineCore:
         return _Done(self.execute(out))
 
     def needs_resolved_tokens(self, out: SchedulerOutput) -> bool:
-        """Whether sampling this step reads tokens still in flight (penalties count every token)."""
-        return any(c.seq.num_placeholders and c.seq.params.has_penalties for c in out.sampling_chunks)
+        """Whether sampling this step reads tokens still in flight: penalties count every token, and a
+        grammar's mask for this step follows the token before it."""
+        return any(c.seq.num_placeholders and (c.seq.params.has_penalties or c.seq.grammar is not None)
+                   for c in out.sampling_chunks)
 
     # -- requests ---------------------------------------------------------------
     def new_sequence(
@@ -150,7 +153,17 @@ class EngineCore:
         )
 
     def add(self, seq: Sequence) -> None:
+        self.attach_grammar(seq)
         self.scheduler.add(seq)
+
+    def attach_grammar(self, seq: Sequence) -> None:
+        """A constrained sequence gets its grammar state, caught up with the tokens it already generated
+        (raises ``RequestError`` if this engine cannot enforce the constraint)."""
+        if seq.params.constraint is None:
+            return
+        if self.grammar is None:
+            raise RequestError("this engine does not enforce constraints (response_format, tools)")
+        self.grammar.attach(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -164,6 +177,7 @@ class EngineCore:
         return seq.num_tokens - len(self.kv_manager.match_prefix(seq)) * self.block_size
 
     def reserve_remote(self, seq: Sequence) -> bool:
+        self.attach_grammar(seq)  # the first token comes from the prefill worker, and advances it
         ok = self.scheduler.reserve_remote(seq)
         if ok and self.tiers is not None:
             # Another process writes the reserved blocks next: the offload copies that read

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mesh.engine.attention import AttentionBackend, AttentionBatch
+from mesh.engine.constraints.manager import GrammarManager
 from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.hostcopy import array_to_device, to_device
 from mesh.engine.model import CausalLM
@@ -58,8 +59,10 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
-                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None):
+                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
+                 grammar: GrammarManager | None = None):
         self.model = model
+        self.grammar = grammar  # constrained rows: their masks are filled while the model runs
         self.graphs = graphs  # CUDA: pure decode steps replay from graphs
         self.attention = attention
         self.sampler = sampler
@@ -88,15 +91,18 @@ class ModelRunner:
             self.broadcast(step)
         if self._inputs_sent is not None:
             self._inputs_sent.synchronize()  # microseconds: the GPU finished the step before the last
+        seqs = [c.seq for c in out.sampling_chunks]
+        # masks are filled while the model runs; constrained rows never have a token in flight here
+        # (EngineCore.needs_resolved_tokens)
+        masks = self.grammar.begin_step(seqs) if self.grammar is not None and seqs else None
         hidden = self.forward(step, self._input_ids(step, prev))
         if self.capture_logits:
             self.last_logits = self.model.logits(hidden)
         if not sample_rows:
             return PendingStep(None, {})
-        seqs = [c.seq for c in out.sampling_chunks]
         rows = to_device(sample_rows, torch.long, self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return PendingStep(self.sampler.sample(logits, seqs), {s: i for i, s in enumerate(seqs)})
+        return PendingStep(self.sampler.sample(logits, seqs, masks), {s: i for i, s in enumerate(seqs)})
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from mesh.engine.constraints.masks import StepMasks
 from mesh.engine.hostcopy import to_device
 from mesh.engine.kernels import PLAIN, Kernels
 from mesh.engine.sequence import SampledToken, Sequence, TokenLogprob
@@ -78,15 +79,19 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
         self.kernels = kernels  # kernels.top_k_top_p: a fused sampler for unseeded rows, or None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: StepMasks | None = None) -> list[SampledToken]:
         """``logits [B, V]`` (float32), one row per sequence in ``seqs``; waits for the tokens."""
-        return self.sample(logits, seqs).to_host()
+        return self.sample(logits, seqs, masks).to_host()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
-        """Sample one token per row, leaving them on the device (the copy to the host is started)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: StepMasks | None = None) -> SampledBatch:
+        """Sample one token per row, leaving them on the device (the copy to the host is started).
+        ``masks``: the grammar's allowed tokens of the constrained rows (applied after the logprobs,
+        which stay the model's own)."""
         params = [s.params for s in seqs]
         want_lp = [p.logprobs for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
+        if masks is not None:
+            logits = masks.apply(logits)
         if any(p.has_penalties for p in params):
             logits = logits.clone()
             for i, s in enumerate(seqs):
