@@ -125,10 +125,9 @@ class EngineCore:
         return _Done(self.execute(out))
 
     def needs_resolved_tokens(self, out: SchedulerOutput) -> bool:
-        """Whether sampling this step reads tokens still in flight: penalties count every token, and a
-        grammar's mask for this step follows the token before it."""
-        return any(c.seq.num_placeholders and (c.seq.params.has_penalties or c.seq.grammar is not None)
-                   for c in out.sampling_chunks)
+        """Whether the step after ``out`` (in flight) needs its tokens before it is scheduled:
+        penalties count every token, and a grammar's next mask follows the token before it."""
+        return any(c.seq.params.has_penalties or c.seq.grammar is not None for c in out.sampling_chunks)
 
     # -- requests ---------------------------------------------------------------
     def new_sequence(

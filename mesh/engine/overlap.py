@@ -17,15 +17,16 @@ step later than without overlap, in order per request. Tokens are the same as wi
   scheduled again (``Scheduler._stops_by_length``);
 * a sequence preempted at step N+1 keeps step N's token (it goes back to the queue with
   it in flight and is re-admitted once it is known); an aborted one drops it;
-* a step that samples with penalties (they read every earlier token on the host) first
-  resolves the step in flight: that step runs without overlap.
+* after a step that sampled rows with penalties (they read every earlier token on the host) or
+  a grammar (its next mask follows the token), the host resolves that step before scheduling
+  the next: those steps run without overlap.
 
 Who frees what: ``resolve`` retires finished sequences as before. Their blocks may still be
 written by the step in flight (the dropped row): anything that reuses them is queued after
 it on the same stream, or, for offload copies, waits for the compute stream first.
 
 The engine supplies ``launch(out, prev) -> Pending`` (``Pending.result()`` waits for the
-tokens) and ``needs_resolved_tokens(out)``; no torch here.
+tokens) and ``needs_resolved_tokens(inflight_out)``; no torch here.
 """
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ class OverlappedSteps:
         core, scheduler = self.core, self.core.scheduler
         prev, self.inflight = self.inflight, None
         try:
-            out = scheduler.schedule()
             results: list[StepOutput] = []
-            if prev is not None and (not out.chunks or core.needs_resolved_tokens(out)):
+            if prev is not None and core.needs_resolved_tokens(prev.out):
+                # before scheduling: resolving may finish a sequence (and free its blocks), which
+                # must then not be in the step about to launch
+                results, prev = self._resolve(prev), None
+            out = scheduler.schedule()
+            if prev is not None and not out.chunks:
                 results, prev = self._resolve(prev), None
             if not out.chunks:
                 return results
