@@ -344,7 +344,8 @@ class Scheduler:
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
         last = seq.last_token_id
-        if (not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids:
+        if ((not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids) \
+                and seq.num_output_tokens >= p.min_tokens:
             seq.status = SeqStatus.FINISHED_STOPPED
         elif seq.grammar is not None and seq.grammar.is_done:
             seq.status = SeqStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow
