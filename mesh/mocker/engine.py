@@ -86,10 +86,22 @@ class MockEngine(EngineCore):
             self.enable_tiers(config.host_kv_blocks)
         self.simulated_seconds = 0.0
 
+    # Run by an InlineEngineLoop (mesh.engine.loop): steps on the event loop, and the step's pause
+    # is owed to the loop (``take_owed_seconds``) instead of slept here.
+    steps_inline = True
+    paced = False
+    owed_seconds = 0.0
+
+    def take_owed_seconds(self) -> float:
+        owed, self.owed_seconds = self.owed_seconds, 0.0
+        return owed
+
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         seconds = self.config.timing.step_ms(out) / 1000.0 / self.config.speedup
         self.simulated_seconds += seconds
-        if seconds > 0:
+        if self.paced:
+            self.owed_seconds += seconds
+        elif seconds > 0:
             time.sleep(seconds)
         vocab = self.vocab_size
         tokens = []
