@@ -106,6 +106,10 @@ class Subjects:
     def workers_bucket(self) -> str:
         return f"{subject_token(self.ns)}_workers"
 
+    def kv_fetch(self, model: str, worker: str) -> str:
+        """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"
+
 
 # -- codec ----------------------------------------------------------------------
 
@@ -380,6 +384,8 @@ class WorkerCard:
     metrics_port: int = 0
     publishes_kv_events: bool = True
     engine: str = "model"  # model | mock
+    # issue 20: per-block costs in ms (mesh.router.costs.KvCosts fields); {} = the reference hardware
+    kv_costs: dict[str, float] = field(default_factory=dict)
 
 
 @message
@@ -464,6 +470,10 @@ class RouterDecision:
     overlap_blocks: float
     mode: str
     timestamp: float
+    # issue 20: the chosen worker's own leading run, and a peer to fetch the next blocks from
+    hit_blocks: int = 0
+    fetch_source: str = ""
+    fetch_blocks: int = 0
 
 
 @message
@@ -506,4 +516,36 @@ class NcclBegin:
 @message
 class NcclReply:
     ok: bool
+    error: str = ""
+
+
+# -- peer fetch (issue 20, phase A: the mocker simulates it; phase B adds bytes) ----------
+
+
+@message
+class KvFetchRequest:
+    """Requester -> holder, request on ``kv_fetch.{holder}``: send me the leading run of these
+    blocks that you hold (any tier). The holder pins them until it has sent them or the deadline
+    passes, and replies ``KvFetchDone`` when they are in place (phase A: when the simulated
+    transfer is over; no bytes move yet)."""
+
+    request_id: str
+    model: str
+    requester: str
+    hashes: list[int]  # chained block hashes, consecutive, the first one's parent the requester holds
+    deadline: float  # unix seconds: past it the holder sends nothing and unpins
+    transports: dict[str, dict] = field(default_factory=dict)  # phase B: where to write, as PrefillJob
+    dest_block_ids: list[int] = field(default_factory=list)  # phase B: the requester's blocks
+
+
+@message
+class KvFetchDone:
+    """Holder -> requester, the reply: how many leading blocks of the request were sent."""
+
+    request_id: str
+    holder: str
+    ok: bool
+    num_blocks: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)  # of those, how many the holder read from each tier
+    transfer_ms: float = 0.0  # holder side: pin to sent
     error: str = ""
