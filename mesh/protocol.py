@@ -386,6 +386,8 @@ class WorkerCard:
     engine: str = "model"  # model | mock
     # issue 20: per-block costs in ms (mesh.router.costs.KvCosts fields); {} = the reference hardware
     kv_costs: dict[str, float] = field(default_factory=dict)
+    serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
+    fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
 
 
 @message

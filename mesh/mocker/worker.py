@@ -95,6 +95,8 @@ class MockWorker(DecodeWorker):
     def card(self):
         card = super().card()
         card.kv_costs = self.engine.kv_costs.to_dict()
+        card.serves_kv_fetch = True
+        card.fetches_kv = self.mock.peer_fetch
         return card
 
     def load(self, engine):

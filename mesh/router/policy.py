@@ -74,6 +74,8 @@ class WorkerLoad:
     inflight_blocks: int = 0  # blocks of our own recent decisions its last report does not show yet
     total_blocks: int = 0
     costs: KvCosts | None = None  # its per-block costs (None: the reference hardware's)
+    can_fetch: bool = True  # it fetches blocks from the peer a decision names (peer fetch)
+    can_serve: bool = True  # it sends blocks to peers that ask
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def _terms(req: RouteRequest, w: WorkerLoad, match: PrefixMatch | None, sources:
             costs = costs or default_costs(req.block_size)
             own = sum(costs.block_cost(bits) for pos, bits in match.below if pos < depth)
     src, n_fetch, fetch = "", 0, 0.0
-    if sources and min(sources[0].fetchable, usable) - depth >= config.fetch_min_blocks:
+    if sources and w.can_fetch and min(sources[0].fetchable, usable) - depth >= config.fetch_min_blocks:
         src, n_fetch, fetch = _best_fetch(costs or default_costs(req.block_size), w.worker_id, depth, usable,
                                           sources, config)
     prefill = w.pending_prefill_blocks + own + fetch + req.prompt_blocks - depth - n_fetch
@@ -176,7 +178,7 @@ def _best_fetch(costs: KvCosts, worker_id: str, depth: int, usable: int, sources
 
 def fetch_sources(workers: list[WorkerLoad], matches: Mapping[str, PrefixMatch]) -> list[_Source]:
     """The workers that could send blocks of the prompt, deepest run held for sure first."""
-    load = {w.worker_id: w.pending_prefill_blocks for w in workers}
+    load = {w.worker_id: w.pending_prefill_blocks for w in workers if w.can_serve}
     out = [_Source(wid, m, m.fetchable(), load[wid]) for wid, m in matches.items() if wid in load]
     out.sort(key=lambda s: (-s.fetchable, s.pending_blocks, s.worker_id))
     return [s for s in out if s.fetchable > 0]

@@ -254,6 +254,8 @@ class KvRouter:
             inflight_blocks=sum(d.prompt_blocks for d in fresh),
             total_blocks=card.kv_blocks,
             costs=self._costs_of(card),
+            can_fetch=card.fetches_kv,
+            can_serve=card.serves_kv_fetch,
         )
 
     def _costs_of(self, card: WorkerCard) -> KvCosts:

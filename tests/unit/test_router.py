@@ -337,8 +337,12 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     from mesh.router.router import KvRouter
 
     slow_net = KvCosts.from_rates(16, network_gb_per_s=0.1).to_dict()  # 21 ms per block: never worth it
-    cards = [WorkerCard(w, "decode", "m", 16, 1000, 1 << 16, "h", 1, 0.0, 0.0) for w in ("a", "b")]
-    cards.append(WorkerCard("c", "decode", "m", 16, 1000, 1 << 16, "h", 1, 0.0, 0.0, kv_costs=slow_net))
+    def card(w, **kw):
+        return WorkerCard(w, "decode", "m", 16, 1000, 1 << 16, "h", 1, 0.0, 0.0, serves_kv_fetch=True,
+                          fetches_kv=True, **kw)
+
+    cards = [card("a"), card("b"), card("c", kv_costs=slow_net), card("d")]
+    cards[3].fetches_kv = False  # a worker that does not fetch (a model worker, before phase B)
     router = KvRouter(None, _Cards(cards), RouterConfig(peer_fetch=True))
     tokens = list(range(1000, 1000 + 16 * 30 + 1))
     from mesh.hashing import block_hashes, model_seed
@@ -346,12 +350,17 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     hashes = block_hashes(tokens, 16, model_seed("m"))
     idx = router.index("m")
     idx.load_snapshot("a", 0, {"device": hashes})
-    for w in ("b", "c"):
+    for w in ("b", "c", "d"):
         idx.load_snapshot(w, 0, {})
         await router._on_load(LoadReport(w, "m", "decode", 0.0), None)
     await router._on_load(LoadReport("a", "m", "decode", 0.0), None)
-    d = router.route("m", tokens, "r1", exclude={"a"})  # a failed to serve it; it can still send blocks
+    d = router.route("m", tokens, "r1", exclude={"a", "c", "d"})  # a failed to serve it; it can still send blocks
     assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("b", "a", 30)
     assert router.fetches == 1
-    d = router.route("m", tokens, "r2", exclude={"a", "b"})  # c's own network is too slow to fetch
+    d = router.route("m", tokens, "r2", exclude={"a", "b", "d"})  # c's own network is too slow to fetch
     assert (d.worker_id, d.fetch_source, d.new_blocks) == ("c", "", 31)
+    d = router.route("m", tokens, "r3", exclude={"a", "b", "c"})  # d does not fetch
+    assert (d.worker_id, d.fetch_source, d.new_blocks) == ("d", "", 31)
+    cards[0].serves_kv_fetch = False  # nor does anyone fetch from a worker that does not serve
+    d = router.route("m", tokens, "r4", exclude={"a", "c", "d"})
+    assert (d.worker_id, d.fetch_source) == ("b", "")
