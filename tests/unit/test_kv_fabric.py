@@ -254,3 +254,43 @@ def test_the_mockers_costs_for_the_router_follow_its_timing():
     assert fast.kv_costs.host_block_ms == pytest.approx(engine.kv_costs.host_block_ms / 2)
     with pytest.raises(ValueError, match="host"):
         MockConfig(disk_kv_blocks=8)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
+    from mesh.cli import CliError, build_parser, engine_config, main
+
+    def mock(*flags):
+        return engine_config(build_parser().parse_args(["worker", "mock", *flags]), mock=True)
+
+    cfg = mock("--host-kv-blocks", "64", "--disk-kv-blocks", "128", "--peer-fetch",
+               "--mock-timing", "network_gb_per_s=50", "--mock-timing", "num_layers=80")
+    assert (cfg.host_kv_blocks, cfg.disk_kv_blocks, cfg.peer_fetch) == (64, 128, True)
+    assert cfg.timing.network_gb_per_s == 50.0 and cfg.timing.num_layers == 80
+    assert cfg.timing.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    for flags, message in [(("--disk-kv-blocks", "8"), "host"), (("--mock-timing", "warp=9"), "FIELD=VALUE"),
+                           (("--mock-timing", "host_gb_per_s=fast"), "not a number"),
+                           (("--mock-timing", "host_gb_per_s=0"), "rates"), (("--disk-kv-gb", "1"), "blocks")]:
+        with pytest.raises(CliError, match=message):
+            mock(*flags)
+    with pytest.raises(CliError, match="phase B"):  # model workers do not fetch yet
+        engine_config(build_parser().parse_args(["worker", "decode", "--model", "m", "--peer-fetch"]))
+
+    import mesh.up
+
+    plans = []
+
+    async def fake_run_up(plan):
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(mesh.up, "run_up", fake_run_up)
+    assert main(["up", "--mock", "--decode", "2", "--host-kv-blocks", "64", "--disk-kv-blocks", "128",
+                 "--peer-fetch", "--mock-timing", "host_gb_per_s=50", "--no-planner"]) == 0
+    flags, gateway = plans[0].worker_flags, plans[0].gateway_flags
+    for flag, value in [("--host-kv-blocks", "64"), ("--disk-kv-blocks", "128"), ("--mock-timing", "host_gb_per_s=50")]:
+        assert flags[flags.index(flag) + 1] == value
+    assert "--peer-fetch" in flags and "--router-peer-fetch" in gateway
+    assert main(["up", "--mock", "--disk-kv-blocks", "8", "--no-planner"]) == 2  # one line, before anything starts
