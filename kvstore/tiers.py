@@ -42,14 +42,14 @@ model hit rates). ``BlockCopier`` moves the bytes (torch, imported when one is b
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from kvstore.disk import EMPTY, PinCounts
+from kvstore.disk import PinCounts
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+from kvstore.peer import PeerStage
 from kvstore.pool import EvictedBlock
 
 if TYPE_CHECKING:
@@ -191,55 +191,6 @@ class Staged:
 
     def __len__(self) -> int:
         return len(self.hashes)
-
-
-class PeerStage:
-    """Blocks fetched from a peer for admissions about to happen: hash -> payload.
-
-    Not a cache tier (no events, no snapshot, no LRU): an entry is taken once, by the
-    admission that onboards it, or dropped ``ttl`` seconds after it was put (its request
-    was cancelled, or found the blocks elsewhere). Payloads are bytes-like, or ``EMPTY``
-    where there are no bytes (the mocker).
-    """
-
-    tier = "peer"
-
-    def __init__(self, ttl: float = 30.0, clock=time.monotonic):
-        self.ttl = ttl
-        self.clock = clock
-        self._entries: OrderedDict[int, tuple[Any, float]] = OrderedDict()  # hash -> (payload, expiry)
-        self.staged = 0
-        self.expired = 0
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, hashes: Sequence[int], payloads: Sequence[Any] | None = None) -> None:
-        self.expire()
-        expiry = self.clock() + self.ttl
-        for i, h in enumerate(hashes):
-            self._entries.pop(h, None)
-            self._entries[h] = (EMPTY if payloads is None else payloads[i], expiry)
-        self.staged += len(hashes)
-
-    def take(self, block_hash: int) -> Any | None:
-        entry = self._entries.pop(block_hash, None)
-        return None if entry is None else entry[0]
-
-    def expire(self) -> int:
-        now = self.clock()
-        gone = 0
-        while self._entries:
-            h, (_, expiry) = next(iter(self._entries.items()))
-            if expiry > now:
-                break
-            del self._entries[h]
-            gone += 1
-        self.expired += gone
-        return gone
 
 
 class TieredCache:

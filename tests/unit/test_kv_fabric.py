@@ -7,9 +7,10 @@ import pytest
 
 from kvstore.events import KvEventLog
 from kvstore.manager import KVCacheManager
+from kvstore.peer import PeerStage
 from kvstore.pins import KvPins
 from kvstore.pool import BlockPool, NoFreeBlocks
-from kvstore.tiers import HostTier, PeerStage, TieredCache
+from kvstore.tiers import HostTier, TieredCache
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import Sequence
 from mesh.hashing import model_seed
