@@ -87,21 +87,13 @@ class EngineCore:
         return self.tiers
 
     def stage_peer_blocks(self, hashes: Seq[int], payloads: Seq | None = None) -> None:
-        """Blocks a peer sent (a leading run of a prompt this engine is about to admit): the
-        admission onboards them as a prefix hit from the ``peer`` source."""
+        """Blocks a peer sent (a run of a prompt this engine is about to admit): the admission
+        onboards them as a prefix hit from the ``peer`` source. Safe from any thread once the
+        tiers exist (``enable_tiers``: an engine that fetches enables them when it is built)."""
         if self.tiers is None:
-            self.enable_tiers(0)
+            raise RuntimeError("this engine takes no blocks from peers (no tiers enabled)")
         self.tiers.stage_peer(hashes, payloads)
 
-    def prefix_depth(self, hashes: Seq[int]) -> int:
-        """How many leading blocks of ``hashes`` this engine holds, in any tier (counts no query)."""
-        lookup, tiers = self.pool.lookup, self.tiers
-        n = 0
-        for h in hashes:
-            if lookup(h) is None and not (tiers is not None and tiers.holds(h)):
-                break
-            n += 1
-        return n
 
     def kv_snapshot(self) -> dict[str, list[int]]:
         """Every cached block by tier (what a router resyncs from)."""

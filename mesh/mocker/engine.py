@@ -156,7 +156,7 @@ class MockEngine(EngineCore):
                 max_num_batched_tokens=config.max_num_batched_tokens,
             )
         )
-        if config.host_kv_blocks:
+        if config.host_kv_blocks or config.peer_fetch:  # host_kv_blocks 0: only the stage of fetched blocks
             disk = VirtualDiskTier(config.disk_kv_blocks, self.pool.events) if config.disk_kv_blocks else None
             self.enable_tiers(config.host_kv_blocks, disk=disk, disk_min_hits=config.disk_min_hits)
         self.simulated_seconds = 0.0  # wall: the simulated time divided by the speedup

@@ -11,7 +11,7 @@ boundary before it can pin, the hit counters and KV events on both sides.
 
     requester (this worker)                          holder
     generate -> wait for the router's decision (<= hint_wait)
-             -> decision names a source: KvFetchRequest(hashes past what we hold) ---->
+             -> decision names a source: KvFetchRequest(hashes past our run) --------->
                                                      pin the leading run it holds (between steps)
                                                      sleep: TimingModel.fetch_ms / speedup
                                                      unpin                     (or: lease expiry)
@@ -127,17 +127,16 @@ class MockWorker(DecodeWorker):
         if not source or source == self.worker_id or hint.fetch_blocks <= 0:
             return
         bs = self.engine.block_size
-        usable = (len(req.token_ids) - 1) // bs
-        end = min(usable, hint.hit_blocks + hint.fetch_blocks)
+        end = min((len(req.token_ids) - 1) // bs, hint.hit_blocks + hint.fetch_blocks)
         try:
             hashes = block_hashes(req.token_ids[: end * bs], bs, self.engine.hash_seed)
         except (OverflowError, TypeError, ValueError):
             return  # not token ids: the admission answers the error
-        have = await self.loop.call(lambda e: e.prefix_depth(hashes))
-        if have >= end:
-            self.counters.bump("peer_fetch_unneeded")
+        # Past our own run as the router saw it (asking the engine would wait for its next step
+        # boundary): if we hold less, the admission's walk stops at the gap and prefills the rest.
+        want = hashes[hint.hit_blocks:]
+        if not want:
             return
-        want = hashes[have:]
         self.counters.bump("peer_fetch_requests")
         timeout = self.mock.fetch_timeout
         msg = KvFetchRequest(req.request_id, req.model, self.worker_id, want, deadline=time.time() + timeout)
@@ -151,7 +150,7 @@ class MockWorker(DecodeWorker):
             self.counters.bump("peer_fetch_failed" if not done.ok else "peer_fetch_empty")
             return
         n = min(done.num_blocks, len(want))
-        await self.loop.call(lambda e: e.stage_peer_blocks(want[:n]))
+        self.engine.stage_peer_blocks(want[:n])  # the stage has its own lock: no wait for a step boundary
         self.counters.bump("peer_fetch_ok")
         self.counters.bump("peer_fetch_blocks", n)
 

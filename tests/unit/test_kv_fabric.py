@@ -216,7 +216,9 @@ def test_tier_onboarding_time_shows_in_the_mockers_ttft():
 
 
 def test_blocks_fetched_from_a_peer_cost_no_step_time_and_count_as_peer_hits():
-    holder, requester = mock_engine(num_blocks=64), mock_engine(num_blocks=64)
+    holder, requester = mock_engine(num_blocks=64), mock_engine(num_blocks=64, peer_fetch=True)
+    with pytest.raises(RuntimeError, match="no tiers"):
+        holder.stage_peer_blocks([1])
     prompt = list(range(1, 321))
     ttft_ms(holder, prompt, "a")
     warm, _ = ttft_ms(holder, prompt, "b")
