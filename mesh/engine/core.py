@@ -94,7 +94,6 @@ class EngineCore:
             raise RuntimeError("this engine takes no blocks from peers (no tiers enabled)")
         self.tiers.stage_peer(hashes, payloads)
 
-
     def kv_snapshot(self) -> dict[str, list[int]]:
         """Every cached block by tier (what a router resyncs from)."""
         out = {self.pool.tier: self.pool.cached_hashes()}
