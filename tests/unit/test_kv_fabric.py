@@ -297,3 +297,24 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
         assert flags[flags.index(flag) + 1] == value
     assert "--peer-fetch" in flags and "--router-peer-fetch" in gateway
     assert main(["up", "--mock", "--disk-kv-blocks", "8", "--no-planner"]) == 2  # one line, before anything starts
+
+
+async def test_a_mock_worker_takes_the_routers_decision_whenever_it_arrives():
+    import asyncio
+
+    from mesh.mocker.worker import FetchHints
+    from mesh.protocol import RouterDecision
+
+    def decision(rid, worker="me", source="peer"):
+        return RouterDecision("r", "mock", worker, rid, 10, 2, 0.0, "kv", 0.0, fetch_source=source, fetch_blocks=8)
+
+    hints = FetchHints("me")
+    hints.add(decision("early"))  # the decision came before the request
+    hints.add(decision("other", worker="someone-else"))  # about another worker: ignored
+    assert (await hints.wait("early", 0.01)).fetch_source == "peer"
+    assert await hints.wait("other", 0.01) is None
+    waiting = asyncio.create_task(hints.wait("late", 1.0))
+    await asyncio.sleep(0)
+    hints.add(decision("late"))  # the request came first: its wait ends when the decision does
+    assert (await waiting).request_id == "late"
+    assert await hints.wait("never", 0.01) is None and not hints._waiters
