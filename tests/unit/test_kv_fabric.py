@@ -278,7 +278,7 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
                            (("--mock-timing", "host_gb_per_s=0"), "rates"), (("--disk-kv-gb", "1"), "blocks")]:
         with pytest.raises(CliError, match=message):
             mock(*flags)
-    with pytest.raises(CliError, match="phase B"):  # model workers do not fetch yet
+    with pytest.raises(CliError, match="needs a host KV tier"):  # model workers stage fetched blocks there
         engine_config(build_parser().parse_args(["worker", "decode", "--model", "m", "--peer-fetch"]))
 
     import mesh.up
