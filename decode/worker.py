@@ -136,6 +136,7 @@ class DecodeWorker(WorkerBase):
         self.jobs: PrefillQueue | None = None
         self.ttft = Window()
         self.itl = Window()
+        self.peer_fetch = None  # decode.peerfetch.PeerFetch with --peer-fetch (issue 20)
 
     # -- setup --------------------------------------------------------------------
     def build(self) -> EngineCore:
@@ -171,6 +172,11 @@ class DecodeWorker(WorkerBase):
         ]
         for sub in subs:
             stack.push_async_callback(_unsubscribe, sub)
+        if self.settings.peer_fetch:
+            from decode.peerfetch import PeerFetch
+
+            self.peer_fetch = PeerFetch(self, self.settings.peer_fetch_timeout)
+            await self.peer_fetch.start(stack)
 
     def card(self):
         card = super().card()
@@ -179,9 +185,13 @@ class DecodeWorker(WorkerBase):
         kv = self.engine.kv_cache
         if "shm" in card.transports:
             card.transports["shm"] = {"path": kv.shm_path, "host": host_id()}
+        if self.peer_fetch is not None:
+            self.peer_fetch.fill_card(card)
         return card
 
     def load(self, engine):
+        if self.peer_fetch is not None:
+            engine.pins.expire()  # between steps: a fetch whose requester vanished frees its pins here
         report = super().load(engine)
         report.capacity = engine.scheduler.config.max_num_seqs
         report.ttft_ms = self.ttft.mean() * 1000
@@ -236,6 +246,10 @@ class DecodeWorker(WorkerBase):
                         "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
         )
         self.active[req.request_id] = rec
+        if self.peer_fetch is not None and req.peer_fetch is not None:
+            await self.peer_fetch.fetch_for(req)  # stages the blocks the admission then finds
+            if rec.state is not ReqState.ADMITTING:
+                return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
         want_remote = seq.num_prompt_tokens >= threshold and self._prefill_free()
 

@@ -128,15 +128,12 @@ class DiskTier:
         (then forgotten)."""
         if block_hash not in self._files:
             return None
-        buf = bytearray(self.file_bytes + 1)  # one byte more: a longer file shows
         try:
-            with open(self.path(block_hash), "rb") as f:
-                n = f.readinto(buf)
+            raw = self._read(block_hash)
         except OSError:  # removed behind our back (another worker's eviction): a plain miss
             self._forget(block_hash)
             return None
-        raw = memoryview(buf)[:n]
-        if not self._valid(raw, block_hash):
+        if raw is None:
             log.warning("disk KV block %016x failed verification: dropped", block_hash)
             self.corrupt += 1
             self._drop(block_hash)
@@ -145,6 +142,23 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(self.path(block_hash))  # the LRU order a restarted engine rebuilds from mtimes
         return raw[HEADER.size :]
+
+    def read(self, block_hash: int) -> memoryview | None:
+        """The verified payload, or None, with no bookkeeping (no LRU move, nothing forgotten): what a
+        peer fetch reads off the engine thread while the block is pinned (its file stays)."""
+        try:
+            raw = self._read(block_hash)
+        except OSError:
+            return None
+        return None if raw is None else raw[HEADER.size :]
+
+    def _read(self, block_hash: int) -> memoryview | None:
+        """The whole verified file (OSError if it cannot be read; None if it fails its check)."""
+        buf = bytearray(self.file_bytes + 1)  # one byte more: a longer file shows
+        with open(self.path(block_hash), "rb") as f:
+            n = f.readinto(buf)
+        raw = memoryview(buf)[:n]
+        return raw if self._valid(raw, block_hash) else None
 
     def _valid(self, raw: memoryview, block_hash: int) -> bool:
         if raw.nbytes != self.file_bytes:
@@ -338,6 +352,9 @@ class VirtualDiskTier:
             return None
         self._blocks.move_to_end(block_hash)
         return EMPTY
+
+    def read(self, block_hash: int) -> memoryview | None:
+        return EMPTY if block_hash in self._blocks else None
 
     def put(self, block_hash: int, parent: int | None, payload=None) -> bool:
         if block_hash in self._blocks:

@@ -13,8 +13,11 @@ they are being sent:
 each block, into one host tensor (what a transport sends). Who frees the pins:
 ``release`` (the send finished or failed), or ``expire`` once the lease has run
 out (the sender died or hung): every pin has a deadline, so a lost fetch costs
-cache capacity for at most its lease. Both run where the pool runs (the engine
-thread, between steps), like every other change to the pool.
+cache capacity for at most its lease. ``pin``, ``release`` and ``expire`` run where
+the pool runs (the engine thread, between steps), like every other change to the
+pool. ``read`` changes nothing and reads only pinned blocks (never reused while
+pinned), so it may run on another thread while the engine steps: the decode
+worker's peer fetch (``decode/peerfetch.py``) reads there, off the engine thread.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class KvPins:
             elif tier == "host":
                 sources.append(host.get(h).slot)
             else:
-                payload = disk.get(h)
+                payload = disk.read(h)  # no bookkeeping: this may run off the engine thread
                 if payload is None:
                     break
                 sources.append(payload)

@@ -19,8 +19,9 @@ boundary before it can pin, the hit counters and KV events on both sides.
              stage the blocks (PeerStage) -> admit: onboarded like a host hit (no step time: paid)
     no reply within fetch_timeout, a refusal, no responders: admit without them (prefill)
 
-Phase A reads the decision from ``router.decisions`` because the gateway does not
-forward it yet; phase B puts it in ``GenerateRequest`` and moves real blocks.
+The decision comes in ``GenerateRequest.peer_fetch`` (the gateway puts it there); a request
+without one (sent by a client that routes for itself) waits up to ``hint_wait`` for it on
+``router.decisions``. The model worker's peer fetch (real bytes) is ``decode/peerfetch.py``.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class MockWorker(DecodeWorker):
 
     async def _fetch_for(self, req: GenerateRequest) -> None:
         """Stage the blocks the router's decision says a peer can send (nothing on any failure)."""
-        hint = await self.hints.wait(req.request_id, self.mock.hint_wait)
+        hint = req.peer_fetch or await self.hints.wait(req.request_id, self.mock.hint_wait)
         if hint is None:
             self.counters.bump("peer_fetch_no_decision")
             return
