@@ -60,6 +60,9 @@ class PeerFetch:
         self.timeout = timeout
         self.block_bytes = worker.engine.kv_cache.spec.block_bytes
         self.channels: dict[str, FetchChannel] = {}
+        # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
+        # many cores from the engine's own steps at once; queued fetches wait within their deadline.
+        self._sending = asyncio.Semaphore(1)
 
     async def start(self, stack: AsyncExitStack) -> None:
         w = self.worker
@@ -192,11 +195,22 @@ class PeerFetch:
         """Read the pinned run off the engine thread and write it to the requester's buffer."""
         import torch
 
-        data, n = await asyncio.to_thread(self.engine.pins.read, fetch_id, self.engine.tiers.copier)
-        if n == 0:
-            return
-        payload = memoryview(data[:n].reshape(-1).view(torch.uint8).numpy())
-        done.transfer_bytes = await channel.send(fetch_id, params, payload)
+        copier = self.engine.tiers.copier
+
+        def read():  # on a thread: map the requester's buffer when the channel can (shm), copy the run
+            dest = channel.target(params, len(run), copier.block_shape, copier.dtype)
+            data, n = self.engine.pins.read(fetch_id, copier, dest)
+            return dest is not None, data, n
+
+        async with self._sending:
+            direct, data, n = await asyncio.to_thread(read)
+            if n == 0:
+                return
+            if direct:  # already in the requester's buffer
+                done.transfer_bytes = n * copier.block_bytes
+            else:
+                payload = memoryview(data[:n].reshape(-1).view(torch.uint8).numpy())
+                done.transfer_bytes = await channel.send(fetch_id, params, payload)
         done.transport = channel.name
         done.num_blocks = n
         done.tiers = dict(Counter(run.tiers[:n]))

@@ -108,9 +108,10 @@ class KvPins:
         self.pinned_blocks += len(run)
         return run
 
-    def read(self, fetch_id: str, copier: BlockCopier) -> tuple[object, int]:
-        """The pinned run's bytes as one host tensor ``[n, layers, 2, block_size, heads, dim]``, and
-        ``n``: the blocks read, a leading part of the run (a disk file that fails its check ends it)."""
+    def read(self, fetch_id: str, copier: BlockCopier, out=None) -> tuple[object, int]:
+        """The pinned run's bytes as one host tensor ``[n, layers, 2, block_size, heads, dim]`` (``out``,
+        when given, with room for the run), and ``n``: the blocks read, a leading part of the run (a
+        disk file that fails its check ends it)."""
         run = self._runs[fetch_id]
         sources: list = []
         host = self.tiers.host if self.tiers is not None else None
@@ -126,7 +127,7 @@ class KvPins:
                 if payload is None:
                     break
                 sources.append(payload)
-        return copier.stage(sources), len(sources)
+        return copier.stage(sources, out), len(sources)
 
     def release(self, fetch_id: str) -> bool:
         """Unpin a run (the send is over, however it ended); False if it was not pinned (expired)."""

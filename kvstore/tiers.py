@@ -348,11 +348,12 @@ class BlockCopier:
                     blocks = blocks.contiguous()  # gathered on the GPU: the copy to pinned memory is one DMA
                 self.slots[s0 : s0 + n].copy_(blocks, non_blocking=True)
 
-    def stage(self, sources: list) -> torch.Tensor:
+    def stage(self, sources: list, out: torch.Tensor | None = None) -> torch.Tensor:
         """Host slots (ints), device blocks (``DeviceBlock``) and disk or peer payloads (bytes-like)
-        -> one host tensor, in order."""
+        -> one host tensor, in order (``out``: into its leading rows, e.g. a peer's mapped buffer)."""
         torch = self._torch
-        out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        if out is None:
+            out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.sync()
         for i, src in enumerate(sources):
             if isinstance(src, DeviceBlock):

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.transfer import host_id
 from kvstore.transfer.shm import PREFIX, SHM_DIR
@@ -46,6 +47,10 @@ class FetchChannel(Protocol):
     async def forget(self, fetch_id: str) -> None: ...
 
     def usable(self, params: dict) -> bool: ...
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
+        """A tensor ``[rows, *block_shape]`` over the requester's buffer that the holder copies the
+        blocks into directly (no staging copy, no ``send``), or None: read, then ``send``."""
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int: ...
 
@@ -83,7 +88,7 @@ class ShmChannel:
         def create() -> None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, max_bytes)  # sparse: pages appear as the holder writes them
+                os.posix_fallocate(fd, 0, max_bytes)  # the pages are ours: the holder only copies into them
             finally:
                 os.close(fd)
 
@@ -112,6 +117,16 @@ class ShmChannel:
     def usable(self, params: dict) -> bool:
         return params.get("host") == host_id() and isinstance(params.get("path"), str) \
             and os.path.basename(params["path"]).startswith(PREFIX) and os.path.exists(params["path"])
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
+        """The requester's file mapped (shared) as blocks: the holder's one copy lands in it."""
+        import torch
+
+        numel = rows * math.prod(block_shape)
+        if numel * dtype.itemsize > int(params.get("bytes", 0)):
+            raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {rows} blocks")
+        # opened by name: a buffer the requester already dropped is gone (FileNotFoundError)
+        return torch.from_file(params["path"], shared=True, size=numel, dtype=dtype).view(rows, *block_shape)
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
         if len(payload) > int(params.get("bytes", 0)):
@@ -193,6 +208,9 @@ class NatsChannel:
 
     def usable(self, params: dict) -> bool:
         return isinstance(params.get("subject"), str) and bool(params["subject"])
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> None:
+        return None
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
         from kvstore.transfer.nats_transport import NatsSender
