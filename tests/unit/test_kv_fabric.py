@@ -318,3 +318,41 @@ async def test_a_mock_worker_takes_the_routers_decision_whenever_it_arrives():
     hints.add(decision("late"))  # the request came first: its wait ends when the decision does
     assert (await waiting).request_id == "late"
     assert await hints.wait("never", 0.01) is None and not hints._waiters
+
+
+async def test_the_gateway_sends_the_routers_fetch_plan_in_the_request():
+    """gateway/service.py ``_send``: a decision naming a peer reaches the worker in ``GenerateRequest.peer_fetch``."""
+    from types import SimpleNamespace
+
+    from gateway.choice import ChoiceRun, RetryPolicy
+    from gateway.service import Gateway, GatewayConfig
+    from mesh.protocol import (
+        GenerateRequest,
+        PeerFetchPlan,
+        SamplingOptions,
+        Subjects,
+        decode,
+        encode,
+    )
+    from mesh.router.policy import Decision
+
+    sent: list[GenerateRequest] = []
+    decisions = [Decision("b", "kv", 0.0, 1, hit_blocks=2, fetch_source="a", fetch_blocks=30),
+                 Decision("b", "kv", 32.0, 1, hit_blocks=32)]
+
+    class Bus:
+        subjects = Subjects("t")
+
+        async def publish(self, subject, msg, reply="", span=None, **_):
+            sent.append(decode(encode(msg), GenerateRequest))  # as the worker will see it
+
+    gw = Gateway(GatewayConfig("nats://unused"))
+    gw.bus = Bus()
+    gw.router = SimpleNamespace(route=lambda *a: decisions.pop(0))
+    gw.replies = SimpleNamespace(batch_subject="replies", open=lambda w: SimpleNamespace(subject="r", key="k"))
+    from opentelemetry.trace import INVALID_SPAN
+
+    for _ in range(2):
+        await gw._send(ChoiceRun(RetryPolicy()), "rq", "m", [1] * 600, SamplingOptions(), 0, INVALID_SPAN)
+    assert sent[0].peer_fetch == PeerFetchPlan("a", 30, 2)
+    assert sent[1].peer_fetch is None  # no fetch planned: nothing on the wire
