@@ -61,7 +61,9 @@ class PeerFetch:
         self.block_bytes = worker.engine.kv_cache.spec.block_bytes
         self.channels: dict[str, FetchChannel] = {}
         # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
-        # many cores from the engine's own steps at once; queued fetches wait within their deadline.
+        # many cores from the engine's own steps at once, and concurrent nats sends would crowd
+        # this event loop (each chunk is encoded and written here); queued fetches wait within
+        # their deadline (measured: docs/benchmarks.md, "KV fabric").
         self._sending = asyncio.Semaphore(1)
 
     async def start(self, stack: AsyncExitStack) -> None:
