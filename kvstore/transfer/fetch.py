@@ -115,8 +115,10 @@ class ShmChannel:
                 os.unlink(path)  # a holder still writing writes into pages nobody will read
 
     def usable(self, params: dict) -> bool:
-        return params.get("host") == host_id() and isinstance(params.get("path"), str) \
-            and os.path.basename(params["path"]).startswith(PREFIX) and os.path.exists(params["path"])
+        """Same host, and a buffer file of ours in /dev/shm (a peer names no other file to write)."""
+        path = params.get("path")
+        return params.get("host") == host_id() and isinstance(path, str) and os.path.dirname(path) == str(SHM_DIR) \
+            and os.path.basename(path).startswith(PREFIX) and "-fetch-" in path and os.path.exists(path)
 
     def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
         """The requester's file mapped (shared) as blocks: the holder's one copy lands in it."""
