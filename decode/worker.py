@@ -252,7 +252,8 @@ class DecodeWorker(WorkerBase):
         )
         self.active[req.request_id] = rec
         if self.peer_fetch is not None and req.peer_fetch is not None:
-            await self.peer_fetch.fetch_for(req)  # stages the blocks the admission then finds
+            span = rec.enter("peer.fetch", **{"pdmesh.fetch_source": req.peer_fetch.fetch_source})
+            span.set_attribute("pdmesh.fetched_blocks", await self.peer_fetch.fetch_for(req))  # staged for admission
             if rec.state is not ReqState.ADMITTING:
                 return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
