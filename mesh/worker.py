@@ -62,6 +62,8 @@ class WorkerSettings:
     stream_interval_ms: float = 0.0
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
+    peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
+    peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
 
     @property
     def is_mock(self) -> bool:
