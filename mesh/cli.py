@@ -136,8 +136,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
-    p.add_argument("--stream-interval-ms", type=float, default=0.0,
-                   help="decode: at most one token message per gateway per this many ms (0: every step)")
+    p.add_argument("--stream-interval-ms", type=float, default=1.0,
+                   help="decode: at most one token message per gateway per this many ms (0: as soon as the event loop is free)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")

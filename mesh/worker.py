@@ -59,7 +59,10 @@ class WorkerSettings:
     metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
     # decode: at most one emission (TokenBatch per gateway) per this many ms; steps that end in
     # between go out together. 0: each emission as soon as the event loop is free.
-    stream_interval_ms: float = 0.0
+    # At most one token message per gateway per interval: a step's tokens wait at most this long
+    # (nothing, when steps are longer than it, as a GPU's are), and the bus carries at most
+    # 1000/interval messages per second per gateway however short the steps (docs/operations.md).
+    stream_interval_ms: float = 1.0
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
