@@ -90,6 +90,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight work may run after SIGTERM (after SIGINT: 2 s; a second signal: none)")
     p.set_defaults(func=cmd_worker)
 
 
@@ -113,6 +115,8 @@ def _add_gateway(sub) -> None:
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds a started stream may go silent before it ends with a timeout error")
+    p.add_argument("--drain-timeout", type=float, default=3.0,
+                   help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
     p.set_defaults(func=cmd_gateway)
 
 
@@ -291,7 +295,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
+        drain_timeout=args.drain_timeout,
     )
+    if args.drain_timeout < 0:
+        raise CliError("--drain-timeout must be >= 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as cls
@@ -317,8 +324,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     for m in models:
         if not Path(m).is_dir():
             raise CliError(f"model directory {m} does not exist")
-    if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0:
-        raise CliError("--max-inflight must be >= 1 and the timeouts > 0")
+    if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0 or args.drain_timeout < 0:
+        raise CliError("--max-inflight must be >= 1, the timeouts > 0 and --drain-timeout >= 0")
     gw = Gateway(GatewayConfig(
         nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
@@ -328,9 +335,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                             **{k: v for k, v in (("prefill_weight", args.router_prefill_weight),
                                                  ("decode_weight", args.router_decode_weight)) if v is not None}),
     ))
-    # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
+    # on SIGTERM or SIGINT, open streams get --drain-timeout; then they are cancelled (which cancels
+    # them on the workers)
     config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
-                            http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            http="httptools", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=args.drain_timeout,
                             # longer than clients' idle pools keep connections (httpx: 5 s), so the
                             # server never closes one a client is about to reuse
                             timeout_keep_alive=75)
@@ -462,5 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``mesh`` console script: ``main``, then a quick exit (see ``procutil.exit_now``)."""
+    code = main()
+    from mesh.procutil import exit_now
+
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -18,6 +18,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from mesh.bus import Bus
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import DecodeError, WorkerCard, decode, encode, subject_token
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,7 @@ class CardPublisher:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._kv and self._key:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._kv.delete(self._key), 2.0)
@@ -131,11 +130,7 @@ class Membership:
                 await old.stop()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()

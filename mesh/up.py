@@ -4,8 +4,9 @@ Embedded NATS (unless ``--nats``), the tiny model (generated if missing, unless
 ``--model`` or ``--mock``), the gateway, and the prefill and decode pools as
 child processes run by the planner's local connector; the planner sizes the
 pools (unless ``--no-planner``; fixed pools get a dead worker replaced).
-Ctrl-C or SIGTERM stops everything it started: the gateway first, then the
-workers (each drains), then NATS. Children also die with this process if it
+Ctrl-C or SIGTERM stops everything it started within a few seconds: the
+gateway and the workers together (workers drain briefly, the gateway reports how
+their streams ended), then NATS once nobody uses it. Children also die with this process if it
 is killed outright (PR_SET_PDEATHSIG).
 """
 
@@ -29,7 +30,7 @@ from mesh.natsserver import EmbeddedNats
 from mesh.planner.connectors import LocalConnector
 from mesh.planner.planner import Planner
 from mesh.planner.policy import PlannerConfig
-from mesh.procutil import die_with_parent, stop_event_on_signals
+from mesh.procutil import die_with_parent, stop_event_on_signals, stop_processes
 from mesh.registry import Membership
 
 log = logging.getLogger(__name__)
@@ -114,15 +115,12 @@ async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, ti
     return False
 
 
-def _stop_gateway(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("the gateway did not stop in time: killing it")
-        proc.kill()
-        proc.wait()
+STOP_TIMEOUT = 4.0  # seconds every role gets after the signal before it is killed
+
+
+async def _stop_gateway(proc: subprocess.Popen) -> None:
+    if await stop_processes([proc], signal.SIGINT, timeout=STOP_TIMEOUT):
+        log.warning("the gateway did not stop in time: killed it")
 
 
 async def run_up(plan: UpPlan) -> int:
@@ -146,7 +144,8 @@ async def run_up(plan: UpPlan) -> int:
         for connector in pools.values():
             await connector.scale("decode", plan.decode)
             await connector.scale("prefill", plan.prefill)
-        gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent)  # noqa: ASYNC220 (returns at once)
+        gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent,  # noqa: ASYNC220 (returns at once)
+                                   process_group=0)  # Ctrl-C reaches us only; we signal it once
         base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
         names = {plan.served_name} if plan.served_name else set(pools)
         if not await _wait_ready(base, names, gateway, timeout=120.0):
@@ -179,15 +178,22 @@ async def run_up(plan: UpPlan) -> int:
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
     finally:
-        # The gateway first (no new requests), then the workers (they drain), then the bus.
-        for planner in planners:
-            await planner.stop()
-        if membership is not None:
-            await membership.stop()
-        if bus is not None:
-            await bus.close()
-        if gateway is not None:
-            await asyncio.to_thread(_stop_gateway, gateway)
-        await asyncio.gather(*(connector.close() for connector in pools.values()))
-        if nats is not None:
-            nats.stop()
+        await _stop_all(planners, membership, bus, gateway, pools, nats)
+
+
+async def _stop_all(planners, membership, bus, gateway, pools, nats) -> None:
+    """Everything stops together and quickly (SIGINT: in-flight streams get a short drain, then
+    end with an error the gateway reports); the gateway outlives the workers' drain so that it
+    can report how their streams ended; NATS goes last, once nobody uses it."""
+    for planner in planners:
+        await planner.stop()
+    if membership is not None:
+        await membership.stop()
+    if bus is not None:
+        await bus.close(timeout=1.0)
+    stopping = [connector.close(signal.SIGINT, timeout=STOP_TIMEOUT) for connector in pools.values()]
+    if gateway is not None:
+        stopping.append(_stop_gateway(gateway))
+    await asyncio.gather(*stopping)
+    if nats is not None:
+        await asyncio.to_thread(nats.stop)

@@ -31,7 +31,7 @@ from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import TokenLogprob
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
-from mesh.procutil import stop_event_on_signals
+from mesh.procutil import StopEvent, cancel_and_wait, stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
 from mesh.telemetry import REGISTRY, register_gpu_collector, serve_metrics, setup_tracing
@@ -271,15 +271,20 @@ class WorkerBase:
             self.ready.set()
             log.info("%s worker %s serving %s", self.role, self.worker_id, self.engine.model_name)
             await stop.wait()
-            await self.drain()
+            await self.drain(stop)
 
-    async def drain(self) -> None:
-        """Stop taking work, let in-flight work finish (bounded), then return to deregister."""
+    async def drain(self, stop: asyncio.Event | None = None) -> None:
+        """Stop taking work, let in-flight work finish (bounded: ``drain_timeout`` after SIGTERM,
+        a few seconds after SIGINT, none after a second signal), then return to deregister."""
         self.status = "draining"
         with contextlib.suppress(Exception):
-            await self.cards.put()
-        deadline = time.monotonic() + self.settings.drain_timeout
-        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.wait_for(self.cards.put(), 2.0)
+        seconds = self.settings.drain_timeout
+        if isinstance(stop, StopEvent):
+            seconds = stop.drain_seconds(seconds)
+        deadline = time.monotonic() + seconds
+        while self.in_flight() and time.monotonic() < deadline and not (
+                isinstance(stop, StopEvent) and stop.hurry.is_set()):
             await asyncio.sleep(0.05)
         if self.in_flight():
             log.warning("%d requests still in flight after the drain timeout", self.in_flight())
@@ -298,11 +303,7 @@ class WorkerBase:
             kv.close(unlink=True)
 
     async def _cancel_tasks(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
 
     async def _deliver_outputs(self) -> None:
         while True:
