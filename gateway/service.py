@@ -62,6 +62,7 @@ class GatewayConfig:
     max_migrations: int = 2  # a worker that dies mid-stream: resume elsewhere this many times
     unreachable_wait: float = 5.0  # every worker tried is unreachable: keep trying this long before a 503
     router: RouterConfig = field(default_factory=RouterConfig)
+    nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Gateway:
 
     async def start(self) -> None:
         setup_tracing("pdmesh-gateway")
-        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns)
+        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns, config=self.config.nats)
         self.replies = ReplyStreams(self.bus)
         await self.replies.start()
         self.membership = Membership(self.bus)

@@ -72,8 +72,34 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
 
 
 def add_bus_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats", default=None, help="NATS URL (default: $MESH_NATS_URL, or an embedded server for mesh up)")
+    p.add_argument("--nats", default=None,
+                   help="NATS URL, or several comma-separated (a cluster); user:password@ or a token@ in "
+                        "the URL authenticate (default: $MESH_NATS_URL, or an embedded server for mesh up)")
     p.add_argument("--ns", default=None, help="subject namespace (default: mesh)")
+    p.add_argument("--nats-creds", default=None, metavar="FILE", help="NATS user JWT + nkey seed ($MESH_NATS_CREDS)")
+    p.add_argument("--nats-nkey", default=None, metavar="FILE", help="NATS nkey seed file ($MESH_NATS_NKEY)")
+    p.add_argument("--nats-tls-ca", default=None, metavar="FILE",
+                   help="CA of the NATS servers' certificates; implies TLS ($MESH_NATS_TLS_CA)")
+    p.add_argument("--nats-tls-cert", default=None, metavar="FILE", help="TLS client certificate ($MESH_NATS_TLS_CERT)")
+    p.add_argument("--nats-tls-key", default=None, metavar="FILE", help="its private key ($MESH_NATS_TLS_KEY)")
+    p.add_argument("--nats-connect-timeout", type=float, default=None, metavar="SECONDS",
+                   help="keep trying to reach NATS this long at start (default 10; $MESH_NATS_CONNECT_TIMEOUT)")
+    p.add_argument("--js-replicas", type=int, default=None, metavar="N",
+                   help="replicas of the JetStream bucket and streams this process creates (default 1; "
+                        "3 on a 3-node cluster; $MESH_JS_REPLICAS)")
+
+
+def nats_config(args: argparse.Namespace, role: str, url: str | None = None):
+    """The process's one ``NatsConfig``: ``--nats`` and the ``--nats-*`` flags over ``MESH_NATS_*``."""
+    from mesh.config import settings
+    from mesh.natsauth import NatsConfig
+
+    url = url or args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    return NatsConfig.build(url, role=role, creds=args.nats_creds, nkey=args.nats_nkey, tls_ca=args.nats_tls_ca,
+                            tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
+                            js_replicas=args.js_replicas, connect_timeout=args.nats_connect_timeout)
 
 
 def _add_worker(sub) -> None:
@@ -88,6 +114,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics listens on (default loopback; 0.0.0.0 or the pod IP to be scraped)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -286,16 +314,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from mesh.worker import WorkerSettings
 
     mock = args.mock or args.role == "mock"
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "prefill" if args.role == "prefill" else "decode")
     ws = WorkerSettings(
-        nats_url=url, ns=args.ns or settings().ns, worker_id=args.worker_id,
+        nats_url=nats.url, nats=nats, ns=args.ns or settings().ns, worker_id=args.worker_id,
         engine=engine_config(args, mock=mock),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
     )
     if args.drain_timeout < 0:
         raise CliError("--drain-timeout must be >= 0")
@@ -317,17 +343,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from mesh.config import settings
     from mesh.router.policy import RouterConfig
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "gateway")
     models = args.model or ([settings().model] if settings().model else [])
     for m in models:
         if not Path(m).is_dir():
             raise CliError(f"model directory {m} does not exist")
     if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0 or args.drain_timeout < 0:
         raise CliError("--max-inflight must be >= 1, the timeouts > 0 and --drain-timeout >= 0")
+    ns = args.ns or settings().ns
+    _preflight(nats, ns)  # unreachable, refused, no JetStream: one line here, not a traceback from uvicorn
     gw = Gateway(GatewayConfig(
-        nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
+        nats_url=nats.url, nats=nats, ns=ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
@@ -345,6 +371,19 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                             timeout_keep_alive=75)
     uvicorn.Server(config).run()
     return 0
+
+
+def _preflight(nats, ns: str) -> None:
+    """Join NATS once and leave: the errors of ``Bus.connect`` before a server starts."""
+    import asyncio
+
+    from mesh.bus import Bus
+
+    async def check() -> None:
+        bus = await Bus.connect(nats.url, "preflight", ns=ns, config=nats)
+        await bus.nc.close()
+
+    asyncio.run(check())
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -391,8 +430,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     if planner is not None:  # start inside the planner's bounds
         args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
         args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
+    nats = None
+    if args.nats:
+        nats = nats_config(args, "")
+    elif any(getattr(args, f) for f in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key")):
+        raise CliError("--nats-creds, --nats-nkey and --nats-tls-* are for the servers of --nats; "
+                       "the embedded server takes no credentials")
+    elif args.js_replicas not in (None, 1):
+        raise CliError("the embedded NATS is one server: --js-replicas above 1 needs --nats (a cluster)")
     plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
-                  port=args.port, nats_url=args.nats, ns=args.ns, worker_flags=flags,
+                  port=args.port, nats=nats, ns=args.ns, worker_flags=flags,
                   gateway_flags=gateway_flags, planner=planner, served_name=args.served_name)
     return asyncio.run(run_up(plan))
 
@@ -402,15 +449,13 @@ def cmd_planner(args: argparse.Namespace) -> int:
 
     from mesh.config import settings
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "planner")
     config = planner_config(args)
-    asyncio.run(_run_planner(url, args.ns or settings().ns, args, config))
+    asyncio.run(_run_planner(nats, args.ns or settings().ns, args, config))
     return 0
 
 
-async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> None:
+async def _run_planner(nats, ns: str, args: argparse.Namespace, config) -> None:
     from mesh.bus import Bus
     from mesh.planner.connectors import KubernetesConnector, VirtualConnector
     from mesh.planner.planner import Planner
@@ -425,7 +470,7 @@ async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> N
         )
     else:
         connector = VirtualConnector({"prefill": config.min_prefill, "decode": config.min_decode})
-    bus = await Bus.connect(url, "planner", ns=ns)
+    bus = await Bus.connect(nats.url, "planner", ns=ns, config=nats)
     membership = Membership(bus)
     await membership.start()
     planner = Planner(bus, membership, connector, config, model=args.model_name)
@@ -445,10 +490,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     from mesh.config import settings
     from mesh.top import run_top
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
-    asyncio.run(run_top(url, args.ns or settings().ns, args.interval, args.once))
+    nats = nats_config(args, "planner")  # it reads what the planner reads
+    asyncio.run(run_top(nats, args.ns or settings().ns, args.interval, args.once))
     return 0
 
 

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 6.0
 
 
+def js_replicas(bus: Bus) -> int:
+    """Replicas of the JetStream streams and buckets this process creates (``--js-replicas``)."""
+    return getattr(bus, "js_replicas", 1)
+
+
 async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
     name = bus.subjects.workers_bucket()
     try:
@@ -33,7 +38,7 @@ async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
     except BucketNotFoundError:
         pass
     try:
-        return await bus.js.create_key_value(bucket=name, ttl=ttl, history=1)
+        return await bus.js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=js_replicas(bus))
     except Exception:
         # Another process created it between our two calls.
         return await bus.js.key_value(name)

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from mesh.bus import Bus
+from mesh.natsauth import NatsConfig
 from mesh.natsserver import EmbeddedNats
 from mesh.planner.connectors import LocalConnector
 from mesh.planner.planner import Planner
@@ -59,22 +60,24 @@ class UpPlan:
     decode: int
     host: str
     port: int
-    nats_url: str | None
+    nats: NatsConfig | None  # None: an embedded server
     ns: str | None
     worker_flags: list[str] = field(default_factory=list)  # pool flags passed to every worker
     gateway_flags: list[str] = field(default_factory=list)
     planner: PlannerConfig | None = None  # None: fixed pools
     served_name: str | None = None  # the one model's name when --served-name is given
+    gateway_env: dict[str, str] = field(default_factory=dict)  # secrets for the gateway (API keys)
 
 
 def served_name(model_dir: str) -> str:
     return Path(model_dir).name
 
 
-def worker_argv(plan: UpPlan, nats_url: str, model_dir: str | None) -> dict[str, list[str]]:
-    """The command line of one model's pool workers (the connector adds ``--worker-id``)."""
+def worker_argv(plan: UpPlan, model_dir: str | None) -> dict[str, list[str]]:
+    """The command line of one model's pool workers (the connector adds ``--worker-id``; NATS
+    comes in the environment, ``child_env``)."""
     py = [sys.executable, "-m", "mesh.cli"]
-    bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
+    bus = ["--ns", plan.ns] if plan.ns else []
     model = [] if model_dir is None else ["--model", model_dir]
     decode_role = "mock" if plan.mock else "decode"
     mock = ["--mock"] if plan.mock else []
@@ -90,8 +93,8 @@ def _token(model_dir: str | None) -> str:
     return subject_token(served_name(model_dir) if model_dir else "mock")
 
 
-def gateway_argv(plan: UpPlan, nats_url: str) -> list[str]:
-    bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
+def gateway_argv(plan: UpPlan) -> list[str]:
+    bus = ["--ns", plan.ns] if plan.ns else []
     model = [arg for m in plan.models for arg in ("--model", m)]
     return [sys.executable, "-m", "mesh.cli", "gateway", *bus, *model, "--host", plan.host,
             "--port", str(plan.port), *plan.gateway_flags]
@@ -126,15 +129,19 @@ async def _stop_gateway(proc: subprocess.Popen) -> None:
 async def run_up(plan: UpPlan) -> int:
     stop = stop_event_on_signals()
     nats = None
-    url = plan.nats_url
-    if url is None:
+    config = plan.nats
+    if config is None:
         nats = EmbeddedNats().start()
-        url = nats.url
+        config = NatsConfig(servers=(nats.url,))
+    # NATS (URL with any password, credential files) reaches the children in their environment,
+    # which other users cannot read, unlike a command line
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MESH_NATS_", "MESH_JS_"))}
+    env = {**inherited, **config.child_env()}
     # one pool pair (and one planner) per model: they scale on their own, on the same bus
     model_dirs: list[str | None] = list(plan.models) or [None]
     pools = {
         (served_name(m) if m else "mock"): LocalConnector(
-            worker_argv(plan, url, m), env=dict(os.environ), prefix=f"{_token(m)}-{os.getpid()}")
+            worker_argv(plan, m), env=env, prefix=f"{_token(m)}-{os.getpid()}")
         for m in model_dirs
     }
     gateway = None
@@ -144,8 +151,8 @@ async def run_up(plan: UpPlan) -> int:
         for connector in pools.values():
             await connector.scale("decode", plan.decode)
             await connector.scale("prefill", plan.prefill)
-        gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent,  # noqa: ASYNC220 (returns at once)
-                                   process_group=0)  # Ctrl-C reaches us only; we signal it once
+        gateway = subprocess.Popen(gateway_argv(plan), env={**env, **plan.gateway_env},  # noqa: ASYNC220 (returns at once)
+                                   preexec_fn=die_with_parent, process_group=0)  # Ctrl-C reaches us only; we signal it once
         base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
         names = {plan.served_name} if plan.served_name else set(pools)
         if not await _wait_ready(base, names, gateway, timeout=120.0):
@@ -153,7 +160,7 @@ async def run_up(plan: UpPlan) -> int:
                   file=sys.stderr)
             return 1
         if plan.planner is not None:
-            bus = await Bus.connect(url, "planner", ns=plan.ns or "mesh")
+            bus = await Bus.connect(config.url, "planner", ns=plan.ns or "mesh", config=config.for_role("planner"))
             membership = Membership(bus)
             await membership.start()
             for name, connector in pools.items():
@@ -165,7 +172,7 @@ async def run_up(plan: UpPlan) -> int:
         print(
             f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
             f"({plan.prefill} prefill, {plan.decode} decode{' per model' if len(pools) > 1 else ''}, {mode}; "
-            f"NATS {url}). Ctrl-C stops it.",
+            f"NATS {config.display}). Ctrl-C stops it.",
             flush=True,
         )
         while not stop.is_set():

@@ -59,6 +59,8 @@ class WorkerSettings:
     metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
+    nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
 
     @property
     def is_mock(self) -> bool:
@@ -242,7 +244,7 @@ class WorkerBase:
         s = self.settings
         setup_tracing(f"pdmesh-{self.role}")
         async with AsyncExitStack() as stack:
-            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns)
+            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
             stack.push_async_callback(self.bus.close)
             self.engine = await asyncio.to_thread(self.build)
             stack.callback(self.close_engine)
@@ -295,7 +297,7 @@ class WorkerBase:
         REGISTRY.register(LoadCollector(lambda: self.last_load))
         if getattr(self.engine, "device", None) is not None and self.engine.device.type == "cuda":
             register_gpu_collector()
-        self.metrics_port = serve_metrics(self.settings.metrics_port)
+        self.metrics_port = serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
 
     def close_engine(self) -> None:
         kv = getattr(self.engine, "kv_cache", None)
