@@ -48,26 +48,35 @@ class EmbeddedNats:
     """A nats-server child process; use as a context manager or call start()/stop()."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", store_dir: str | None = None,
-                 max_payload: int | None = None):
+                 max_payload: int | None = None, config: str = "", jetstream: bool = True,
+                 scheme: str = "nats"):
+        """``config``: more nats-server configuration (users and permissions, TLS, a cluster
+        block); the flags for host, port and store win over it."""
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="pdmesh-nats-")
         self.max_payload = max_payload
+        self.config = config
+        self.jetstream = jetstream
+        self.scheme = scheme
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir]
-        if self.max_payload:
-            conf = Path(self.store_dir) / "server.conf"
-            conf.write_text(f"max_payload: {self.max_payload}\n")
-            cmd += ["-c", str(conf)]
+        cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-sd", self.store_dir]
+        if self.jetstream:
+            cmd.append("-js")
+        conf = self.config + (f"\nmax_payload: {self.max_payload}\n" if self.max_payload else "")
+        if conf.strip():
+            path = Path(self.store_dir) / "server.conf"
+            path.write_text(conf)
+            cmd += ["-c", str(path)]
         self.log_path = Path(self.store_dir) / "nats-server.log"
         with open(self.log_path, "ab") as log:  # a file, not a pipe nobody drains
             self.proc = subprocess.Popen(
@@ -95,6 +104,13 @@ class EmbeddedNats:
         self.proc = None
         if self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL, keeping the store (a crash; ``start()`` brings the same server back)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()
