@@ -199,6 +199,21 @@ def _is_auth(e: BaseException) -> bool:
         "authentication" in text
 
 
+def _reset(e: BaseException) -> bool:
+    return isinstance(e, (ConnectionResetError, BrokenPipeError, EOFError, nats.errors.UnexpectedEOF,
+                          nats.errors.StaleConnectionError))
+
+
+def _most_telling(errors: list[BaseException]) -> BaseException | None:
+    """Of the errors of several attempts, the one that says most: refused credentials or TLS
+    before a plain connection failure."""
+    for test in (_is_auth, lambda e: isinstance(e, ssl.SSLError)):
+        for e in reversed(errors):
+            if test(e):
+                return e
+    return errors[-1] if errors else None
+
+
 def explain(e: BaseException | None, config: NatsConfig) -> str:
     """One line: what went wrong joining NATS and what to do about it."""
     where = f"NATS at {config.display}"
@@ -237,7 +252,11 @@ async def open_connection(config: NatsConfig, name: str, error_cb=None, **callba
     async def on_error(e: Exception) -> None:
         if not connected:
             first_errors.append(e)
-            if _is_auth(e) or isinstance(e, ssl.SSLError):
+            # A server that wants credentials and drops the connection right after we sent ours
+            # has refused them; its "-ERR Authorization Violation" can be lost in the TCP reset.
+            if _reset(e) and (getattr(nc, "_server_info", None) or {}).get("auth_required"):
+                first_errors[-1] = nats.errors.AuthorizationError()
+            if _is_auth(first_errors[-1]) or isinstance(e, ssl.SSLError):
                 refused.set()
             return
         if error_cb is not None:
@@ -268,7 +287,7 @@ async def open_connection(config: NatsConfig, name: str, error_cb=None, **callba
             await attempt
     with _suppress():
         await nc.close()
-    raise NatsError(explain(first_errors[-1] if first_errors else None, config))
+    raise NatsError(explain(_most_telling(first_errors), config))
 
 
 def _is_tls(nc: Client) -> bool:
