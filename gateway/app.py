@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import errors
+from gateway.auth import AuthConfig, guard
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -126,9 +127,10 @@ def _install_components(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def asgi_app(gateway: Gateway):
-    """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``."""
-    return CompletionRoutes(create_app(gateway), gateway)
+def asgi_app(gateway: Gateway, auth: AuthConfig | None = None):
+    """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``, behind the
+    API keys (``auth``) and the request body cap."""
+    return guard(CompletionRoutes(create_app(gateway), gateway), gateway, auth)
 
 
 class CompletionRoutes:

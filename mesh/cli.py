@@ -145,7 +145,40 @@ def _add_gateway(sub) -> None:
                    help="seconds a started stream may go silent before it ends with a timeout error")
     p.add_argument("--drain-timeout", type=float, default=3.0,
                    help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
+    add_api_key_flags(p)
     p.set_defaults(func=cmd_gateway)
+
+
+def add_api_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY); repeatable; also $MESH_API_KEYS "
+                        "(comma-separated). Prefer the file or the variable: a command line is visible to other users")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N]; reread on SIGHUP "
+                        "and when it changes")
+    p.add_argument("--api-key-max-concurrent", type=int, default=0, metavar="N",
+                   help="requests in flight per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--api-key-rpm", type=int, default=0, metavar="N",
+                   help="requests per minute per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
+
+
+def auth_config(args: argparse.Namespace):
+    from gateway.auth import AuthConfig, KeyLimits
+    from mesh.config import settings
+
+    if args.api_key_max_concurrent < 0 or args.api_key_rpm < 0:
+        raise CliError("--api-key-max-concurrent and --api-key-rpm must be >= 0")
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise CliError(f"--api-key-file {args.api_key_file}: no such file")
+    auth = AuthConfig(keys=(*settings().api_keys, *args.api_key), key_file=args.api_key_file,
+                      limits=KeyLimits(args.api_key_max_concurrent, args.api_key_rpm),
+                      metrics_auth=args.metrics_auth)
+    if auth.key_file:
+        from gateway.auth import KeyRing
+
+        KeyRing(auth)  # a file that does not parse: one line now
+    return auth
 
 
 def _add_up(sub) -> None:
@@ -165,6 +198,7 @@ def _add_up(sub) -> None:
     p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
+    add_api_key_flags(p)
     p.set_defaults(func=cmd_up)
 
 
@@ -344,6 +378,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from mesh.router.policy import RouterConfig
 
     nats = nats_config(args, "gateway")
+    auth = auth_config(args)
     models = args.model or ([settings().model] if settings().model else [])
     for m in models:
         if not Path(m).is_dir():
@@ -363,7 +398,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     ))
     # on SIGTERM or SIGINT, open streams get --drain-timeout; then they are cancelled (which cancels
     # them on the workers)
-    config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
+    if not auth.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("mesh.gateway").warning(
+            "no API keys: anyone who reaches %s:%d can use this gateway (--api-key-file, MESH_API_KEYS)",
+            args.host, args.port)
+    config = uvicorn.Config(asgi_app(gw, auth), host=args.host, port=args.port, loop="uvloop",
                             http="httptools", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=args.drain_timeout,
                             # longer than clients' idle pools keep connections (httpx: 5 s), so the
@@ -424,6 +463,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    auth = auth_config(args)
+    gateway_env = {"MESH_API_KEYS": ",".join(auth.keys)} if auth.keys else {}  # not on a command line
+    if auth.key_file:
+        gateway_flags += ["--api-key-file", str(Path(auth.key_file).resolve())]
+    for name in ("api_key_max_concurrent", "api_key_rpm"):
+        if getattr(args, name):
+            gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.metrics_auth:
+        gateway_flags.append("--metrics-auth")
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else planner_config(args)
@@ -440,7 +488,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError("the embedded NATS is one server: --js-replicas above 1 needs --nats (a cluster)")
     plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
                   port=args.port, nats=nats, ns=args.ns, worker_flags=flags,
-                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name)
+                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name,
+                  gateway_env=gateway_env)
     return asyncio.run(run_up(plan))
 
 

@@ -108,10 +108,9 @@ async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, ti
             if gateway.poll() is not None:
                 return False
             try:
-                if (await client.get(f"{base}/health")).status_code == 200:
-                    live = {m["id"] for m in (await client.get(f"{base}/v1/models")).json()["data"]}
-                    if models <= live:
-                        return True
+                health = await client.get(f"{base}/health")  # open even with API keys on
+                if health.status_code == 200 and models <= set(health.json().get("models", [])):
+                    return True
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.3)
