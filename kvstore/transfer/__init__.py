@@ -52,7 +52,15 @@ class TransferResult:
     chunks: int = 0
 
 
+class Refused(ValueError):
+    """The params name a resource this process must not touch (a file outside its transport's own
+    directory, blocks out of range): the job is refused, never passed to another worker."""
+
+
 class KvSender(Protocol):
+    """``usable(params)``: can this process reach the destination (False: another worker of the
+    pool might); raises ``Refused`` when the params are not to be trusted."""
+
     name: str
 
     def usable(self, params: dict) -> bool: ...
