@@ -41,13 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.errors import APIError
+from gateway.limits import body_cap
 from mesh import metrics
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/live")
-BODY_FLOOR = 1 << 20  # bytes of request besides the prompt (messages, options), and the cap before any worker
-BYTES_PER_TOKEN = 16
 RELOAD_CHECK = 5.0  # seconds between checks of the key file's modification time
 
 
@@ -272,11 +271,6 @@ class ApiKeys:
             await self.app(scope, receive, send)
         finally:
             usage.inflight -= 1
-
-
-def body_cap(max_model_len: int) -> int:
-    """The largest request body the gateway reads: see the module docstring."""
-    return BODY_FLOOR + BYTES_PER_TOKEN * max(0, max_model_len)
 
 
 class BodyCap:

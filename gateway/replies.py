@@ -18,6 +18,7 @@ import asyncio
 import itertools
 from collections import deque
 
+from gateway.limits import reply_buffer_limits
 from mesh.bus import Bus
 from mesh.client import StreamError
 from mesh.protocol import DecodeError, TokenChunk, decode
@@ -45,8 +46,9 @@ class NoResponders(StreamError):
 class ReplyStreams:
     """The gateway's reply subscription and the streams waiting on it."""
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, max_inflight: int = 1024):
         self.bus = bus
+        self.max_inflight = max_inflight  # bounds the subscription's buffer (gateway.limits)
         self.prefix = bus.nc.new_inbox()
         self._streams: dict[str, ReplyStream] = {}
         self._keys = itertools.count()
@@ -54,8 +56,9 @@ class ReplyStreams:
         self.stray = 0  # chunks for requests already closed (a cancelled request's tail)
 
     async def start(self) -> None:
+        msgs, nbytes = reply_buffer_limits(self.max_inflight)
         self._sub = await self.bus.nc.subscribe(
-            self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30
+            self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=msgs, pending_bytes_limit=nbytes
         )
 
     async def stop(self) -> None:

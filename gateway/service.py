@@ -95,7 +95,7 @@ class Gateway:
     async def start(self) -> None:
         setup_tracing("pdmesh-gateway")
         self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns, config=self.config.nats)
-        self.replies = ReplyStreams(self.bus)
+        self.replies = ReplyStreams(self.bus, self.config.max_inflight)
         await self.replies.start()
         self.membership = Membership(self.bus)
         self.membership.on_change(self._on_member)

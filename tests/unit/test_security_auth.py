@@ -8,7 +8,8 @@ import hmac
 import pytest
 
 from gateway import auth
-from gateway.auth import AuthConfig, KeyLimits, KeyRing, _Usage, body_cap, parse_key_line
+from gateway.auth import AuthConfig, KeyLimits, KeyRing, _Usage, parse_key_line
+from gateway.limits import body_cap, reply_buffer_limits
 from mesh.natsauth import NatsConfig, redact, split_servers
 
 
@@ -102,6 +103,9 @@ def test_body_cap_rule():
     ids_128k = len(",".join(["131071"] * 131072)) + 200  # a full 128k-token prompt as JSON ids
     assert body_cap(131072) > ids_128k
     assert body_cap(131072) < 4 << 20  # not the 32 MiB of before
+    msgs, nbytes = reply_buffer_limits(1024)
+    assert msgs == 1024 * 1024 and nbytes == 256 << 20  # was 1M messages, 1 GiB, whatever was admitted
+    assert reply_buffer_limits(1) < reply_buffer_limits(2)
 
 
 def test_nats_config_checks_and_redacts(tmp_path):
