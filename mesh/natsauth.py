@@ -262,10 +262,8 @@ async def open_connection(config: NatsConfig, name: str, error_cb=None, **callba
         if error_cb is not None:
             await error_cb(e)
 
-    attempt = asyncio.ensure_future(nc.connect(
-        **config.connect_options(), name=name, error_cb=on_error, allow_reconnect=True,
-        max_reconnect_attempts=-1, **callbacks,
-    ))
+    options = {"allow_reconnect": True, "max_reconnect_attempts": -1, **callbacks}
+    attempt = asyncio.ensure_future(nc.connect(**config.connect_options(), name=name, error_cb=on_error, **options))
     give_up = asyncio.ensure_future(refused.wait())
     try:
         await asyncio.wait({attempt, give_up}, timeout=config.connect_timeout,

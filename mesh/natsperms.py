@@ -109,3 +109,17 @@ def authorization_block(users: Mapping[str, Mapping[str, str]], ns: str = "mesh"
     entries += [dict(e) for e in extra]
     body = ",\n    ".join(json.dumps(e) for e in entries)
     return f"authorization {{\n  users: [\n    {body}\n  ]\n}}\n"
+
+
+# -- the Helm chart's copy ----------------------------------------------------------
+# helm/pdmesh/files/nats-permissions.json is this table with placeholders the chart fills in
+# (the namespace, the served model's token); tests/deploy checks it matches.
+NS_PLACEHOLDER, MODEL_PLACEHOLDER = "__NS__", "__MODEL__"
+
+
+def chart_table() -> dict:
+    return {role: permissions(role, NS_PLACEHOLDER, [MODEL_PLACEHOLDER]).to_dict() for role in ROLES}
+
+
+if __name__ == "__main__":  # python -m mesh.natsperms > helm/pdmesh/files/nats-permissions.json
+    print(json.dumps(chart_table(), indent=2))
