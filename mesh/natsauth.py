@@ -38,6 +38,11 @@ SCHEMES = ("nats", "tls", "ws", "wss")
 MAX_REPLICAS = 5  # JetStream's limit
 
 
+# every variable that configures how a process joins NATS (mesh.config reads them)
+ENV_NAMES = ("MESH_NATS_URL", "MESH_NATS_CREDS", "MESH_NATS_NKEY", "MESH_NATS_TLS_CA", "MESH_NATS_TLS_CERT",
+             "MESH_NATS_TLS_KEY", "MESH_NATS_CONNECT_TIMEOUT", "MESH_JS_REPLICAS")
+
+
 class NatsError(ConnectionError):
     """Could not join NATS. The message names the cause and the fix, in one line."""
 
@@ -183,10 +188,11 @@ class NatsConfig:
         password: the environment, unlike a command line, is not readable by other users)."""
         env = {"MESH_NATS_URL": self.url, "MESH_JS_REPLICAS": str(self.js_replicas),
                "MESH_NATS_CONNECT_TIMEOUT": f"{self.connect_timeout:g}"}
-        for name, value in (("CREDS", self.creds), ("NKEY", self.nkey), ("TLS_CA", self.tls_ca),
-                            ("TLS_CERT", self.tls_cert), ("TLS_KEY", self.tls_key)):
+        for name, value in (("MESH_NATS_CREDS", self.creds), ("MESH_NATS_NKEY", self.nkey),
+                            ("MESH_NATS_TLS_CA", self.tls_ca), ("MESH_NATS_TLS_CERT", self.tls_cert),
+                            ("MESH_NATS_TLS_KEY", self.tls_key)):
             if value:
-                env[f"MESH_NATS_{name}"] = str(Path(value).resolve())
+                env[name] = str(Path(value).resolve())
         return env
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from mesh.bus import Bus
-from mesh.natsauth import NatsConfig
+from mesh.natsauth import ENV_NAMES, NatsConfig
 from mesh.natsserver import EmbeddedNats
 from mesh.planner.connectors import LocalConnector
 from mesh.planner.planner import Planner
@@ -134,7 +134,7 @@ async def run_up(plan: UpPlan) -> int:
         config = NatsConfig(servers=(nats.url,))
     # NATS (URL with any password, credential files) reaches the children in their environment,
     # which other users cannot read, unlike a command line
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("MESH_NATS_", "MESH_JS_"))}
+    inherited = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
     env = {**inherited, **config.child_env()}
     # one pool pair (and one planner) per model: they scale on their own, on the same bus
     model_dirs: list[str | None] = list(plan.models) or [None]
