@@ -133,7 +133,7 @@ class Gateway:
 
     def check_model(self, model: str) -> None:
         if model not in self.live_models():
-            if model in self.tokenizers:
+            if model in self.tokenizers or self.membership.served_recently(model):
                 raise APIError(503, f"no live worker serves model {model!r}")
             raise APIError(404, f"the model {model!r} does not exist", "model", "model_not_found")
 

@@ -117,3 +117,54 @@ class EmbeddedNats:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedNatsCluster:
+    """``n`` nats-servers on loopback routed into one JetStream cluster (benchmarks and tests of the
+    cluster path). Each keeps its store across ``kill``/``restart``, as a crashed server would."""
+
+    def __init__(self, n: int = 3, name: str = "pdmesh", host: str = "127.0.0.1"):
+        self.host = host
+        self.cluster_ports = [free_port(host) for _ in range(n)]
+        self.monitor_ports = [free_port(host) for _ in range(n)]
+        routes = ", ".join(f"nats://{host}:{p}" for p in self.cluster_ports)
+        self.nodes = [
+            EmbeddedNats(host=host, config=(
+                f"server_name: {name}-{i}\nhttp_port: {self.monitor_ports[i]}\n"
+                f"cluster {{\n  name: {name}\n  listen: {host}:{self.cluster_ports[i]}\n  routes: [{routes}]\n}}\n"))
+            for i in range(n)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every server, comma-separated: what ``--nats`` takes."""
+        return ",".join(self.urls)
+
+    def start(self, timeout: float = 20.0) -> EmbeddedNatsCluster:
+        for node in self.nodes:
+            node.start(timeout)
+        return self
+
+    def kill(self, i: int) -> None:
+        """kill -9 server ``i`` (its store stays)."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int, timeout: float = 20.0) -> None:
+        self.nodes[i].start(timeout)
+
+    def monitor(self, i: int) -> str:
+        return f"http://{self.host}:{self.monitor_ports[i]}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> EmbeddedNatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -96,6 +96,8 @@ class Membership:
         self._tasks: list[asyncio.Task] = []
         self._watcher = None
         self._watch_task: asyncio.Task | None = None
+        self._rewatching = False  # the watch is being re-opened: no news is not bad news
+        self._models_seen: dict[str, float] = {}  # model -> monotonic time a card of it was last seen
         self.ready = asyncio.Event()
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
@@ -117,15 +119,21 @@ class Membership:
 
     async def _rewatch(self) -> None:
         """After a reconnect the server may have dropped the watch's consumer: start a new one.
-        It replays every live card, so nothing is missed; stale ones still expire by TTL."""
+        It replays every live card, so nothing is missed; stale ones still expire by TTL. While
+        it is re-opened (a NATS cluster electing a new JetStream leader takes seconds) cards do
+        not expire: not hearing from the registry says nothing about the workers."""
         old, task = self._watcher, getattr(self, "_watch_task", None)
-        for attempt in range(10):
-            try:
-                await self._open_watch()
-                break
-            except Exception as e:
-                log.info("registry watch not back yet (%s)", e)
-                await asyncio.sleep(0.5 * (attempt + 1))
+        self._rewatching = True
+        try:
+            for attempt in range(10):
+                try:
+                    await self._open_watch()
+                    break
+                except Exception as e:
+                    log.info("registry watch not back yet (%s)", e)
+                    await asyncio.sleep(0.5 * (attempt + 1))
+        finally:
+            self._rewatching = False
         if task is not None:
             task.cancel()
             if task in self._tasks:
@@ -152,6 +160,12 @@ class Membership:
     def models(self) -> list[str]:
         return sorted({c.model for c in self._cards.values()})
 
+    def served_recently(self, model: str, within: float = 600.0) -> bool:
+        """A card of ``model`` was seen in the last ``within`` seconds (its workers may be back soon:
+        a request for it is a 503, not a 404)."""
+        seen = self._models_seen.get(model)
+        return seen is not None and time.monotonic() - seen < within
+
     async def _watch(self, watcher) -> None:
         async for entry in watcher:
             if entry is None:  # the initial values are all in
@@ -170,6 +184,7 @@ class Membership:
             if age >= self.ttl:
                 continue
             self._cards[card.worker_id] = card
+            self._models_seen[card.model] = time.monotonic()
             self._notify(card.worker_id, card)
             self.ready.set()
 
@@ -186,6 +201,10 @@ class Membership:
         while True:
             await asyncio.sleep(min(1.0, self.ttl / 4))
             now = time.monotonic()
+            if self._rewatching:
+                # the replay after the watch is back refreshes every live card: count from then
+                self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
+                continue
             for wid in [w for w, t in self._seen.items() if now - t > self.ttl]:
                 self._seen.pop(wid, None)
                 if wid in self._cards:
