@@ -132,10 +132,11 @@ async def run(args) -> None:
             up.send_signal(sig)
         gone: dict[int, float] = {}
         while len(gone) < len(procs) and time.monotonic() - t_sig < args.limit:
+            now = time.monotonic() - t_sig  # one time per sweep: the order within a sweep is unknown
             for pid in procs:
                 if pid not in gone and ((pid == up.pid and up.poll() is not None) or
                                         (pid != up.pid and _ppid_and_cmd(pid) is None)):
-                    gone[pid] = time.monotonic() - t_sig
+                    gone[pid] = now
             await asyncio.sleep(0.02)
         await asyncio.gather(*streams)
         left = [pid for pid in procs if pid not in gone]
@@ -159,7 +160,8 @@ async def run(args) -> None:
         users = [gone.get(p, float("inf")) for p, r in procs.items() if r in ("gateway", "worker")]
         if nats_t:
             ok = all(t is not None for t in nats_t) and min(nats_t) >= max(users)
-            print(f"nats-server stopped after every role that uses it: {'yes' if ok else 'NO'}")
+            print(f"nats-server stopped after every role that uses it: {'yes' if ok else 'NO'} "
+                  "(to the 20 ms of a /proc sweep)")
         print("open streams: " + (", ".join(f"{v} {k}" for k, v in sorted(outcome.items())) or "none"))
     finally:
         if up.poll() is None:
