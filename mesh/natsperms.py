@@ -45,6 +45,11 @@ class Permissions:
         """As in a nats-server user: ``{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}}``."""
         return {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}}
 
+    def to_jwt(self) -> dict:
+        """As in the ``nats`` claims of a user JWT (operator mode; what ``nsc add user
+        --allow-pub ... --allow-sub ...`` writes): ``{"pub": {"allow"}, "sub": {"allow"}}``."""
+        return {"pub": {"allow": list(self.publish)}, "sub": {"allow": list(self.subscribe)}}
+
 
 def inbox(role: str) -> str:
     return f"_INBOX.{role}.>"

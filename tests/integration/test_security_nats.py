@@ -6,12 +6,15 @@ decode and prefill worker on the tiny model, KV over the ``nats`` transport so e
 a disaggregated request is used, the gateway, a planner) serves requests through the official
 ``openai`` client, and the server logs no permission violation at all: the table is complete.
 Then a worker's own credentials try what only a gateway may do (send a ``GenerateRequest``) or
-read what only a gateway may read, and the server refuses both.
+read what only a gateway may read, and the server refuses both. Last, operator (JWT) mode: a
+worker joins with a creds file whose user JWT carries its role's permissions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import secrets
 import time
@@ -22,9 +25,12 @@ import nkeys
 import openai
 import pytest
 
-from mesh.natsperms import authorization_block
+from mesh.bus import Bus
+from mesh.natsauth import NatsConfig
+from mesh.natsperms import authorization_block, permissions
 from mesh.natsserver import EmbeddedNats, free_port
 from mesh.protocol import GenerateRequest, SamplingOptions, encode
+from mesh.registry import Membership
 from tests.integration.conftest import Cluster, Watcher, wait_http_ok
 
 MODEL = "tiny"
@@ -138,3 +144,89 @@ async def test_worker_credentials_cannot_act_as_a_gateway(secured):
     finally:
         await worker.close()
         await admin.close()
+
+
+# -- operator mode: a creds file (user JWT + nkey seed) whose JWT carries the role's permissions ------
+
+
+def _b64(b: bytes) -> str:
+    return base64.urlsafe_b64encode(b).decode().rstrip("=")
+
+
+def _keypair(prefix: int):
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
+    kp = nkeys.from_seed(bytearray(seed))
+    return seed.decode(), kp.public_key.decode(), kp
+
+
+def _jwt(issuer, claims: dict) -> str:
+    """A NATS JWT (what nsc writes): ed25519-nkey signature over header.payload."""
+    header = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    claims = {"iat": int(time.time()), "jti": secrets.token_hex(16).upper(), **claims}
+    payload = _b64(json.dumps(claims).encode())
+    return f"{header}.{payload}.{_b64(issuer.sign(f'{header}.{payload}'.encode()))}"
+
+
+def _creds(user_jwt: str, seed: str) -> str:
+    return (f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n")
+
+
+@pytest.fixture(scope="module")
+def operator_mode(tmp_path_factory):
+    d = tmp_path_factory.mktemp("operator")
+    _, op, op_kp = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, acct, acct_kp = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, sys_acct, _ = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1,
+                 "leaf": -1}
+    operator = _jwt(op_kp, {"iss": op, "sub": op, "name": "op", "nats": {"type": "operator", "version": 2,
+                                                                        "system_account": sys_acct}})
+    mesh_acct = _jwt(op_kp, {"iss": op, "sub": acct, "name": "mesh", "nats": {"type": "account", "version": 2, "limits": {
+        **unlimited, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}}})
+    system = _jwt(op_kp, {"iss": op, "sub": sys_acct, "name": "SYS",
+                          "nats": {"type": "account", "version": 2, "limits": unlimited}})
+    creds = {}
+    for name, perms in (("decode", permissions("decode", "mesh", ["mock"]).to_jwt()), ("admin", {})):
+        seed, user, _ = _keypair(nkeys.PREFIX_BYTE_USER)
+        claims = {"iss": acct, "sub": user, "name": name, "nats": {
+            **perms, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2}}
+        creds[name] = d / f"{name}.creds"
+        creds[name].write_text(_creds(_jwt(acct_kp, claims), seed))
+    config = (f"operator: {operator}\nsystem_account: {sys_acct}\nresolver: MEMORY\n"
+              f"resolver_preload: {{\n  {acct}: {mesh_acct}\n  {sys_acct}: {system}\n}}\n")
+    with EmbeddedNats(config=config) as server:
+        yield server, creds
+
+
+async def test_a_creds_file_with_the_roles_permissions(operator_mode):
+    server, creds = operator_mode
+    cluster = Cluster(server.url)
+    try:
+        cluster.worker("mock", "--nats-creds", str(creds["decode"]), "--worker-id", "dec-creds", "--metrics-port", "-1")
+        bus = await Bus.connect(server.url, "admin", config=NatsConfig.build(server.url, creds=str(creds["admin"])))
+        membership = Membership(bus)
+        await membership.start(wait=1.0)
+        deadline = time.monotonic() + 60
+        while membership.get("dec-creds") is None:  # it joined, opened the registry and put its card
+            assert time.monotonic() < deadline, "the worker never registered"
+            await asyncio.sleep(0.2)
+        await membership.stop()
+        await bus.close()
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e).lower())
+
+        nc = await nats.connect(server.url, user_credentials=str(creds["decode"]), error_cb=on_error)
+        await nc.publish("mesh.mock.decode.dec-creds.generate", b"forged")
+        await nc.flush()
+        for _ in range(50):
+            if errors:
+                break
+            await asyncio.sleep(0.05)
+        await nc.close()
+        assert any('permissions violation for publish to "mesh.mock.decode.dec-creds.generate"' in e
+                   for e in errors), errors
+    finally:
+        cluster.stop()
