@@ -288,6 +288,7 @@ def test_nats_has_jetstream_and_a_route_per_replica():
 def test_jetstream_replicas_follow_the_nats_cluster(variant, replicas):
     for _, c in pdmesh_containers(render(variant)):
         assert env(c)["MESH_JS_REPLICAS"] == replicas
+        assert env(c)["MESH_NATS_CONNECT_TIMEOUT"] == "120"  # NATS may still be starting at install
 
 
 def _users(conf: str) -> dict[str, tuple[str, dict]]:

@@ -164,6 +164,8 @@ mock
 {{- end }}
 - name: MESH_JS_REPLICAS
   value: {{ include "pdmesh.jsReplicas" .root | quote }}
+- name: MESH_NATS_CONNECT_TIMEOUT
+  value: {{ $v.mesh.natsConnectTimeout | quote }}
 - name: MESH_NS
   value: {{ $v.mesh.namespace | quote }}
 - name: MESH_LOG_LEVEL
