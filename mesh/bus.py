@@ -38,10 +38,12 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0,
-                      config: NatsConfig | None = None) -> Bus:
+                      config: NatsConfig | None = None, no_echo: bool = False) -> Bus:
         """Join NATS (``config``: servers, credentials, TLS; default: ``url`` with the credentials
         of the environment) and check that JetStream answers. ``NatsError`` names the cause and
-        the fix when either fails. ``timeout``: seconds per connection attempt."""
+        the fix when either fails. ``timeout``: seconds per connection attempt. ``no_echo``: the
+        server does not deliver this connection's own messages back to it (a gateway publishes
+        routing decisions on a subject it also listens on for other gateways')."""
         config = config or NatsConfig.build(url)
         conn: list[Client] = []
         hooks: list = []
@@ -73,6 +75,7 @@ class Bus:
         nc = await open_connection(
             config, name, error_cb=on_error, connect_timeout=timeout, reconnect_time_wait=0.5, ping_interval=5,
             max_outstanding_pings=3, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+            no_echo=no_echo,
         )
         try:
             await check_jetstream(nc, config)

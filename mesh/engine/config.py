@@ -214,6 +214,9 @@ class EngineConfig:
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     seed: int = 0
+    grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
+    grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
+    grammar_cache_size: int = 256  # compiled grammars kept per worker
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -234,6 +237,8 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.grammar_threads < 0 or self.grammar_cache_size < 1:
+            raise ValueError("grammar_threads must be >= 0 and grammar_cache_size >= 1")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mesh.engine.sampling import SamplingParams
 from mesh.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from mesh.engine.constraints.state import GrammarState
 
 
 class SeqStatus(enum.IntEnum):
@@ -22,6 +26,7 @@ class SeqStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine could not go on with it (a token its grammar rejects)
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +41,7 @@ _FINISH_REASONS = {
     SeqStatus.FINISHED_STOPPED: "stop",
     SeqStatus.FINISHED_LENGTH: "length",
     SeqStatus.FINISHED_ABORTED: "abort",
+    SeqStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -74,6 +80,8 @@ class Sequence:
     # Migrated requests: the last ``output_offset`` prompt tokens were generated elsewhere before.
     # Seeded sampling continues at that index and penalties count them as outputs.
     output_offset: int = 0
+    # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
+    grammar: GrammarState | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
