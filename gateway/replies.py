@@ -5,7 +5,8 @@ Each request gets a reply subject under the gateway's inbox prefix and asks its 
 engine step with the chunks of all our requests it serves, each tagged with its stream's key,
 and this module hands each chunk to its ``ReplyStream``. A worker that does not batch (a custom
 one) publishes each ``TokenChunk`` on the request's own reply subject, which the same wildcard
-subscription receives. A reader takes *all* the chunks that have arrived (``next_batch``), so
+subscription receives. A chunk is taken only from the worker its stream was sent to (the
+batch's or chunk's ``worker``); any other is logged, counted and dropped. A reader takes *all* the chunks that have arrived (``next_batch``), so
 under load a request's tokens are detokenized and written to the client together rather than
 one event each, and no per-request subscription is made or torn down on the server.
 
@@ -25,6 +26,7 @@ from gateway import metrics
 from gateway.limits import reply_buffer_limits
 from mesh.bus import Bus
 from mesh.client import StreamError
+from mesh.metrics import REFUSED_MESSAGES
 from mesh.protocol import DecodeError, TokenBatch, TokenChunk, decode
 
 log = logging.getLogger(__name__)
@@ -100,9 +102,14 @@ class ReplyStreams:
             stream.push(_NO_RESPONDERS)
             return
         try:
-            stream.push(decode(msg.data, TokenChunk))
+            chunk = decode(msg.data, TokenChunk)
         except DecodeError as e:
             stream.push(StreamError(f"worker {stream.worker_id} sent a malformed chunk: {e}", 502))
+            return
+        if chunk.worker != stream.worker_id:
+            _refuse(chunk.worker, stream)
+            return
+        stream.push(chunk)
 
     def _on_batch(self, data: bytes) -> None:
         try:
@@ -118,6 +125,8 @@ class ReplyStreams:
             stream = streams.get(chunk.stream)
             if stream is None:
                 self.stray += 1
+            elif stream.worker_id != batch.worker:
+                _refuse(batch.worker, stream)
             else:
                 stream.push(chunk)
 
@@ -178,6 +187,12 @@ class ReplyStream:
 
     def close(self) -> None:
         self.owner._streams.pop(self.key, None)
+
+
+def _refuse(sender: str, stream: ReplyStream) -> None:
+    """A chunk for a stream from a worker other than the one serving it: logged, counted, dropped."""
+    log.warning("refused a token chunk from %r for a stream served by %s", sender, stream.worker_id)
+    REFUSED_MESSAGES.labels("gateway", "unbound_chunk").inc()
 
 
 def _expire(waiter: asyncio.Future) -> None:

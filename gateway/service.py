@@ -228,7 +228,7 @@ class Gateway:
                                                     "pdmesh.after_tokens": len(run.generated)})
                         log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e,
                                     len(run.generated))
-                        self._cancel_later(model, run.worker_id, request_id)  # if it is only slow, free it
+                        self._cancel_later(model, stream, request_id)  # if it is only slow, free it
                     stream = self._close(stream, request_id)
                     continue
                 last = chunks[-1]
@@ -263,7 +263,7 @@ class Gateway:
             span.end()
             if stream is not None:  # ended before the worker's last chunk: stop it there
                 self._close(stream, request_id)
-                self._cancel_later(model, stream.worker_id, request_id)
+                self._cancel_later(model, stream, request_id)
 
     async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
                     sampling: SamplingOptions, priority: int, span: trace.Span) -> ReplyStream:
@@ -294,10 +294,11 @@ class Gateway:
     def _untried(self, model: str, tried: set[str]) -> bool:
         return any(c.worker_id not in tried for c in self.decode_workers(model))
 
-    def _cancel_later(self, model: str, worker_id: str, request_id: str) -> None:
+    def _cancel_later(self, model: str, stream: ReplyStream, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).
         self.stats.cancel()
-        task = asyncio.get_running_loop().create_task(client.cancel(self.bus, model, worker_id, request_id))
+        task = asyncio.get_running_loop().create_task(
+            client.cancel(self.bus, model, stream.worker_id, request_id, stream.subject))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

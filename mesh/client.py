@@ -53,5 +53,6 @@ async def generate(
             await sub.unsubscribe()
 
 
-async def cancel(bus: Bus, model: str, worker_id: str, request_id: str) -> None:
-    await bus.publish(bus.subjects.cancel(model, worker_id), Cancel(request_id))
+async def cancel(bus: Bus, model: str, worker_id: str, request_id: str, reply: str) -> None:
+    """``reply``: the subject the request was sent with (the worker refuses a Cancel naming another)."""
+    await bus.publish(bus.subjects.cancel(model, worker_id), Cancel(request_id, reply))

@@ -15,6 +15,8 @@ class Settings:
     log_level: str
     # Fault injection for tests and chaos runs: a prefill worker waits this long before each transfer.
     fault_prefill_delay_s: float = 0.0
+    # ... and the shm transport's copy stops this long half-way, holding its write fence (a slow copy)
+    fault_kv_copy_delay_s: float = 0.0
     # NATS credentials and TLS (files), JetStream replicas; the --nats-* flags win over them
     nats_creds: str | None = None
     nats_nkey: str | None = None
@@ -46,6 +48,7 @@ def settings() -> Settings:
         model=env.get("MESH_MODEL") or None,
         log_level=env.get("MESH_LOG_LEVEL", "WARNING"),
         fault_prefill_delay_s=float(env.get("MESH_FAULT_PREFILL_DELAY_S", "0") or 0),
+        fault_kv_copy_delay_s=float(env.get("MESH_FAULT_KV_COPY_DELAY_S", "0") or 0),
         nats_creds=env.get("MESH_NATS_CREDS") or None,
         nats_nkey=env.get("MESH_NATS_NKEY") or None,
         nats_tls_ca=env.get("MESH_NATS_TLS_CA") or None,

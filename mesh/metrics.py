@@ -55,7 +55,10 @@ ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt c
 GATEWAY_REJECTED = Counter("pdmesh_gateway_rejected", "Requests refused before the API: a missing or invalid API "
                            "key, a key over its limits, a body over the cap", ["reason"], registry=REGISTRY)
 REFUSED_MESSAGES = Counter("pdmesh_refused_messages", "Bus messages refused (logged and dropped): a PrefillJob naming "
-                           "a resource outside the worker's own, or out of bounds", ["role", "reason"], registry=REGISTRY)
+                           "a resource outside the worker's own, or out of bounds; a Cancel, PrefillDone or token "
+                           "chunk from a peer the request is not bound to", ["role", "reason"], registry=REGISTRY)
+FENCED_BLOCKS = Gauge("pdmesh_kv_fenced_blocks", "Decode KV blocks of timed-out prefill jobs kept out of the pool "
+                      "until their writer is known to have stopped", ["model"], registry=REGISTRY)
 PLANNER_REPLICAS = Gauge("pdmesh_planner_replicas", "The planner's pools: current and target size",
                          ["model", "pool", "kind"], registry=REGISTRY)
 

@@ -296,7 +296,7 @@ class PrefillWorker(WorkerBase):
         else:
             self.counters.errors += 1
         metrics.WORKER_REQUESTS.labels(job.model, self.role, "finished" if ok else "error").inc()
-        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, **fields)
+        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, token=job.token, **fields)
         try:
             await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg, span=span)
         except Exception as e:  # the decode worker falls back on its own timeout

@@ -20,6 +20,11 @@ worker of any TP degree feeds a decode worker of any other.
 
     params  {"name", "host", "spec"}                    one file (TP 1)
             + {"shards": [{"name", "heads": [lo, hi]}]}  one file per rank (TP > 1)
+            + {"fence": name, "gen": n}                  the job's write fence (``fence``)
+
+A job that times out: the decode worker revokes its blocks through the fence file
+(``kvstore.transfer.fence``); they are reused only once no copy into them can be running
+or start, so a slow copy never lands in blocks that belong to another request.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from pathlib import Path
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
 from kvstore.transfer import Refused, TransferResult, host_id, register_receiver, register_sender
+from kvstore.transfer.fence import FenceFile, lease
+from mesh.config import settings
 from mesh.protocol import PrefillJob
 
 SHM_ROOT = Path("/dev/shm")
@@ -100,15 +107,27 @@ class ShmReceiver:
         self._params = {"name": segment_name(shards[0][2].shm_path), "host": host_id(), "spec": kv.spec.to_dict()}
         if len(shards) > 1:
             self._params["shards"] = [{"name": segment_name(s.shm_path), "heads": [lo, hi]} for lo, hi, s in shards]
+        self.fence = FenceFile(shards[0][2].shm_path + ".fence", kv.spec.num_blocks)
+        self._params["fence"] = segment_name(self.fence.path)
+        self._jobs: dict[str, list[int]] = {}  # request id -> its destination blocks, until forgotten
 
     def params(self, request_id: str, dest_blocks: list[int]) -> dict:
-        return self._params
+        self._jobs[request_id] = list(dest_blocks)
+        return {**self._params, "gen": self.fence.arm(dest_blocks)}
 
     async def finish(self, request_id: str) -> bool:
         return True
 
+    def revoke(self, request_id: str) -> bool:
+        """True once no copy into the request's blocks runs or can start (see ``fence``)."""
+        blocks = self._jobs.get(request_id)
+        return blocks is None or self.fence.revoke(blocks)
+
     def forget(self, request_id: str) -> None:
-        pass
+        self._jobs.pop(request_id, None)
+
+    def close(self) -> None:
+        self.fence.close()
 
 
 def _name_of(entry: dict) -> str:
@@ -218,7 +237,55 @@ class ShmSender:
             raise ValueError("the decode worker's KV layout differs from ours")
         if any(not 0 <= b < dst.spec.num_blocks for b in job.dest_block_ids):
             raise Refused("destination block out of range")
+        fence_fd = _open_fence(params, dst.spec.num_blocks)
         t0 = time.perf_counter()
-        await asyncio.to_thread(copy_blocks, src, dst, src_blocks, job.dest_block_ids)
+        # The copy runs to its end even if this task is cancelled (a timeout): whoever hears of
+        # this job's end next (PrefillDone) may take it that nothing writes the blocks any more.
+        copy = asyncio.get_running_loop().run_in_executor(
+            None, _fenced_copy, src, dst, src_blocks, job.dest_block_ids, fence_fd, params.get("gen"))
+        try:
+            await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await copy
+            raise
         nbytes = len(src_blocks) * dst.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0)
+
+
+def _open_fence(params: dict, num_blocks: int) -> int | None:
+    """The job's fence file, opened like the KV file (no link followed, a file of this user, large
+    enough); None for a decode worker that names none (then nothing fences a late copy)."""
+    if "fence" not in params:
+        return None
+    name = params["fence"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(params.get("gen"), int):
+        raise Refused("malformed fence params")
+    dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise Refused(f"cannot open fence file {name}: {e.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < 4 * num_blocks:
+        os.close(fd)
+        raise Refused(f"{name} is not a fence file of this user")
+    return fd
+
+
+def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int | None, gen) -> None:
+    """The copy, under the job's write lease when the decode worker gave a fence (in a thread)."""
+    try:
+        with lease(fence_fd, dst_ids, gen) if fence_fd is not None else contextlib.nullcontext():
+            delay = settings().fault_kv_copy_delay_s
+            if delay:  # fault injection: a copy slower than the job's deadline, stalled half-way
+                half = len(src_ids) // 2
+                copy_blocks(src, dst, src_ids[:half], dst_ids[:half])
+                time.sleep(delay)
+                src_ids, dst_ids = src_ids[half:], dst_ids[half:]
+            copy_blocks(src, dst, src_ids, dst_ids)
+    finally:
+        if fence_fd is not None:
+            os.close(fence_fd)
