@@ -5,7 +5,8 @@ key file (per-key limits in it), ``/metrics`` behind the keys. Without a valid k
 ``/v1/*`` route is a 401 that the client raises as ``AuthenticationError``; ``/health`` and
 ``/live`` stay open; a key past its requests per minute or its concurrent requests gets a 429
 with ``Retry-After`` (``RateLimitError``); SIGHUP rereads the file. A second gateway without
-keys shows the body cap following the served context.
+keys shows the body cap following the served context, and that a gateway takes a stream's
+token chunks only from the worker it sent the stream to (a forged ``TokenBatch`` is dropped).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from mesh.natsserver import free_port
+from mesh.protocol import GenerateRequest, TokenBatch, TokenChunk, decode
 from tests.integration.conftest import Watcher, wait_http_ok
 
 FLAG_KEY = "sk-flag-0123456789"
@@ -161,3 +163,32 @@ async def _chunks(n: int, size: int = 1 << 16):
     while n > 0:
         yield b" " * min(size, n)
         n -= size
+
+
+async def test_token_chunks_only_from_the_streams_worker(mesh, cluster):
+    """Whoever sees a request's ``batch_to`` subject sends a chunk for it, claiming another worker:
+    the gateway drops it (without the check the client would get its one token and "stop", or a
+    502 for the gap it makes)."""
+    _, open_base, *_ = mesh
+    w = await Watcher.open(cluster.nats_url)
+    forged: list[str] = []
+
+    async def forge(msg) -> None:
+        req = decode(msg.data, GenerateRequest)
+        chunk = TokenChunk(req.request_id, 0, [7], finish_reason="stop", worker="evil", stream=req.stream)
+        await w.bus.publish(req.batch_to, TokenBatch("evil", [chunk]))
+        forged.append(req.request_id)
+
+    spy = await w.bus.nc.subscribe(w.bus.subjects.generate("mock", "auth-mock"), cb=forge)
+    try:
+        await w.bus.nc.flush()
+        out = await client(open_base, "none").completions.create(
+            model="mock", prompt=[1, 2, 3], max_tokens=50, extra_body={"ignore_eos": True})
+        assert len(forged) == 1
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 50
+        async with httpx.AsyncClient(base_url=open_base, timeout=10) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'pdmesh_refused_messages_total{reason="unbound_chunk",role="gateway"} 1.0' in metrics
+    finally:
+        await spy.unsubscribe()
+        await w.close()
