@@ -15,7 +15,7 @@ class Settings:
     log_level: str
     # Fault injection for tests and chaos runs: a prefill worker waits this long before each transfer.
     fault_prefill_delay_s: float = 0.0
-    # ... and the shm transport's copy stops this long half-way, holding its write fence (a slow copy)
+    # ... and the shm transport's copy waits this long under its write fence before it writes (a late copy)
     fault_kv_copy_delay_s: float = 0.0
     # NATS credentials and TLS (files), JetStream replicas; the --nats-* flags win over them
     nats_creds: str | None = None

@@ -279,12 +279,8 @@ def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int
     """The copy, under the job's write lease when the decode worker gave a fence (in a thread)."""
     try:
         with lease(fence_fd, dst_ids, gen) if fence_fd is not None else contextlib.nullcontext():
-            delay = settings().fault_kv_copy_delay_s
-            if delay:  # fault injection: a copy slower than the job's deadline, stalled half-way
-                half = len(src_ids) // 2
-                copy_blocks(src, dst, src_ids[:half], dst_ids[:half])
-                time.sleep(delay)
-                src_ids, dst_ids = src_ids[half:], dst_ids[half:]
+            if settings().fault_kv_copy_delay_s:  # fault injection: a copy that ends after the deadline
+                time.sleep(settings().fault_kv_copy_delay_s)
             copy_blocks(src, dst, src_ids, dst_ids)
     finally:
         if fence_fd is not None:

@@ -5,9 +5,11 @@ pair for the whole module: starting them is most of its time).
 - A ``Cancel`` naming another reply subject (another gateway's) does not cancel the request.
 - A forged ``PrefillDone`` (ok, a wrong first token, no job token), sent the moment the job is
   queued, is dropped: the request's tokens are the single-process engine's.
-- A shm copy slower than the job's deadline (stalled half-way by ``MESH_FAULT_KV_COPY_DELAY_S``):
-  the request falls back to a local prefill with the right tokens at the deadline, and the
-  blocks the copy writes stay out of the pool until the copy has ended (its PrefillDone).
+- A shm copy that ends after the job's deadline (held back by ``MESH_FAULT_KV_COPY_DELAY_S``):
+  the request falls back to a local prefill with the right tokens at the deadline; the blocks
+  the copy writes stay out of the pool until it has ended (its PrefillDone); the next request,
+  served meanwhile from a small pool, and the same prompt again from its cached blocks after
+  the copy landed, are token-identical to the single-process engine.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ async def stream(bus, worker: str, req: GenerateRequest, on_first=None) -> tuple
 
 
 PRE, DEC = "pre-bind", "dec-bind"
+BLOCKS = 22  # a small pool: without the fence, the next request is handed the late copy's blocks
 
 
 async def test_unbound_messages_are_dropped_and_a_slow_copy_is_fenced(cluster, tiny_model, engine):
-    flags = ["--model", str(tiny_model), "--device-kv-blocks", "256", "--transports", "shm"]
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", str(BLOCKS), "--transports", "shm"]
     cluster.worker("prefill", *flags, "--worker-id", PRE, env={"MESH_FAULT_KV_COPY_DELAY_S": str(DELAY)})
     cluster.worker("decode", *flags, "--worker-id", DEC, "--disagg-threshold", "64",
                    "--prefill-timeout", str(TIMEOUT))
@@ -84,26 +87,21 @@ async def test_unbound_messages_are_dropped_and_a_slow_copy_is_fenced(cluster, t
     async def on_done(msg: PrefillDone, raw) -> None:
         dones.append(msg)
 
+    def real() -> list[PrefillDone]:
+        return [d for d in dones if d.token != "guessed"]
+
+    def request(p: list[int], n: int = MAX_TOKENS) -> GenerateRequest:
+        return GenerateRequest(uuid.uuid4().hex, "tiny", p, SamplingOptions(max_tokens=n, temperature=0.0))
+
     try:
         await bus.subscribe(bus.subjects.kv_ready("tiny", DEC), on_done, PrefillDone)
         await w.wait_for(lambda: w.membership.get(PRE) and w.membership.get(DEC), 120, "both workers")
         await w.fresh_load(PRE)  # the decode worker hears the prefill worker's load too
         await asyncio.sleep(1.2)
 
-        # 1. Another gateway's Cancel (its own reply subject) for our request: refused.
-        req = GenerateRequest(uuid.uuid4().hex, "tiny", prompt(20, 1), SamplingOptions(max_tokens=300, temperature=0.0))
-
-        async def forge_cancel(_inbox: str) -> None:
-            await bus.publish(bus.subjects.cancel("tiny", DEC), Cancel(req.request_id, reply=bus.nc.new_inbox()))
-
-        toks, last = await stream(bus, DEC, req, on_first=forge_cancel)
-        assert last.finish_reason == "length" and len(toks) == 300  # not cancelled
-        report = await w.fresh_load(DEC)
-        assert report.counters.get("refused_messages") == 1, report.counters
-
-        # 2. A forged PrefillDone the moment the job is queued; the real copy stalls past the deadline.
-        p = prompt(150, 2)  # 10 blocks of 16 for the prefill worker to write
-        want = expected(engine, p)
+        # 1. A forged PrefillDone the moment the job is queued; the real copy ends after the deadline.
+        a = prompt(150, 2)  # 10 blocks of 16 for the prefill worker to write
+        want = expected(engine, a)
         forged: list[str] = []
 
         async def on_job(msg) -> None:
@@ -117,26 +115,46 @@ async def test_unbound_messages_are_dropped_and_a_slow_copy_is_fenced(cluster, t
         spy = await bus.nc.subscribe(bus.subjects.prefill_jobs("tiny"), cb=on_job)
         try:
             t0 = time.monotonic()
-            req = GenerateRequest(uuid.uuid4().hex, "tiny", p, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+            req = request(a)
             toks, last = await stream(bus, DEC, req)
         finally:
             await spy.unsubscribe()
         assert forged == [req.request_id]
         assert toks == want and last.finish_reason == "length"
         assert time.monotonic() - t0 < TIMEOUT + DELAY / 2  # fell back at the deadline, not after the copy
+
+        # 2. The next request, while the late copy still holds its blocks: served from others.
+        b = prompt(60, 3)
+        toks, _ = await stream(bus, DEC, request(b))
+        assert toks == expected(engine, b)
         report = await w.fresh_load(DEC)
-        real = [d for d in dones if d.token != "guessed"]
-        assert not real, "the slow copy ended too early for this test to mean anything"
+        assert not real(), "the late copy ended too early for this test to mean anything"
         c = report.counters
-        assert c.get("refused_messages") == 2 and c.get("local_prefill_fallback") == 1, c
+        assert c.get("refused_messages") == 1 and c.get("local_prefill_fallback") == 1, c
         assert c.get("fenced_jobs") == 1 and not c.get("unfenced_jobs"), c
         assert report.kv_blocks_used == 10 and report.running == report.waiting == 0  # held for the copy
 
-        await w.wait_for(lambda: [d for d in dones if d.token != "guessed"], DELAY + 10, "the slow copy's end")
-        real = [d for d in dones if d.token != "guessed"]
-        assert len(real) == 1 and not real[0].ok and real[0].request_id == req.request_id
+        # 3. The copy ends (its PrefillDone): the blocks come back, and what the copy wrote landed
+        # in none of the next request's blocks: the same prompt again, from its cached prefix.
+        await w.wait_for(real, DELAY + 10, "the late copy's end")
+        (done,) = real()
+        assert not done.ok and done.request_id == req.request_id
         report = await w.wait_for(lambda: (r := w.loads.get(DEC)) and r.counters.get("unfenced_jobs") and r,
                                   10, "the fenced blocks back in the pool")
         assert report.kv_blocks_used == 0
+        toks, last = await stream(bus, DEC, request(b))
+        assert last.usage.cached_tokens >= 48  # read from the blocks the second request left
+        assert toks == expected(engine, b)
+
+        # 4. Another gateway's Cancel (its own reply subject) for our request: refused.
+        req = request(prompt(20, 1), 300)
+
+        async def forge_cancel(_inbox: str) -> None:
+            await bus.publish(bus.subjects.cancel("tiny", DEC), Cancel(req.request_id, reply=bus.nc.new_inbox()))
+
+        toks, last = await stream(bus, DEC, req, on_first=forge_cancel)
+        assert last.finish_reason == "length" and len(toks) == 300  # not cancelled
+        report = await w.fresh_load(DEC)
+        assert report.counters.get("refused_messages") == 2, report.counters
     finally:
         await w.close()
