@@ -34,7 +34,7 @@ from mesh.protocol import (
 from tests.integration.conftest import Watcher
 
 MAX_TOKENS = 8
-DELAY = 5.0  # the slow copy's stall, seconds
+DELAY = 7.0  # how long the late copy waits under its fence, seconds
 TIMEOUT = 2.0  # the decode worker's --prefill-timeout in the slow-copy test
 
 
