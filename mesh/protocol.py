@@ -178,6 +178,8 @@ class SamplingOptions(Part):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # The output must match this grammar (issue 17; the block at the end of this module). nil: free.
+    constraint: ConstraintSpec | None = None
 
 
 class GenerateRequest(Message):
@@ -418,3 +420,17 @@ class NcclBegin(Message):
 class NcclReply(Message):
     ok: bool
     error: str = ""
+
+
+# -- constrained output (issue 17) ----------------------------------------------------------------
+
+
+class ConstraintSpec(Part):
+    """What a request's output must match, as source text: never a token mask. The worker that
+    samples compiles it against its own tokenizer (cached) and, for a request that arrives with
+    tokens already generated (``output_offset``, a prefill worker's first token), rebuilds the
+    matcher from them. A worker that cannot enforce it answers 400; it never ignores it."""
+
+    kind: str  # json_schema | json_object | regex | lark (mesh.engine.constraints.spec.ConstraintKind)
+    source: str = ""  # the JSON schema (JSON text), the regex, or the Lark grammar; "" for json_object
+    start_after: int | None = None  # a token id: the output is free until it is generated, constrained after
