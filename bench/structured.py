@@ -243,7 +243,7 @@ def engine_bench(args: argparse.Namespace) -> dict:
     for size in args.sizes.split(","):
         d = model_dir(size)
         tok = Tokenizer(d)
-        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64))
+        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64, grammar_threads=args.grammar_threads))
         prompt = tok.encode_chat([{"role": "user", "content": "List the items as JSON."}])
         schemas = [Constraint.json_schema(engine_schema(60 + k)) for k in range(4)]
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per row (default 96)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per figure, best kept (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    p.add_argument("--grammar-threads", type=int, default=0,
+                   help="the engine part's mask-fill threads (0: the engine's default)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)

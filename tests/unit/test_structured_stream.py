@@ -167,3 +167,22 @@ def test_the_markers_that_are_special_tokens_are_kept_and_the_others_dropped(mis
     deltas = _stream(plan.choice_output(), [kept], "stop")
     msg = _full(_chat_format(), deltas).choices[0].message
     assert msg.tool_calls[0].function.name == "get_weather" and msg.content is None
+
+
+# -- the workers' preparation before admission -------------------------------------------------------
+
+
+async def test_a_worker_prepares_the_grammar_off_the_loop_and_says_why_it_cannot():
+    import time
+
+    from mesh.engine.sampling import SamplingParams
+    from mesh.mocker.engine import MockConfig, MockEngine
+    from mesh.worker import prepare_grammar
+
+    eng = MockEngine(MockConfig(speedup=1000, num_blocks=64))
+    free = eng.new_sequence([1, 2], SamplingParams(max_tokens=2))
+    assert await prepare_grammar(eng, free) is None
+    seq = eng.new_sequence([1, 2], sampling_params(SamplingOptions(max_tokens=2, constraint=ConstraintSpec("json_object"))))
+    assert "does not enforce constraints" in await prepare_grammar(eng, seq)  # the mocker: the worker's 400
+    eng.attach_grammar = lambda s: time.sleep(0.3)  # a compile that takes too long
+    assert "took over 0.05 s to compile" in await prepare_grammar(eng, seq, timeout=0.05)
