@@ -43,15 +43,19 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    # The chunk reaches the end of the sequence's tokens (in-flight ones included), so its last
+    # row yields the next token. Fixed when scheduled: the sequence moves on before the step resolves.
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last row yields the next token."""
-        return self.end == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next ``num_tokens`` positions of ``seq``."""
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens + seq.num_placeholders)
 
 
 @dataclass
@@ -156,9 +160,12 @@ class Scheduler:
             seq = self.running[i]
             if seq.priority < top:
                 break  # paused while higher-priority work exists (the rest rank lower still)
+            if seq.num_placeholders and self._stops_by_length(seq):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if self._grow_or_preempt(seq, n, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk.of(seq, n))
                 budget -= n
                 i += 1
             else:
@@ -206,6 +213,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.priority < top:
                 break  # lower-priority work waits until the higher-priority work is done
+            if seq.num_placeholders:
+                break  # preempted this step while its last token was in flight: back once it is known
             n = self._take_blocks(seq, budget)
             if n is None:
                 break
@@ -214,7 +223,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
@@ -272,24 +281,57 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
         """Advance the scheduled sequences; ``sampled`` aligns with ``out.sampling_chunks``."""
-        results: list[StepOutput] = []
-        finished: list[Sequence] = []
-        samples = iter(sampled)
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    # Overlapped scheduling splits ``update`` in two: ``advance`` right after a step is launched
+    # (its tokens are placeholders until then), ``resolve`` once its sampled tokens reach the host,
+    # which is after the next step was scheduled and launched.
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step's positions are computed (or being computed); its samples are in flight."""
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
             self.kv.cache_computed(seq)
+            if chunk.samples:
+                seq.num_placeholders += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
+        """The step's sampled tokens replace its placeholders: stops, finishes, outputs.
+
+        A sequence that finished meanwhile (aborted, or stopped by the token before) drops its
+        token; one preempted while its token was in flight keeps it, as it would have without
+        overlap (it was sampled from the full context).
+        """
+        results: list[StepOutput] = []
+        finished: list[Sequence] = []
+        samples = iter(sampled)
+        for chunk in out.chunks:
             if not chunk.samples:
                 continue
             tok = next(samples)
+            seq = chunk.seq
+            seq.num_placeholders -= 1
+            if seq.is_finished:
+                continue
             self.take_token(seq, tok)
+            self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
             if seq.is_finished:
                 finished.append(seq)
             results.append(self.output_of(seq, [tok]))
         for seq in finished:
-            self.running.remove(seq)
+            if seq in self.running:
+                self.running.remove(seq)
+            else:  # preempted while its last token was in flight
+                self.waiting.remove(seq)
             self.retire(seq)
         return results
+
+    def _stops_by_length(self, seq: Sequence) -> bool:
+        """Its in-flight tokens take it to ``max_tokens`` or the context limit."""
+        return (seq.num_output_tokens_scheduled >= seq.params.max_tokens
+                or seq.num_tokens + seq.num_placeholders >= self.config.max_model_len)
 
     def take_token(self, seq: Sequence, tok: SampledToken) -> None:
         """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
