@@ -322,6 +322,8 @@ def _priority(body, request: Request) -> int:
 
 
 def _sampling(body, max_tokens: int, seed: int | None, constraint: Constraint | None) -> SamplingOptions:
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=body.sampling_temperature,
@@ -335,6 +337,7 @@ def _sampling(body, max_tokens: int, seed: int | None, constraint: Constraint | 
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens,
         constraint=None if constraint is None else ConstraintSpec(constraint.kind.value, constraint.source,
                                                                   constraint.start_after),
     )

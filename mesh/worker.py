@@ -28,7 +28,7 @@ from mesh.bus import Bus
 from mesh.engine.constraints.spec import Constraint
 from mesh.engine.core import EngineCore
 from mesh.engine.errors import RequestError
-from mesh.engine.loop import EngineLoop
+from mesh.engine.loop import EngineLoop, InlineEngineLoop
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import Sequence, TokenLogprob
 from mesh.kvevents import KvEventPublisher
@@ -151,6 +151,7 @@ def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
         presence_penalty=opts.presence_penalty,
         frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty,
+        min_tokens=min(opts.min_tokens, override.get("max_tokens", opts.max_tokens)),
         constraint=None if spec is None else Constraint(spec.kind, spec.source, spec.start_after),
     )
 
@@ -291,7 +292,9 @@ class WorkerBase:
                 self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
             else:
                 self.engine.pool.events.enabled = False
-            self.loop = EngineLoop(self.engine, asyncio.get_running_loop(),
+            # the mocker steps on the event loop itself (its step is a pause, never a block)
+            loop_type = InlineEngineLoop if getattr(self.engine, "steps_inline", False) else EngineLoop
+            self.loop = loop_type(self.engine, asyncio.get_running_loop(),
                                    after_work=self.kv_events.flush if self.kv_events else None,
                                    name=f"engine-{self.role}", on_failure=lambda e: self._engine_died(stop))
             self.loop.start()

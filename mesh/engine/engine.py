@@ -97,7 +97,7 @@ class Engine(EngineCore):
         use_kernels(self.model, kernels)
         self._own_kv = own_kv
         self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
-        self.sampler = Sampler(self.device, config.seed, kernels)
+        self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
         self.grammar = GrammarManager(
             Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
             GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size),

@@ -73,8 +73,10 @@ def _start_copy(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, kernels: Kernels = PLAIN):
+    def __init__(self, device: torch.device, seed: int = 0, kernels: Kernels = PLAIN,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.device = device
+        self.eos_token_ids = eos_token_ids  # held back, with stop ids, from rows short of min_tokens
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
         self.kernels = kernels  # kernels.top_k_top_p: a fused sampler for unseeded rows, or None
@@ -92,6 +94,10 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
         if masks is not None:
             logits = masks.apply(logits)
+        short = [(i, s) for i, s in enumerate(seqs)
+                 if s.params.min_tokens and s.num_output_tokens_scheduled < s.params.min_tokens]
+        if short:
+            logits = self._hold_back_stops(logits, short)
         if any(p.has_penalties for p in params):
             logits = logits.clone()
             for i, s in enumerate(seqs):
@@ -105,6 +111,24 @@ class Sampler:
         if raw_lp is None:
             return SampledBatch(tokens, want_lp)
         return SampledBatch(tokens, want_lp, _logprobs(raw_lp, tokens, want_lp))
+
+    def _hold_back_stops(self, logits: torch.Tensor, short: list[tuple[int, Sequence]]) -> torch.Tensor:
+        """EOS (unless ignored) and stop ids cannot be drawn by rows short of ``min_tokens`` (vLLM's rule)."""
+        rows, cols = [], []
+        vocab = logits.shape[1]
+        for i, s in short:
+            stops = set(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                stops.update(self.eos_token_ids)
+            for t in stops:
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+        if not cols:
+            return logits
+        logits = logits.clone()
+        logits[self._index(rows), self._index(cols)] = float("-inf")
+        return logits
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return to_device(rows, torch.long, self.device)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from kvstore.manager import KVCacheManager
 from mesh.engine.sequence import SampledToken, SeqStatus, Sequence
 
+FINISHED = SeqStatus.FINISHED_STOPPED  # status >= FINISHED: finished
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -38,7 +40,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen: one per row per step (a frozen __init__ is slower)
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
@@ -72,7 +74,7 @@ class SchedulerOutput:
         return [c for c in self.chunks if c.samples]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen: one per request per step
 class StepOutput:
     """What one step produced for one request."""
 
@@ -156,16 +158,22 @@ class Scheduler:
                   self.running[0].priority if self.running else -(1 << 62))
         i = 0
         pressure = False
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        chunks = out.chunks
+        running = self.running
+        bs = self.kv.block_size
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.priority < top:
                 break  # paused while higher-priority work exists (the rest rank lower still)
             if seq.num_placeholders and self._stops_by_length(seq):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self._grow_or_preempt(seq, n, out):
-                out.chunks.append(ScheduledChunk.of(seq, n))
+            start = seq.num_computed_tokens
+            end = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_placeholders
+            n = min(end - start, budget)
+            # most rows: one decode token inside the last block (no growth, no pool call)
+            if start + n <= len(seq.block_table) * bs or self._grow_or_preempt(seq, n, out):
+                chunks.append(ScheduledChunk(seq, start, n, start + n == end))
                 budget -= n
                 i += 1
             else:
@@ -290,10 +298,12 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step's positions are computed (or being computed); its samples are in flight."""
+        bs = self.kv.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(seq)
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block filled up: name it
+                self.kv.cache_computed(seq)
             if chunk.samples:
                 seq.num_placeholders += 1
 
@@ -304,22 +314,41 @@ class Scheduler:
         token; one preempted while its token was in flight keeps it, as it would have without
         overlap (it was sampled from the full context).
         """
+        # The per-row work of every step: take_token, check_stop and output_of written out, so a
+        # row costs a few attribute reads rather than a dozen calls (bench/host_overhead.py).
         results: list[StepOutput] = []
         finished: list[Sequence] = []
         samples = iter(sampled)
+        eos, max_len, bs = self.config.eos_token_ids, self.config.max_model_len, self.kv.block_size
         for chunk in out.chunks:
             if not chunk.samples:
                 continue
             tok = next(samples)
             seq = chunk.seq
             seq.num_placeholders -= 1
-            if seq.is_finished:
+            if seq.status >= FINISHED:
                 continue
-            self.take_token(seq, tok)
-            self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
-            if seq.is_finished:
+            tid, lp = tok.token_id, tok.logprob
+            outs = seq.output_token_ids
+            outs.append(tid)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            n_out = len(outs)
+            p = seq.params
+            if seq.grammar is not None:
+                self._after_grammar_token(seq, tid)
+            elif ((tid in eos and not p.ignore_eos) or tid in p.stop_token_ids) and n_out >= p.min_tokens:
+                seq.status = SeqStatus.FINISHED_STOPPED
+            elif n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
+                seq.status = SeqStatus.FINISHED_LENGTH
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
+            reason = None
+            if seq.status >= FINISHED:
                 finished.append(seq)
-            results.append(self.output_of(seq, [tok]))
+                reason = seq.status.finish_reason
+            results.append(StepOutput(seq.request_id, [tid], [] if lp is None else [lp], reason,
+                                      len(seq.prompt_token_ids), seq.num_cached_tokens, n_out))
         for seq in finished:
             if seq in self.running:
                 self.running.remove(seq)
@@ -336,15 +365,22 @@ class Scheduler:
     def take_token(self, seq: Sequence, tok: SampledToken) -> None:
         """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
         seq.append_token(tok.token_id, tok.logprob)
-        if seq.grammar is not None and not seq.grammar.advance(tok.token_id):
+        if seq.grammar is not None:
+            self._after_grammar_token(seq, tok.token_id)
+        else:
+            self.check_stop(seq)
+
+    def _after_grammar_token(self, seq: Sequence, token_id: int) -> None:
+        if not seq.grammar.advance(token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
-            return
-        self.check_stop(seq)
+        else:
+            self.check_stop(seq)
 
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
         last = seq.last_token_id
-        if (not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids:
+        if ((not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids) \
+                and seq.num_output_tokens >= p.min_tokens:
             seq.status = SeqStatus.FINISHED_STOPPED
         elif seq.grammar is not None and seq.grammar.is_done:
             seq.status = SeqStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow

@@ -60,7 +60,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per row per step, and a frozen __init__ costs twice as much
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None

@@ -86,12 +86,32 @@ class MockEngine(EngineCore):
             self.enable_tiers(config.host_kv_blocks)
         self.simulated_seconds = 0.0
 
+    # Run by an InlineEngineLoop (mesh.engine.loop): steps on the event loop, and the step's pause
+    # is owed to the loop (``take_owed_seconds``) instead of slept here.
+    steps_inline = True
+    paced = False
+    owed_seconds = 0.0
+
+    def take_owed_seconds(self) -> float:
+        owed, self.owed_seconds = self.owed_seconds, 0.0
+        return owed
+
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         seconds = self.config.timing.step_ms(out) / 1000.0 / self.config.speedup
         self.simulated_seconds += seconds
-        if seconds > 0:
+        if self.paced:
+            self.owed_seconds += seconds
+        elif seconds > 0:
             time.sleep(seconds)
-        return [SampledToken(self.token_for(c.seq)) for c in out.sampling_chunks]
+        vocab = self.vocab_size
+        tokens = []
+        for c in out.chunks:
+            if c.samples:  # token_for, written out (one per row per step)
+                seq = c.seq
+                n_out = len(seq.output_token_ids)
+                last = seq.output_token_ids[-1] if n_out else seq.prompt_token_ids[-1]
+                tokens.append(SampledToken((last * 31 + (len(seq.prompt_token_ids) + n_out) * 17 + 7) % vocab))
+        return tokens
 
     def token_for(self, seq: Sequence) -> int:
         """The next token: a fixed function of the last token and the length."""
