@@ -5,6 +5,7 @@
     python bench/structured.py --mask-only      # the grammar engines alone: llguidance vs xgrammar
     python bench/structured.py --engine-only    # tokens/s with and without a JSON-schema constraint
     python bench/structured.py --quick          # a short smoke run
+    python bench/structured.py --e2e            # through the gateway: mesh up, the openai client
 
 Part 1, the grammar engines (``--mask-only``), through the same backend Protocol the engine uses
 (mesh/engine/constraints/backend.py), on a 128k-token byte-level BPE vocabulary (trained once from
@@ -27,7 +28,17 @@ thread included), best of the runs, which another tenant's load disturbs less th
 The rows use four schemas (four compiles, the rest cache hits),
 and the report gives the compile time per schema over the 60-schema test corpus and the cache hit
 rate. ``mask wait`` is the time the sampler waited for masks: the part of the fill not hidden
-behind the forward pass.
+behind the forward pass. ``fill ms`` is the fill's wall time in the mask thread (it includes
+waiting for a core on a busy machine); ``grammar us/row`` is the CPU the process's other threads
+(the mask fill's) used per constrained token beyond the free run's, from /proc: the grammar's own
+cost, which another tenant's load does not inflate.
+
+Part 3, end to end (``--e2e``, not part of the default run): ``mesh up --prefill 0 --decode 1``
+on the ``tiny`` model, ``--concurrency`` chat requests at once through the official ``openai``
+client, greedy, ``--max-tokens`` each, streamed; free (``ignore_eos``) and with the part-2 schema
+as ``response_format``, interleaved, best of ``--reps``. tokens/s = completion tokens / wall time
+of the batch; the TTFT p50 is the first content chunk's. The gateway, the worker and the client
+share the machine's cores.
 """
 
 from __future__ import annotations
@@ -229,6 +240,27 @@ def model_dir(size: str) -> Path:
     return d
 
 
+def _other_threads_cpu() -> float:
+    """CPU seconds of this process's threads other than the calling one (the grammar's mask
+    threads, and torch's workers), from /proc: 0 where there is no /proc."""
+    import threading
+
+    me, total, tick = threading.get_native_id(), 0, os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def engine_bench(args: argparse.Namespace) -> dict:
     from mesh.engine import Engine, EngineConfig, SamplingParams
     from mesh.tokenizer import Tokenizer
@@ -237,13 +269,13 @@ def engine_bench(args: argparse.Namespace) -> dict:
     print(f"\n== engine: tokens/s with and without a JSON-schema constraint, greedy, "
           f"{args.max_tokens} new tokens per row, best of {args.reps} ==")
     print(f"{'model':6} {'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'cost':>7} {'free cpu':>10} "
-          f"{'json cpu':>10} {'cpu cost':>8} {'fill ms':>10} {'wait ms':>10}")
+          f"{'json cpu':>10} {'cpu cost':>8} {'fill ms':>10} {'wait ms':>10} {'grammar':>10}")
     print(f"{'':6} {'':>5} {'(wall)':>11} {'(wall)':>11} {'':>7} {'ms/token':>10} {'ms/token':>10} {'':>8} "
-          f"{'per step':>10} {'per step':>10}")
+          f"{'per step':>10} {'per step':>10} {'us/row':>10}")
     for size in args.sizes.split(","):
         d = model_dir(size)
         tok = Tokenizer(d)
-        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64))
+        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64, grammar_threads=args.grammar_threads))
         prompt = tok.encode_chat([{"role": "user", "content": "List the items as JSON."}])
         schemas = [Constraint.json_schema(engine_schema(60 + k)) for k in range(4)]
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -256,12 +288,14 @@ def engine_bench(args: argparse.Namespace) -> dict:
             cpu = {"free": float("inf"), "json": float("inf")}
             fill = wait = 0.0
             steps = 0
+            others = {"free": 0.0, "json": 0.0}  # CPU of the other threads (mask fill), summed over the runs
             for _ in range(args.reps):
                 for side, params in (("free", free), ("json", constrained)):
                     before = engine.grammar.stats()
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    t0, c0, o0 = time.perf_counter(), time.process_time(), _other_threads_cpu()
                     seqs = engine.generate([prompt] * batch, params)
                     took, used = time.perf_counter() - t0, time.process_time() - c0
+                    others[side] += _other_threads_cpu() - o0
                     assert all(s.num_output_tokens == args.max_tokens for s in seqs), "a row ended early"
                     if side == "json":
                         after = engine.grammar.stats()
@@ -276,11 +310,12 @@ def engine_bench(args: argparse.Namespace) -> dict:
             row = {"model": size, "batch": batch, "free_tok_s": rate["free"], "json_tok_s": rate["json"],
                    "cost": cost, "free_cpu_ms_per_token": 1000 * cpu["free"] / tokens,
                    "json_cpu_ms_per_token": 1000 * cpu["json"] / tokens, "cpu_cost": cpu_cost,
-                   "fill_ms_per_step": 1000 * fill / max(steps, 1), "wait_ms_per_step": 1000 * wait / max(steps, 1)}
+                   "fill_ms_per_step": 1000 * fill / max(steps, 1), "wait_ms_per_step": 1000 * wait / max(steps, 1),
+                   "grammar_cpu_us_per_row": 1e6 * (others["json"] - others["free"]) / (args.reps * tokens)}
             out["rows"].append(row)
             print(f"{size:6} {batch:5} {rate['free']:11.1f} {rate['json']:11.1f} {100 * cost:6.1f}% "
                   f"{row['free_cpu_ms_per_token']:10.3f} {row['json_cpu_ms_per_token']:10.3f} {100 * cpu_cost:7.1f}% "
-                  f"{row['fill_ms_per_step']:10.3f} {row['wait_ms_per_step']:10.3f}")
+                  f"{row['fill_ms_per_step']:10.3f} {row['wait_ms_per_step']:10.3f} {row['grammar_cpu_us_per_row']:10.1f}")
         stats = engine.grammar.stats()
         out.setdefault("cache", {})[size] = {"hits": stats["compile_hits"], "misses": stats["compile_misses"],
                                              "hit_rate": stats["compile_hits"] / max(1, stats["compile_hits"]
@@ -315,11 +350,120 @@ def corpus_compile_times(engine) -> dict:
             "max_ms": max(times)}
 
 
+# -- part 3: end to end, through the gateway ---------------------------------------------------------
+
+class MeshUp:
+    """``mesh up`` on one model as a child process (its own NATS); stopped with SIGINT."""
+
+    def __init__(self, model: Path, port: int):
+        import subprocess
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--model", str(model), "--prefill", "0",
+                                      "--decode", "1", "--no-planner", "--port", str(port)],
+                                     stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, model: str, timeout: float = 180.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("mesh up exited before it was up")
+            try:
+                r = httpx.post(f"{self.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                               timeout=5)
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError("mesh up did not come up")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+async def _e2e_batch(client, model: str, n: int, max_tokens: int, schema: dict | None) -> tuple[float, int, float]:
+    """n streamed requests at once: (wall seconds, completion tokens, TTFT p50)."""
+    import asyncio
+
+    extra = {"ignore_eos": True} if schema is None else {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": schema}}}
+
+    async def one() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        first, tokens = 0.0, 0
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "List the items as JSON."}], temperature=0,
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        async for chunk in stream:
+            if not first and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first
+
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(one() for _ in range(n)))
+    return time.perf_counter() - t0, sum(t for t, _ in got), statistics.median(f for _, f in got)
+
+
+def e2e_bench(args: argparse.Namespace) -> dict:
+    import asyncio
+
+    import openai
+
+    d = model_dir("tiny")
+    model = d.name
+    mesh = MeshUp(d, args.port)
+    print(f"\n== end to end: mesh up (tiny, 1 decode worker), {args.concurrency} streamed chat requests at once, "
+          f"{args.max_tokens} tokens each, best of {args.reps} ==")
+    try:
+        mesh.wait_ready(model)
+
+        async def run() -> dict:
+            client = openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            schema = engine_schema(60)
+            best = {"free": (float("inf"), 0, 0.0), "json": (float("inf"), 0, 0.0)}
+            for side in ("free", "json"):  # warm-up (the compile, the prefix cache)
+                await _e2e_batch(client, model, args.concurrency, args.max_tokens, schema if side == "json" else None)
+            for _ in range(args.reps):
+                for side in ("free", "json"):
+                    r = await _e2e_batch(client, model, args.concurrency, args.max_tokens,
+                                         schema if side == "json" else None)
+                    if r[0] < best[side][0]:
+                        best[side] = r
+            await client.close()
+            return best
+
+        best = asyncio.run(run())
+    finally:
+        mesh.stop()
+    rate = {k: tokens / wall for k, (wall, tokens, _) in best.items()}
+    cost = 1 - rate["json"] / rate["free"]
+    print(f"{'side':6} {'tok/s':>9} {'tokens':>7} {'TTFT p50 ms':>12}")
+    for k, (_, tokens, ttft) in best.items():
+        print(f"{k:6} {rate[k]:9.1f} {tokens:7d} {1000 * ttft:12.1f}")
+    print(f"cost of the constraint end to end: {100 * cost:.1f}% of tokens/s")
+    return {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "free_tok_s": rate["free"],
+            "json_tok_s": rate["json"], "cost": cost, "ttft_p50_ms": {k: 1000 * v[2] for k, v in best.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     part = p.add_mutually_exclusive_group()
     part.add_argument("--mask-only", action="store_true", help="only the grammar engines' mask cost")
     part.add_argument("--engine-only", action="store_true", help="only the engine's tokens/s")
+    part.add_argument("--e2e", action="store_true", help="only the end-to-end run through the gateway")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
     p.add_argument("--backends", default=",".join(BACKENDS), help="grammar engines to compare")
     p.add_argument("--mask-batch", type=int, default=32)
@@ -330,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per row (default 96)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per figure, best kept (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    p.add_argument("--grammar-threads", type=int, default=0,
+                   help="the engine part's mask-fill threads (0: the engine's default)")
+    p.add_argument("--concurrency", type=int, default=32, help="--e2e: requests at once")
+    p.add_argument("--port", type=int, default=8931, help="--e2e: the gateway's port")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -337,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     args.max_tokens = args.max_tokens or (24 if args.quick else 96)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     report: dict = {"cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
-    if not args.engine_only:
+    if args.e2e:
+        report["e2e"] = e2e_bench(args)
+    if not (args.engine_only or args.e2e):
         report["masks"] = mask_bench(args)
-    if not args.mask_only:
+    if not (args.mask_only or args.e2e):
         report["engine"] = engine_bench(args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

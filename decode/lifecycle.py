@@ -6,6 +6,7 @@
         +--REMOTE--> WAITING_FOR_KV          |
                             +---FALLBACK-----+   (the job failed, was late or could not be queued)
 
+    REFUSE: ADMITTING to FAILED, before the engine has it (its constraint cannot be enforced).
     CANCEL: from ADMITTING, PREFILLING, DECODING straight to CANCELLED; from WAITING_FOR_KV to
     CANCELLING, which RELEASED (the prefill worker's PrefillDone or its deadline) ends in CANCELLED.
     ABORT (the engine died, the worker stops): any live state to FAILED.
@@ -49,6 +50,7 @@ class Event(IntEnum):
     CANCEL = 7  # the client went away (a Cancel from the gateway)
     RELEASED = 8  # a cancelled request's prefill worker let go of its blocks (done, failed or late)
     ABORT = 9  # the engine died or the worker stops with the request unfinished
+    REFUSE = 10  # refused before admission (a constraint that does not compile): a 400 error chunk
 
 
 S, E = ReqState, Event
@@ -63,6 +65,7 @@ TRANSITIONS: dict[tuple[ReqState, Event], ReqState] = {
     (S.PREFILLING, E.ERROR): S.FAILED,
     (S.DECODING, E.ERROR): S.FAILED,
     (S.ADMITTING, E.CANCEL): S.CANCELLED,  # the engine's abort is queued after the admission
+    (S.ADMITTING, E.REFUSE): S.FAILED,
     (S.PREFILLING, E.CANCEL): S.CANCELLED,
     (S.DECODING, E.CANCEL): S.CANCELLED,
     (S.WAITING_FOR_KV, E.CANCEL): S.CANCELLING,

@@ -68,6 +68,7 @@ from mesh.worker import (
     WorkerBase,
     build_engine,
     engine_logprob,
+    prepare_grammar,
     sampling_params,
     wire_logprob,
 )
@@ -263,7 +264,7 @@ class DecodeWorker(WorkerBase):
         if error is not None:
             await self._fail(raw.reply, req.request_id, *error)
             return
-        seq.output_offset = req.output_offset
+        seq.output_offset = req.output_offset  # before the grammar replays the tokens generated so far
         seq.priority = req.priority
         self.counters.requests += 1
         rec = DecodeRequest(req, raw.reply, seq, time.monotonic())
@@ -273,6 +274,8 @@ class DecodeWorker(WorkerBase):
                         "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
         )
         self.active[req.request_id] = rec
+        if seq.params.constraint is not None and not await self._grammar_ready(rec):
+            return
         if self.peer_fetch is not None and req.peer_fetch is not None:
             span = rec.enter("peer.fetch", **{"pdmesh.fetch_source": req.peer_fetch.fetch_source})
             span.set_attribute("pdmesh.fetched_blocks", await self.peer_fetch.fetch_for(req))  # staged for admission
@@ -297,6 +300,21 @@ class DecodeWorker(WorkerBase):
             rec.move(Event.REMOTE)
             metrics.PREFILL_DECISIONS.labels(req.model, "remote").inc()
             await self._send_job(rec, *reservation)
+
+    async def _grammar_ready(self, rec: DecodeRequest) -> bool:
+        """Compile the request's constraint and build its matcher before the engine takes it (in a
+        thread: a compile never stalls a step or the event loop). False: it was cancelled meanwhile,
+        or refused with a 400 (a grammar that does not compile, or tokens it rejects)."""
+        refused = await prepare_grammar(self.engine, rec.seq)
+        if rec.state is not ReqState.ADMITTING:
+            return False  # cancelled while it compiled (_on_cancel dropped it)
+        if refused is None:
+            return True
+        rec.move(Event.REFUSE)
+        del self.active[rec.request_id]
+        rec.end_spans("refused")
+        await self._fail(rec.reply, rec.request_id, refused, 400)
+        return False
 
     def _admitted_locally(self, rec: DecodeRequest) -> None:
         """ADMITTING -> PREFILLING. Runs when the admission returns, or earlier, when the engine's

@@ -32,7 +32,8 @@ from gateway import metrics as gateway_metrics
 from gateway.auth import AuthConfig, guard
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
+from gateway.outputs import OutputPlan, plan_chat, plan_completion
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
 from gateway.streaming import (
     SSEResponse,
@@ -42,9 +43,10 @@ from gateway.streaming import (
     sse_events,
     unless_disconnected,
 )
-from mesh.protocol import SamplingOptions
+from mesh.engine.constraints.spec import Constraint
+from mesh.protocol import ConstraintSpec, SamplingOptions
 from mesh.telemetry import tracer
-from mesh.tokenizer import ChatTemplateError
+from mesh.tokenizer import ChatTemplateError, Tokenizer
 from mesh.tracing import context_from
 
 log = logging.getLogger(__name__)
@@ -215,27 +217,31 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 async def _chat(gw: Gateway, request: Request) -> Response:
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-    check_served(body)
     gw.check_model(body.model)
     tok = gw.require_tokenizer(body.model, "messages")
     messages = body.template_messages()
     try:
         with TRACER.start_as_current_span("template+tokenize") as span:
-            prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
-                                     body.add_generation_prompt, body.template_tools(), body.chat_template_kwargs)
+            text, prompt = await _off_loop(sum(len(m["content"]) for m in messages), _render, tok, body, messages)
             span.set_attribute("pdmesh.prompt_tokens", len(prompt))
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.param) from None
     if not prompt:
         raise APIError(400, "the messages render to an empty prompt", "messages")
+    plan = plan_chat(body, tok, text, gw.config.tool_call_parser, gw.config.reasoning_parser)
     fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(body.model), [prompt], body.n,
                      body.include_usage, body.return_token_ids)
-    return await _complete(gw, body, request, [prompt], fmt)
+    return await _complete(gw, body, request, [prompt], fmt, plan)
+
+
+def _render(tok: Tokenizer, body: ChatCompletionRequest, messages: list[dict]) -> tuple[str, list[int]]:
+    """The chat template's text (the output plan reads it) and its tokens."""
+    text = tok.render_chat(messages, body.add_generation_prompt, body.template_tools(), body.chat_template_kwargs)
+    return text, tok.encode(text, add_special_tokens=False)
 
 
 async def _completions(gw: Gateway, request: Request) -> Response:
     body: CompletionRequest = await _parse(request, CompletionRequest)
-    check_served(body)
     gw.check_model(body.model)
     raw_prompts = body.prompts()
     prompts = []
@@ -253,7 +259,7 @@ async def _completions(gw: Gateway, request: Request) -> Response:
         echo = [p if isinstance(p, str) else (tok.decode(p) if tok else "") for p in raw_prompts]
     fmt = CompletionFormat(_request_id("cmpl"), body.model, gw.token_texts.get(body.model), prompts, body.n,
                            body.include_usage, body.return_token_ids, echo_texts=echo)
-    return await _complete(gw, body, request, prompts, fmt)
+    return await _complete(gw, body, request, prompts, fmt, plan_completion(body))
 
 
 async def _off_loop(size: int, fn, *args):
@@ -317,7 +323,7 @@ def _priority(body, request: Request) -> int:
     return value
 
 
-def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
+def _sampling(body, max_tokens: int, seed: int | None, constraint: Constraint | None) -> SamplingOptions:
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     return SamplingOptions(
@@ -334,6 +340,8 @@ def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens,
+        constraint=None if constraint is None else ConstraintSpec(constraint.kind.value, constraint.source,
+                                                                  constraint.start_after),
     )
 
 
@@ -350,7 +358,8 @@ class _Admission:
             self.n = 0
 
 
-async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], fmt: Format) -> Response:
+async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], fmt: Format,
+                    plan: OutputPlan) -> Response:
     server_span = trace.get_current_span()
     server_span.set_attributes({"pdmesh.request_id": fmt.rid, "pdmesh.model": body.model})
     max_out = _check_limits(gw, body, prompts)
@@ -358,7 +367,8 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
     admission = _Admission(gw, len(prompts) * body.n)
     streams = [
         gw.stream_choice(i, f"{fmt.rid}-{i}", body.model, prompts[i // body.n],
-                         _sampling(body, max_out, body.choice_seed(i % body.n)), body.stop_list, priority)
+                         _sampling(body, max_out, body.choice_seed(i % body.n), plan.constraint), body.stop_list,
+                         priority, plan)
         for i in range(len(prompts) * body.n)
     ]
     headers = {"x-request-id": fmt.rid}

@@ -18,9 +18,17 @@ from mesh.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    """``keep_special``: special tokens that are still written out when the others are skipped
+    (the markers a tool-call or reasoning parser reads, where they are special tokens: Mistral's
+    ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``); the other special tokens are dropped as they come."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 keep_special: frozenset[int] = frozenset()):
         self.tok = tokenizer
         self.skip = skip_special_tokens
+        self.drop: frozenset[int] = frozenset()
+        if skip_special_tokens and keep_special:
+            self.skip, self.drop = False, tokenizer.special_ids - keep_special
         self.ids: list[int] = []
         # ids[prefix_offset:read_offset] is context already emitted (re-decoded so that a
         # tokenizer's spacing rules see it); ``sent`` characters after it are emitted too.
@@ -30,6 +38,8 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """The text the new tokens complete; ``final``: the last tokens, so hold nothing back."""
+        if self.drop:
+            new_ids = [t for t in new_ids if t not in self.drop]
         self.ids.extend(new_ids)
         ids = self.ids
         prefix = self.tok.decode(ids[self.prefix_offset : self.read_offset], self.skip) if self.read_offset else ""

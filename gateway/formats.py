@@ -138,22 +138,54 @@ class ChatFormat(Format):
         """The SSE events for one delta: content (if any), then the finish chunk (if it is the last)."""
         self.note_usage(d)
         out = ""
-        if d.text or d.logprobs or (d.token_ids and (not has_tokenizer or self.return_token_ids)):
+        if (d.text or d.logprobs or d.reasoning or d.tool_calls
+                or (d.token_ids and (not has_tokenizer or self.return_token_ids))):
             lp = _dumps(self.logprobs(d.token_ids, d.logprobs)) if d.logprobs else "null"
-            out = (f'{self._head}{d.index},"delta":{{"content":{_js(d.text)}}},"logprobs":{lp},'
+            out = (f'{self._head}{d.index},"delta":{self._delta(d)},"logprobs":{lp},'
                    f'"finish_reason":null{self._ids(d)}{self._tail}')
         if d.finish_reason is not None:
             out += f'{self._head}{d.index},"delta":{{}},"logprobs":null,"finish_reason":{_js(d.finish_reason)}{self._tail}'
         return out
 
+    @staticmethod
+    def _delta(d: ChoiceDelta) -> str:
+        """The delta object: the content, and the reasoning and tool-call fragments a parser found."""
+        if not (d.reasoning or d.tool_calls):
+            return f'{{"content":{_js(d.text)}}}'
+        parts = []
+        if d.reasoning:
+            parts.append(f'"reasoning_content":{_js(d.reasoning)}')
+        if d.text or not d.tool_calls:
+            parts.append(f'"content":{_js(d.text)}')
+        if d.tool_calls:
+            parts.append(f'"tool_calls":{_dumps([t.to_openai() for t in d.tool_calls])}')
+        return "{" + ",".join(parts) + "}"
+
     full_object = "chat.completion"
 
     def full_choice(self, i: int, deltas: list[ChoiceDelta], ids: list[int], lps: list) -> dict:
-        return {
-            "index": i,
-            "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-            "logprobs": self.logprobs(ids, lps),
-        }
+        content = "".join(d.text for d in deltas)
+        message: dict = {"role": "assistant", "content": content}
+        reasoning = "".join(d.reasoning for d in deltas)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        calls = tool_calls(deltas)
+        if calls:
+            message["tool_calls"] = calls
+            message["content"] = content or None  # OpenAI: null when the message is only tool calls
+        return {"index": i, "message": message, "logprobs": self.logprobs(ids, lps)}
+
+
+def tool_calls(deltas: list[ChoiceDelta]) -> list[dict]:
+    """The whole calls that a choice's tool-call deltas add up to (OpenAI's ``message.tool_calls``)."""
+    calls: list[dict] = []
+    for d in deltas:
+        for t in d.tool_calls or ():
+            if t.id is not None:
+                calls.append({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}})
+            else:
+                calls[t.index]["function"]["arguments"] += t.arguments
+    return calls
 
 
 class CompletionFormat(Format):

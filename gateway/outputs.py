@@ -6,8 +6,9 @@
         -> tool format   parses calls out of the text (tool_choice auto, required, named)
         -> reasoning     splits the thinking into reasoning_content
 
-The constraint travels to the worker in the request (phase B puts it on the wire); the parsers
-run in the gateway over the detokenized stream.
+The constraint travels to the worker in the request (``SamplingOptions.constraint``); the parsers
+run in the gateway over each choice's detokenized stream (``ChoiceOutput``): the text goes through
+the reasoning parser, then what is not reasoning through the tool-call parser.
 """
 
 from __future__ import annotations
@@ -29,12 +30,60 @@ class OutputPlan:
     tools: ToolFormat | None = None  # parse tool calls out of the text
     reasoning: ReasoningFormat | None = None
     starts_thinking: bool = False  # the prompt left a thinking block open
+    # special tokens the parsers read (their markers), kept when the text is detokenized
+    keep_special: frozenset[int] = frozenset()
 
     def tool_parser(self) -> ToolCallParser | None:
         return self.tools.parser() if self.tools is not None else None
 
     def reasoning_parser(self) -> ReasoningParser | None:
         return ReasoningParser(self.reasoning, self.starts_thinking) if self.reasoning is not None else None
+
+    def choice_output(self) -> ChoiceOutput | None:
+        """A fresh reader of one choice's text (None: nothing to parse, the text is the content)."""
+        if self.tools is None and self.reasoning is None:
+            return None
+        return ChoiceOutput(self.reasoning_parser(), self.tool_parser())
+
+
+class ChoiceOutput:
+    """One choice's text as it streams: reasoning, content and tool-call deltas, and the finish
+    reason ``tool_calls`` once the model called a tool and stopped.
+
+    ``parse`` rewrites a ``ChoiceDelta`` in place (``text`` becomes the content; ``reasoning`` and
+    ``tool_calls`` are set); a delta with a finish reason flushes what the parsers hold back.
+    """
+
+    __slots__ = ("called", "reasoning", "tools")
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.called = False
+
+    def parse(self, d) -> None:
+        final = d.finish_reason is not None
+        text = d.text
+        if self.reasoning is not None:
+            r = self.reasoning.feed(text)
+            if final:
+                tail = self.reasoning.finish()
+                r.reasoning += tail.reasoning
+                r.content += tail.content
+            d.reasoning, text = r.reasoning, r.content
+        if self.tools is not None:
+            m = self.tools.feed(text)
+            if final:
+                tail = self.tools.finish()
+                m.content += tail.content
+                m.tool_calls += tail.tool_calls
+            text = m.content
+            if m.tool_calls:
+                d.tool_calls = m.tool_calls
+                self.called = True
+        d.text = text
+        if d.finish_reason == "stop" and self.called:
+            d.finish_reason = "tool_calls"
 
 
 def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, prompt: str, tool_override: str | None = None,
@@ -57,8 +106,19 @@ def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, prompt: str, tool_ove
         constraint = forcing_constraint(fmt, functions, body.parallel, tok.special_token_id, start_after)
     elif body.wants_json:
         constraint = _json_constraint(body, start_after)
-    return OutputPlan(constraint, fmt if mode != "none" else None, reasoning,
-                      reasoning is not None and reasoning.starts_inside(prompt))
+    tools = fmt if mode != "none" else None
+    return OutputPlan(constraint, tools, reasoning, reasoning is not None and reasoning.starts_inside(prompt),
+                      _markers(tok, tools, reasoning))
+
+
+def _markers(tok: Tokenizer, tools: ToolFormat | None, reasoning: ReasoningFormat | None) -> frozenset[int]:
+    """The parsers' markers that are special tokens of this tokenizer (detokenizing would drop them)."""
+    texts: list[str] = []
+    if tools is not None:
+        texts += [*tools.syntax.markers, tools.syntax.end]
+    if reasoning is not None:
+        texts += [reasoning.start, reasoning.end]
+    return frozenset(i for t in texts if t and (i := tok.special_token_id(t)) is not None)
 
 
 def plan_completion(body: CompletionRequest) -> OutputPlan:

@@ -10,7 +10,7 @@ client sends can overflow the wire codec or the sampler further in.
 Structured output (``response_format``, ``tools``, ``tool_choice``,
 ``parallel_tool_calls``) is parsed into typed fields and checked here: schemas
 the grammar engine cannot enforce, unknown tool names, tool choices without
-tools are 400s. ``check_served`` refuses what the workers do not enforce yet.
+tools are 400s. ``gateway.outputs`` turns them into the request's output plan.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.errors import APIError
 from gateway.output_schemas import (
     MAX_TOOLS,
     FunctionDefinition,
@@ -293,19 +292,3 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
-
-
-def check_served(body: SamplingFields) -> None:
-    """Refuse what is validated but not yet enforced end to end (a 400, never a silent drop).
-
-    The engine enforces constraints (mesh/engine/constraints); the workers do not receive them
-    until the wire carries them, and the gateway does not yet parse tool calls out of a stream.
-    Until then JSON output and tools the model may call are refused. ``tools`` with
-    ``tool_choice="none"`` are served: the template shows them, the model writes text.
-    """
-    if body.wants_json:
-        raise APIError(400, "response_format json_object and json_schema are validated but not served yet",
-                       "response_format", "unsupported_parameter")
-    if isinstance(body, ChatCompletionRequest) and body.tool_choice_mode != "none":
-        raise APIError(400, "tool calls are validated but not served yet; tool_choice \"none\" is",
-                       "tool_choice" if body.tool_choice is not None else "tools", "unsupported_parameter")

@@ -23,6 +23,7 @@ from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPol
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.errors import APIError
 from gateway.metrics import GatewayStats, workers_registry
+from gateway.outputs import OutputPlan
 from gateway.replies import ReplyStream, ReplyStreams
 from mesh import client, metrics
 from mesh.bus import Bus
@@ -65,6 +66,8 @@ class GatewayConfig:
     unreachable_wait: float = 5.0  # every worker tried is unreachable: keep trying this long before a 503
     router: RouterConfig = field(default_factory=RouterConfig)
     nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
+    tool_call_parser: str | None = None  # a tool-call format for every model (default: each template's)
+    reasoning_parser: str | None = None  # a reasoning format, or "none" (default: each template's)
 
 
 @dataclass
@@ -75,6 +78,10 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    # chat with a reasoning or tool-call parser (gateway.outputs.ChoiceOutput): what of the text
+    # was thinking, and the tool-call deltas (``text`` is then the rest, the content)
+    reasoning: str = ""
+    tool_calls: list | None = None
 
 
 class Gateway:
@@ -192,7 +199,7 @@ class Gateway:
     # -- one choice -----------------------------------------------------------------------
     async def stream_choice(
         self, index: int, request_id: str, model: str, prompt_ids: list[int],
-        sampling: SamplingOptions, stops: list[str], priority: int = 0,
+        sampling: SamplingOptions, stops: list[str], priority: int = 0, plan: OutputPlan | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
         ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
@@ -201,7 +208,7 @@ class Gateway:
         worker's last chunk (client gone, stop string, error), whether it is closed or cancelled;
         and a migration, on the worker it leaves.
         """
-        text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens)
+        text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens, plan)
         run = ChoiceRun(self.retry_policy)
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
@@ -311,10 +318,12 @@ class Gateway:
 class _ChoiceText:
     """One choice's text so far (incremental detokenization, stop strings) and its token counts."""
 
-    def __init__(self, index: int, tok: Tokenizer | None, stops: list[str], prompt_tokens: int, min_tokens: int = 0):
+    def __init__(self, index: int, tok: Tokenizer | None, stops: list[str], prompt_tokens: int, min_tokens: int = 0,
+                 plan: OutputPlan | None = None):
         self.index = index
         self.min_tokens = min_tokens  # stop strings are looked for once the output is past it (as vLLM)
-        self.detok = IncrementalDetokenizer(tok) if tok else None
+        self.detok = IncrementalDetokenizer(tok, keep_special=plan.keep_special if plan else frozenset()) if tok else None
+        self.output = plan.choice_output() if plan else None  # reasoning and tool calls out of the text
         self.stop = StopMatcher(stops)
         self.prompt_tokens = prompt_tokens
         self.completion = 0
@@ -340,4 +349,7 @@ class _ChoiceText:
         elif reason is not None:
             out += self.stop.flush()
         usage = Usage(self.prompt_tokens, self.completion, self.cached or 0) if reason is not None else None
-        return ChoiceDelta(self.index, out, ids, lps, reason, usage)
+        delta = ChoiceDelta(self.index, out, ids, lps, reason, usage)
+        if self.output is not None:
+            self.output.parse(delta)
+        return delta

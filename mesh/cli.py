@@ -207,6 +207,7 @@ def _add_gateway(sub) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="gateway processes on the port (SO_REUSEPORT; default: one per two cores, at most 4)")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
+    add_parser_flags(p)
     p.set_defaults(func=cmd_gateway)
 
 
@@ -242,6 +243,17 @@ def auth_config(args: argparse.Namespace):
     return auth
 
 
+def add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """The gateway's output parsers, when a model's chat template does not show its formats."""
+    from gateway.reasoning import REASONING_FORMATS
+    from gateway.tools import TOOL_FORMATS
+
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_FORMATS),
+                   help="the tool-call format of every model (default: found in each chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=["none", *sorted(REASONING_FORMATS)],
+                   help="the reasoning format of every model, or none (default: found in each chat template)")
+
+
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
     add_bus_flags(p)
@@ -262,6 +274,7 @@ def _add_up(sub) -> None:
                    help="decode workers fetch prefix blocks from peers, the router plans it (model workers need a host KV tier)")
     p.add_argument("--gateway-workers", type=int, default=None,
                    help="gateway processes on the port (default: one per two cores, at most 4)")
+    add_parser_flags(p)
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     add_api_key_flags(p)
@@ -520,7 +533,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         nats_url=nats.url, nats=nats, ns=ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
-        idle_timeout=args.idle_timeout,
+        idle_timeout=args.idle_timeout, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             **{k: v for k, v in (("prefill_weight", args.router_prefill_weight),
                                                  ("decode_weight", args.router_decode_weight)) if v is not None}),
@@ -594,7 +608,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_flags = ["--served-name", args.served_name] if args.served_name and models else []
     if args.router:
         gateway_flags += ["--router", args.router]
-    for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
+    for name in ("router_temperature", "router_prefill_weight", "router_decode_weight", "tool_call_parser",
+                 "reasoning_parser"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     auth = auth_config(args)

@@ -187,6 +187,8 @@ class SamplingOptions(Part):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    # The output must match this grammar (issue 17; the block at the end of this module). nil: free.
+    constraint: ConstraintSpec | None = None
 
 
 class GenerateRequest(Message):
@@ -491,3 +493,17 @@ class KvFetchDone(Message):
     error: str = ""
     transport: str = ""  # the one the bytes took ("" : none moved)
     transfer_bytes: int = 0
+
+
+# -- constrained output (issue 17) ----------------------------------------------------------------
+
+
+class ConstraintSpec(Part):
+    """What a request's output must match, as source text: never a token mask. The worker that
+    samples compiles it against its own tokenizer (cached) and, for a request that arrives with
+    tokens already generated (``output_offset``, a prefill worker's first token), rebuilds the
+    matcher from them. A worker that cannot enforce it answers 400; it never ignores it."""
+
+    kind: str  # json_schema | json_object | regex | lark (mesh.engine.constraints.spec.ConstraintKind)
+    source: str = ""  # the JSON schema (JSON text), the regex, or the Lark grammar; "" for json_object
+    start_after: int | None = None  # a token id: the output is free until it is generated, constrained after

@@ -83,6 +83,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of every special token (what ``decode(skip_special_tokens=True)`` drops)."""
+        return frozenset(self._special.values())
+
     def special_token_id(self, text: str) -> int | None:
         """The id of ``text`` if it is one special token of this tokenizer (a control marker)."""
         return self._special.get(text)

@@ -25,10 +25,12 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 
 from mesh.bus import Bus
+from mesh.engine.constraints.spec import Constraint
 from mesh.engine.core import EngineCore
+from mesh.engine.errors import RequestError
 from mesh.engine.loop import EngineLoop, InlineEngineLoop
 from mesh.engine.sampling import SamplingParams
-from mesh.engine.sequence import TokenLogprob
+from mesh.engine.sequence import Sequence, TokenLogprob
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
 from mesh.procutil import StopEvent, cancel_and_wait, stop_event_on_signals
@@ -140,7 +142,9 @@ class Counters:
 
 
 def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
-    """Wire options -> validated engine parameters (ValueError on bad values)."""
+    """Wire options -> validated engine parameters (ValueError on bad values; a constraint that is
+    not one, ``ConstraintError``: both are the request's 400)."""
+    spec = opts.constraint
     return SamplingParams(
         max_tokens=override.get("max_tokens", opts.max_tokens),
         temperature=opts.temperature,
@@ -155,7 +159,36 @@ def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
         frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty,
         min_tokens=min(opts.min_tokens, override.get("max_tokens", opts.max_tokens)),
+        constraint=None if spec is None else Constraint(spec.kind, spec.source, spec.start_after),
     )
+
+
+GRAMMAR_TIMEOUT = 30.0  # seconds to compile a request's constraint before it is refused
+
+
+async def prepare_grammar(engine: EngineCore, seq: Sequence, timeout: float = GRAMMAR_TIMEOUT) -> str | None:
+    """Before ``seq`` is added: compile its constraint (cached) and build its grammar state, caught
+    up with the tokens it already generated (a migrated request's), in a thread, so that neither
+    the engine thread nor the event loop waits for a compile. None when ready (or unconstrained),
+    else why the request cannot be served (the worker's 400)."""
+    if seq.params.constraint is None:
+        return None
+    try:
+        await asyncio.wait_for(asyncio.to_thread(engine.attach_grammar, seq), timeout)
+    except TimeoutError:
+        return f"the constraint took over {timeout:g} s to compile"
+    except RequestError as e:
+        return str(e)
+    return None
+
+
+def grammar_counters(engine: EngineCore) -> dict[str, int]:
+    """The compiled-grammar cache and mask figures of an engine that enforces constraints."""
+    if engine.grammar is None:
+        return {}
+    st = engine.grammar.stats()
+    return {"grammar_compile_hits": st["compile_hits"], "grammar_compile_misses": st["compile_misses"],
+            "grammar_compile_ms": int(1000 * st["compile_seconds"]), "grammar_mask_rows": st["mask_rows"]}
 
 
 def wire_logprob(lp: TokenLogprob | None) -> TokenLogprobs | None:
@@ -245,6 +278,7 @@ class WorkerBase:
                 "steps": engine.num_steps, "preemptions": s.num_preemptions,
                 "prefix_hit_blocks": engine.pool.hit_blocks,
                 "prefix_query_blocks": engine.pool.queried_blocks, **engine.kv_counters(),
+                **grammar_counters(engine),
             },
         )
 

@@ -32,7 +32,7 @@ from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
 from mesh.telemetry import tracer
 from mesh.tracing import child_context, context_from
-from mesh.worker import Window, WorkerBase, sampling_params, wire_logprob
+from mesh.worker import Window, WorkerBase, prepare_grammar, sampling_params, wire_logprob
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,8 @@ class PrefillWorker(WorkerBase):
                 seq.priority = job.priority
             except (RequestError, ValueError) as e:
                 error = str(e)
+        if error is None:  # the first token is sampled under the constraint: compile it first, in a thread
+            error = await prepare_grammar(self.engine, seq)
         if error is not None:
             await self._done(job, ok=False, error=error, span=span)
             return

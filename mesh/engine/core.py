@@ -174,7 +174,8 @@ class EngineCore:
 
     def attach_grammar(self, seq: Sequence) -> None:
         """A constrained sequence gets its grammar state, caught up with the tokens it already generated
-        (raises ``RequestError`` if this engine cannot enforce the constraint)."""
+        (raises ``RequestError`` if this engine cannot enforce the constraint). Any thread, as long as
+        the sequence is not added yet (workers call it in a thread first; ``add`` then finds it done)."""
         if seq.params.constraint is None:
             return
         if self.grammar is None:

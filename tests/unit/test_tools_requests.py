@@ -1,5 +1,5 @@
 """Structured-output requests: typed fields, 400s in OpenAI's shape naming the field, refused fields,
-the not-served-yet gate, and the output plan (constraint, parsers) built from a model's template."""
+and the output plan (constraint, parsers) built from a model's template."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gateway import errors
 from gateway.errors import APIError
 from gateway.output_schemas import REFUSED
 from gateway.outputs import plan_chat, plan_completion
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.engine.constraints import ConstraintKind
 from mesh.tokenizer import Tokenizer
 from tests.unit.test_tools_templates import make_dir
@@ -112,23 +112,6 @@ def test_tool_call_history_reaches_the_template_as_templates_expect():
     assert body.template_tools() == [WEATHER]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}, "response_format"),
-    ({"tools": [WEATHER]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-])
-def test_what_the_workers_do_not_enforce_yet_is_refused_not_dropped(fields, param):
-    with pytest.raises(APIError) as e:
-        check_served(chat(**fields))
-    assert e.value.status == 400 and e.value.param == param and e.value.code == "unsupported_parameter"
-
-
-def test_what_is_served_passes_the_gate():
-    for fields in ({}, {"response_format": {"type": "text"}}, {"tools": [WEATHER], "tool_choice": "none"}):
-        check_served(chat(**fields))
-
-
 async def test_the_http_surface_answers_in_openais_shape(tiny_model):
     from gateway.app import asgi_app
     from gateway.service import Gateway, GatewayConfig
@@ -139,9 +122,9 @@ async def test_the_http_surface_answers_in_openais_shape(tiny_model):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         r = await http.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"1": 5}})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
-        r = await http.post("/v1/completions", json={"model": "m", "prompt": "x",
-                                                     "response_format": {"type": "json_object"}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": "x", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema"
 
 
 # -- the output plan ---------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The engine's grammars: one backend (built on first use), one compiled-grammar cache, the step masks.
 
     prepare(constraint)   any thread: compile into the cache (a worker warms it before adding)
-    attach(seq)           engine thread, when a sequence is added: its GrammarState, replaying the
-                          tokens it already generated (migrated, disaggregated or rebuilt requests)
+    attach(seq)           before a sequence is added (a worker: in a thread, so that the compile and
+                          the replay stall neither the engine nor the event loop), else when it is
+                          added: its GrammarState, replaying the tokens it already generated
+                          (migrated, disaggregated or rebuilt requests)
     begin_step(seqs)      engine thread, before the forward pass: starts the mask fill in a thread
     the sampler           applies the masks (StepMasks.apply); the scheduler advances the states
 
@@ -86,6 +88,8 @@ class GrammarManager:
         c = seq.params.constraint
         if c is None or seq.grammar is not None:
             return
+        if c.start_after is not None and c.start_after >= self.vocab_size:
+            raise ConstraintError(f"start_after {c.start_after} is outside the vocabulary (size {self.vocab_size})")
         state = GrammarState(self.backend.matcher(self.cache.get(c)), c.start_after)
         if not state.replay(seq.generated_token_ids):
             raise ConstraintError(f"the tokens generated so far do not match the constraint: {state.error}")

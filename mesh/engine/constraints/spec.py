@@ -1,7 +1,7 @@
 """What a request asks its output to match: a ``Constraint``, a plain value.
 
 A constraint travels with the request (in ``SamplingParams``, and on the wire
-in phase B) as its source text, never as a token mask: whichever worker samples
+as ``mesh.protocol.ConstraintSpec``) as its source text, never as a token mask: whichever worker samples
 a token compiles it against its own tokenizer (cached) and rebuilds the
 matcher from the tokens generated so far. Torch-free and grammar-engine-free,
 so the gateway and the mocker import it without either.
