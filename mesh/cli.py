@@ -38,9 +38,10 @@ def _add_generate(sub) -> None:
 def _add_model(sub) -> None:
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_cmd", required=True)
-    t = msub.add_parser("tiny", help="write a random-weight Llama checkpoint with a real tokenizer")
+    t = msub.add_parser("tiny", help="write a random-weight Llama (or Qwen3-MoE) checkpoint with a real tokenizer")
     t.add_argument("dir", help="output directory")
-    t.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    t.add_argument("--size", default="tiny", choices=["tiny", "small", "moe", "small-moe"],
+                   help="moe, small-moe: a mixture-of-experts Qwen3-MoE checkpoint")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_model_tiny)
 

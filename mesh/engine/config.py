@@ -17,6 +17,30 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What sets a family's decoder apart from plain Llama (one row per family, no if-chains)."""
+
+    qkv_bias: bool = False  # q/k/v projections carry biases
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation
+    sliding_window_default: bool = False  # ``use_sliding_window`` when a config leaves it out
+    moe: bool = False  # sparse mixture-of-experts MLPs (``MoeConfig``)
+
+
+FAMILY_TRAITS = {
+    "llama": FamilyTraits(),
+    "mistral": FamilyTraits(sliding_window_default=True),
+    "qwen2": FamilyTraits(qkv_bias=True),
+    "qwen3": FamilyTraits(qk_norm=True),
+    "mixtral": FamilyTraits(sliding_window_default=True, moe=True),
+    "qwen2_moe": FamilyTraits(qkv_bias=True, moe=True),
+    "qwen3_moe": FamilyTraits(qk_norm=True, moe=True),
 }
 
 DTYPES = {
@@ -76,6 +100,54 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP: each token runs ``top_k`` of ``num_experts`` SwiGLU experts.
+
+    Routing is softmax over the router logits, top-k, and (``norm_topk_prob``) the k weights
+    renormalised to sum to one: Mixtral always renormalises, Qwen2/3-MoE per config.
+    ``shared_expert_intermediate_size`` > 0: a dense SwiGLU expert every token also runs
+    (Qwen2-MoE), scaled by ``sigmoid(shared_expert_gate(x))``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the layers with a sparse MLP; the others are dense
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ModelError("the experts' intermediate size must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, family: str, num_layers: int) -> MoeConfig:
+        if family == "mixtral":
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,
+                sparse_layers=tuple(range(num_layers)),
+            )
+        # Qwen2-MoE / Qwen3-MoE: ``decoder_sparse_step`` and ``mlp_only_layers`` leave some layers dense
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        experts = int(cfg["num_experts"])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return cls(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_moe")),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Path
     family: str
@@ -94,6 +166,11 @@ class ModelConfig:
     rope: RopeConfig
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # sparse MLPs (mixture of experts); None: every MLP is dense
+
+    def is_sparse(self, layer: int) -> bool:
+        """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -117,33 +194,38 @@ class ModelConfig:
             raise ModelError(
                 f"unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        traits = FAMILY_TRAITS[family]
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
+            num_layers = int(cfg["num_hidden_layers"])
             model = cls(
                 path=path,
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position=_max_position(cfg, family),
+                max_position=_max_position(cfg, traits),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=family == "qwen3",
+                qkv_bias=bool(cfg.get("qkv_bias", traits.qkv_bias)) or bool(cfg.get("attention_bias", False)),
+                qk_norm=traits.qk_norm,
                 rope=RopeConfig.from_hf(cfg),
                 eos_token_ids=_eos_ids(path, cfg),
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):
                 raise
             raise ModelError(f"{cfg_file} is malformed: {type(e).__name__}: {e}") from None
+        if model.intermediate_size <= 0 and len(model.moe.sparse_layers if model.moe else ()) < num_layers:
+            raise ModelError(f"{cfg_file} has dense MLP layers but no intermediate_size")
         if model.num_heads % model.num_kv_heads:
             raise ModelError(
                 f"num_attention_heads {model.num_heads} is not a multiple of num_key_value_heads {model.num_kv_heads}"
@@ -154,6 +236,9 @@ class ModelConfig:
         """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
+        if self.moe is not None:  # every expert (and the shared one) is split like the dense MLP
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+            sizes["shared_expert_intermediate_size"] = self.moe.shared_expert_intermediate_size
         bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
         if bad:
             raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
@@ -163,10 +248,10 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def _max_position(cfg: dict, family: str) -> int:
+def _max_position(cfg: dict, traits: FamilyTraits) -> int:
     n = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", family == "mistral")
+    uses_window = cfg.get("use_sliding_window", traits.sliding_window_default)
     if window and uses_window:
         # Sliding-window attention is not implemented: serve contexts that fit the window.
         n = min(n, int(window))
