@@ -124,9 +124,11 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, family: str, num_layers: int) -> MoeConfig:
+        # Qwen checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 may write either
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
         if family == "mixtral":
             return cls(
-                num_experts=int(cfg["num_local_experts"]),
+                num_experts=experts,
                 top_k=int(cfg["num_experts_per_tok"]),
                 intermediate_size=int(cfg["intermediate_size"]),
                 norm_topk_prob=True,
@@ -135,7 +137,6 @@ class MoeConfig:
         # Qwen2-MoE / Qwen3-MoE: ``decoder_sparse_step`` and ``mlp_only_layers`` leave some layers dense
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        experts = int(cfg["num_experts"])
         sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         return cls(
             num_experts=experts,
