@@ -300,6 +300,9 @@ class EngineConfig:
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     seed: int = 0
+    loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
+    max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -322,6 +325,24 @@ class EngineConfig:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
+        if self.max_loras is not None and self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in 1..1024, got {self.max_lora_rank}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must be unique, got {', '.join(names)}")
+        if self.loras and self.max_loras == 0:
+            raise ValueError("LoRA adapters were given but max_loras is 0 (LoRA off)")
+        if self.tp > 1 and self.lora_slots:
+            raise ValueError("LoRA adapters are not supported with --tp > 1 yet")
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for LoRA adapters; 0: LoRA is off."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return 4 if self.loras else 0
 
     @property
     def has_host_tier(self) -> bool:

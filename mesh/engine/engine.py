@@ -26,6 +26,7 @@ from mesh.engine.config import EngineConfig, ModelConfig
 from mesh.engine.core import CoreConfig, EngineCore
 from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.loader import load_model
+from mesh.engine.lora import start_lora
 from mesh.engine.runner import ModelRunner
 from mesh.engine.sampler import Sampler
 from mesh.engine.scheduler import SchedulerOutput
@@ -58,6 +59,7 @@ class Engine(EngineCore):
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=mc.eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching,
+                max_loras=config.lora_slots,
             )
         )
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
@@ -81,12 +83,15 @@ class Engine(EngineCore):
             self._enable_tiers()
         self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed)
+        if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
+            self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
         graphs = None
         if (config.cuda_graphs and self.device.type == "cuda" and self.tp is None
                 and getattr(self.attention, "supports_cuda_graphs", False)):
             graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device)
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
-                                  broadcast=self.tp.broadcast if self.tp else None, graphs=graphs)
+                                  broadcast=self.tp.broadcast if self.tp else None, graphs=graphs,
+                                  lora=self.lora)
         log.info(
             "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),

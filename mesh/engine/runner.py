@@ -31,12 +31,15 @@ class StepInputs:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
+    lora_slots: list[int] | None = None  # per sequence: its LoRA adapter's slot, -1 for the base model
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
-                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None):
+                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
+                 lora=None):
         self.model = model
+        self.lora = lora  # a LoraManager: brings each step's adapters into its slots, plans their rows
         self.graphs = graphs  # CUDA: pure decode steps replay from graphs
         self.attention = attention
         self.sampler = sampler
@@ -84,12 +87,15 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(row - 1)
         step.input_ids, step.positions, step.slot_mapping = map(np.concatenate, (ids, pos, slots))
+        if self.lora is not None:
+            step.lora_slots = self.lora.activate([c.seq.lora for c in out.chunks])
         return step, sample_rows
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the step's tokens; writes their KV."""
-        if self.graphs is not None and len(step.input_ids) == len(step.query_lens):  # one token each: decode
+        lora_rows = self.lora is not None and self.lora.plan(step.query_lens, step.lora_slots)
+        if self.graphs is not None and not lora_rows and len(step.input_ids) == len(step.query_lens):  # decode
             hidden = self.graphs.run(step.input_ids, step.positions, step.slot_mapping,
                                      step.context_lens, step.block_tables)
             if hidden is not None:

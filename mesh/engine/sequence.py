@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mesh.engine.sampling import SamplingParams
 from mesh.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from mesh.engine.lora import LoraAdapter
 
 
 class SeqStatus(enum.IntEnum):
@@ -74,6 +78,8 @@ class Sequence:
     # Migrated requests: the last ``output_offset`` prompt tokens were generated elsewhere before.
     # Seeded sampling continues at that index and penalties count them as outputs.
     output_offset: int = 0
+    # The LoRA adapter the request runs (its block hashes use the adapter's ``hash_seed``); None: the base model
+    lora: LoraAdapter | None = None
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
