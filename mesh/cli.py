@@ -31,8 +31,32 @@ def _add_generate(sub) -> None:
     p.add_argument("--device-kv-blocks", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    add_lora_flags(p)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME",
+                   help="run the prompts on this --lora adapter (once: every prompt; once per prompt: in order; "
+                        "'' for the base model)")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.set_defaults(func=cmd_generate)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="load a LoRA adapter (PEFT directory) under NAME; repeatable")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapters one step can run (device slots, least recently used out); "
+                        "default 4 with --lora, else LoRA is off")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank the slots hold")
+
+
+def lora_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the LoRA flags (a CliError for a malformed --lora)."""
+    loras = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora takes NAME=DIR, got {spec!r}")
+        loras.append((name, path))
+    return {"loras": tuple(loras), "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
 
 
 def _add_model(sub) -> None:
@@ -209,6 +233,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = Path(args.model)
     ModelConfig.from_dir(model)  # names a missing or unsupported model before anything loads
     tokenizer = Tokenizer(model)
+    adapters = args.adapter or [""]
+    if len(adapters) not in (1, len(args.prompts)):
+        raise CliError(f"--adapter given {len(adapters)} times for {len(args.prompts)} prompts: give it once, "
+                       "or once per prompt")
     engine = Engine(
         EngineConfig(
             model=model,
@@ -216,6 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             device=args.device,
             block_size=args.block_size,
             num_kv_blocks=args.device_kv_blocks,
+            **lora_config(args),
         )
     )
     params = SamplingParams(
@@ -227,12 +256,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompts = [tokenizer.encode(p) for p in args.prompts]
-    seqs = engine.generate(prompts, params)
+    names = [name or None for name in adapters * (len(prompts) // len(adapters))]
+    seqs = engine.generate(prompts, params, lora=names)
     for text, ids, seq in zip(args.prompts, prompts, seqs, strict=True):
         completion = tokenizer.decode(seq.output_token_ids)
         if args.json:
             print(json.dumps({
                 "prompt": text,
+                "adapter": seq.lora.name if seq.lora else None,
                 "prompt_token_ids": ids,
                 "token_ids": seq.output_token_ids,
                 "text": completion,
