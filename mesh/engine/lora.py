@@ -116,7 +116,7 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, model_name: str,
             raise LoraError(f"{weights_file}: {module} of layer {layer} has lora_A {tuple(a.shape)} and lora_B "
                             f"{tuple(b.shape)}; this model needs ({r}, {want_in}) and ({want_out}, {r})")
         if r > max_rank:
-            raise LoraError(f"{weights_file}: rank {r} of {module} exceeds the engine's max LoRA rank {max_rank}")
+            raise LoraError(f"{weights_file}: rank {r} of {module} exceeds the engine's max LoRA rank {max_rank} (--max-lora-rank)")
         scale = _alpha(peft, f"model.layers.{layer}.{module}", r) / (math.sqrt(r) if peft.get("use_rslora") else r)
         slices = list(adapter.weights.get((layer, group), (None,) * len(proj.out_features)))
         slices[index] = SliceWeights(a.to(dtype).contiguous(), (b.double() * scale).to(dtype).contiguous())
