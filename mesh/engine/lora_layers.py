@@ -237,24 +237,29 @@ class LoraBatch:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, entry: TableEntry, batch: LoraBatch) -> None:
-    """``y[rows] += (x[rows] @ A_slot) @ B_slot`` for every adapter row, slice by slice of the
-    fused output, in place."""
-    R, proj = entry.rank, entry.proj
+    """``y[rows] += (x[rows] @ A_slot) @ B_slot`` for every adapter row, in place. The slices of
+    a fused output are expanded one by one and joined, so ``y`` takes one whole-row
+    ``index_add_`` (into a column slice it is an order of magnitude slower)."""
+    R, k = entry.rank, len(entry.b)
     if batch.gather is None:
         xs = x.index_select(0, batch.rows)
+        parts = []
         for slot, start, end in batch.segments:
             h = xs[start:end] @ entry.a[slot]
-            rows = batch.rows[start:end]
-            for j, (off, width) in enumerate(zip(proj.offsets, proj.out_features, strict=True)):
-                y[:, off : off + width].index_add_(0, rows, h[:, j * R : (j + 1) * R] @ entry.b[j][slot])
+            parts.append(_join([h[:, j * R : (j + 1) * R] @ entry.b[j][slot] for j in range(k)]))
+        y.index_add_(0, batch.rows, _join(parts, dim=0))
         return
     n, length = batch.num_slots, batch.length
     h = torch.bmm(x.index_select(0, batch.gather).view(n, length, -1), entry.a[:n])
-    for j, (off, width) in enumerate(zip(proj.offsets, proj.out_features, strict=True)):
-        d = torch.bmm(h[:, :, j * R : (j + 1) * R], entry.b[j][:n]).view(n * length, width)
-        if batch.valid is not None:
-            d = d.index_select(0, batch.valid)
-        y[:, off : off + width].index_add_(0, batch.rows, d)
+    d = _join([torch.bmm(h[:, :, j * R : (j + 1) * R], entry.b[j][:n]) for j in range(k)], dim=2)
+    d = d.view(n * length, -1)
+    if batch.valid is not None:
+        d = d.index_select(0, batch.valid)
+    y.index_add_(0, batch.rows, d)
+
+
+def _join(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 class LoraLinear(nn.Module):
