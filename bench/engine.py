@@ -563,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--moe", action="store_true",
+                   help="mixture of experts instead (bench/moe.py): the tiny and small-sized Qwen3-MoE vs "
+                        "transformers; with --gpu an 8B-active-shaped MoE against its roofline")
     g = p.add_argument_group("GPU (--gpu replaces the CPU comparison)")
     g.add_argument("--gpu", action="store_true", help="Llama-3-8B-shaped bf16 decode on CUDA")
     g.add_argument("--gpu-attention", default="flashinfer",
@@ -575,7 +578,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also profile this many decode steps (torch.profiler): kernel time vs wall time")
     g.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth (H200: 4.8)")
     args = p.parse_args(argv)
-    result = run_gpu(args) if args.gpu else run_cpu(args)
+    if args.moe:
+        from moe import run_moe  # bench/moe.py: this script's directory is first on sys.path
+
+        result = run_moe(args, sys.modules[__name__])
+    else:
+        result = run_gpu(args) if args.gpu else run_cpu(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 1 if result.get("failed") else 0

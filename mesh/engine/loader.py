@@ -193,11 +193,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_p
 
 def use_default_experts(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
     """Give every MoE layer the experts backend of this device and dtype (see ``mesh.engine.moe``)."""
-    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    if layers:
-        experts = default_experts(device, dtype)
-        for moe in layers:
-            moe.use(experts)
+    for moe in model.modules():
+        if isinstance(moe, SparseMoE):
+            moe.use(default_experts(device, dtype))
 
 
 def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.device, loaded: dict[int, int]) -> None:

@@ -11,8 +11,9 @@ adds them up, shared expert included.
 
 How the chosen experts run is an ``ExpertsBackend`` picked by name from ``EXPERTS``:
 ``grouped`` (any device: tokens sorted by expert, one matmul pair per expert that has tokens;
-no dense all-experts compute) and ``flashinfer`` (CUDA, half precision: FlashInfer's fused
-CUTLASS MoE kernel). ``default_experts`` picks one for a device and dtype.
+no dense all-experts compute; oneDNN-packed on CPU) and ``flashinfer`` (CUDA, half precision:
+FlashInfer's fused CUTLASS MoE kernel). ``default_experts`` picks one for a device and dtype;
+each layer holds its own instance, which holds the weights in its own layout.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch import nn
 
 from mesh.engine.config import ModelConfig
 from mesh.engine.tp import Shard
+
+PACK_BATCH_HINT = 32  # as mesh.engine.model's: oneDNN lays the packed weights out for about this many rows
 
 log = logging.getLogger(__name__)
 
@@ -50,53 +53,83 @@ class TopKRouter:
 
 
 class ExpertsBackend(Protocol):
-    """Runs each token's chosen experts and sums their outputs by the routing weights.
+    """Runs each token's chosen experts of one MoE layer and sums their outputs by the routing weights.
 
-    Contract: ``forward(x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids [T, k], weights [T, k])``
-    returns ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for ``e = ids[t, j]``,
-    ``[T, H]`` in ``x``'s dtype; ``w13`` holds each expert's gate rows then its up rows as the
-    loader wrote them, unless ``prepare`` rewrote them into the backend's own layout (once, after
-    loading; a backend that rewrites must be the only one to run on that module).
+    Contract: ``prepare(moe)`` once, after loading: take the layer's stacked weights (``w13``
+    ``[E, 2I, H]``, each expert's gate rows then its up rows; ``w2`` ``[E, H, I]``) into the
+    backend's own layout (it may rewrite or repack them; one backend instance per layer).
+    ``forward(x [T, H], ids [T, k], weights [T, k])`` returns
+    ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for ``e = ids[t, j]``,
+    ``[T, H]`` in ``x``'s dtype.
     """
 
     name: str
 
     def prepare(self, moe: SparseMoE) -> None: ...
 
-    def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
 
 class GroupedExperts:
     """Any device, any dtype: sort the (token, expert) pairs by expert, then for each expert that
     has tokens one gate/up matmul and one down matmul over its contiguous rows; the weighted rows
-    are added back onto their tokens. Work is proportional to ``T * k``, never to ``E``."""
+    are added back onto their tokens. Work is proportional to ``T * k``, never to ``E``.
+
+    On CPU each expert's two matrices are pre-packed for oneDNN, as the dense linears are
+    (``mesh.engine.model.PackedLinear``: the BLAS would re-pack a plain weight on every call);
+    the packed copies then replace the stacked weights."""
 
     name = "grouped"
 
     def prepare(self, moe: SparseMoE) -> None:
-        pass
+        self.inter = moe.inter
+        self.gate_up = list(moe.w13.unbind(0))
+        self.down = list(moe.w2.unbind(0))
+        self.linear = F.linear
+        if _can_pack(moe.w13):
+            self.gate_up = [_pack(w) for w in self.gate_up]
+            self.down = [_pack(w) for w in self.down]
+            self.linear = _packed_linear
+            moe.release_stacked_weights()
 
-    def forward(self, x, w13, w2, ids, weights):
+    def forward(self, x, ids, weights):
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair j = (token j // k, its (j % k)-th expert)
-        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one host sync per layer
+        counts = torch.bincount(flat, minlength=len(self.down)).tolist()  # one host sync per layer
         tokens = order // k
         xs = x.index_select(0, tokens)
         rows = torch.empty_like(xs)
-        inter = w2.shape[2]
-        start = 0
+        inter, start = self.inter, 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            seg = xs[start : start + n]
-            gate_up = F.linear(seg, w13[e])
-            rows[start : start + n] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
+            gate_up = self.linear(xs[start : start + n], self.gate_up[e])
+            rows[start : start + n] = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down[e])
             start += n
         rows.mul_(weights.reshape(-1, 1).index_select(0, order))
         # pairs are added onto their token in expert order, as the reference implementations do
         return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+def _can_pack(w: torch.Tensor) -> bool:
+    """oneDNN serves this CPU dtype and reproduces ``F.linear`` (checked on a random probe)."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    probe, x = torch.randn(24, 40, generator=g).to(w.dtype), torch.randn(3, 40, generator=g).to(w.dtype)
+    try:
+        return torch.allclose(_packed_linear(x, _pack(probe)).float(), F.linear(x, probe).float(), rtol=1e-2, atol=1e-3)
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return False
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH_HINT)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 class FlashInferExperts:
@@ -120,10 +153,11 @@ class FlashInferExperts:
             gate = moe.w13[:, :inter].clone()
             moe.w13[:, :inter].copy_(moe.w13[:, inter:])
             moe.w13[:, inter:].copy_(gate)
+        self.w31, self.w2 = moe.w13, moe.w2
 
-    def forward(self, x, w13, w2, ids, weights):
+    def forward(self, x, ids, weights):
         out = torch.empty_like(x)
-        result = self._moe(x.contiguous(), ids.to(torch.int32), weights.to(torch.float32), w13, w2,
+        result = self._moe(x.contiguous(), ids.to(torch.int32), weights.to(torch.float32), self.w31, self.w2,
                            x.dtype, quant_scales=None, output=out)
         # some releases return the output, others a list whose first item it is
         return result[0] if isinstance(result, list | tuple) else result
@@ -141,7 +175,8 @@ def create_experts(name: str) -> ExpertsBackend:
 
 
 def default_experts(device: torch.device, dtype: torch.dtype) -> ExpertsBackend:
-    """FlashInfer's fused kernel on CUDA in half precision when it is installed, else grouped."""
+    """FlashInfer's fused kernel on CUDA in half precision when it is installed, else grouped
+    (a new instance: each layer holds its own)."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         try:
             return FlashInferExperts()
@@ -183,16 +218,21 @@ class SparseMoE(nn.Module):
         self.shared_expert = (SharedExpert(hidden, moe.shared_expert_intermediate_size, shard)
                               if moe.shared_expert_intermediate_size else None)
         self.router = TopKRouter(moe.top_k, moe.norm_topk_prob)
-        self.experts: ExpertsBackend = GroupedExperts()  # the loader picks one for the device
+        self.experts: ExpertsBackend | None = None  # the loader gives one (``use``) once the weights are in
 
     def use(self, experts: ExpertsBackend) -> None:
-        """Run the experts with ``experts`` from now on (it may rewrite the weights' layout)."""
+        """Run the experts with ``experts`` from now on (it takes the weights into its own layout)."""
         experts.prepare(self)
         self.experts = experts
 
+    def release_stacked_weights(self) -> None:
+        """The experts backend holds its own copy of the expert weights: free the stacked ones."""
+        for p in (self.w13, self.w2):
+            p.data = p.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(self.gate(x), x.dtype)
-        out = self.experts.forward(x, self.w13, self.w2, ids, weights)
+        out = self.experts.forward(x, ids, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return self.shard.all_reduce(out)

@@ -12,6 +12,7 @@ Skips cleanly (collected, reported as skipped) without CUDA or flashinfer.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -52,7 +53,9 @@ def moe_layer(tmp_path, hidden=256, inter=256, experts=8, top_k=2) -> SparseMoE:
 def test_fused_layer_matches_grouped(tmp_path, dtype, tokens):
     layer = moe_layer(tmp_path)
     x = torch.randn(tokens, layer.gate.in_features, generator=torch.Generator().manual_seed(tokens))
-    reference = layer.to(CUDA, torch.float32)(x.to(CUDA))  # grouped, float32
+    grouped = copy.deepcopy(layer).to(CUDA, torch.float32)
+    grouped.use(GroupedExperts())
+    reference = grouped(x.to(CUDA))  # grouped, float32
     fused = layer.to(CUDA, dtype)
     fused.use(FlashInferExperts())
     out = fused(x.to(CUDA, dtype)).float()

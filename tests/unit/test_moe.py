@@ -7,11 +7,13 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import mesh.engine.loader as loader
 from mesh.engine import Engine, EngineConfig, ModelConfig, ModelError, SamplingParams
 from mesh.engine.moe import GroupedExperts, SparseMoE, TopKRouter
 from mesh.engine.sequence import SeqStatus
@@ -161,7 +163,11 @@ def test_grouped_experts_run_only_the_selected_experts():
     unused[ids.unique()] = False
     w13[unused] = float("nan")
     w2[unused] = float("nan")
-    out = GroupedExperts().forward(x, w13, w2, ids, weights)
+    layer = SimpleNamespace(w13=w13, w2=w2, inter=inter, release_stacked_weights=lambda: None)
+    experts = GroupedExperts()
+    experts.prepare(layer)  # on CPU: the experts pre-packed for oneDNN
+    assert experts.linear is not torch.nn.functional.linear or not torch.backends.mkldnn.is_available()
+    out = experts.forward(x, ids, weights)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -250,7 +256,7 @@ def test_tiny_moe_checkpoint_matches_transformers(tmp_path):
     assert [s.output_token_ids for s in seqs] == expected
 
 
-def test_stacked_expert_layout_loads_the_same_model(moe_checkpoints, tmp_path):
+def test_stacked_expert_layout_loads_the_same_model(moe_checkpoints, tmp_path, monkeypatch):
     """Checkpoints that store experts pre-stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
     ``mlp.experts.down_proj`` [E, H, I]) load into the same weights as per-expert tensors."""
     src = moe_checkpoints["qwen3_moe"]
@@ -268,6 +274,7 @@ def test_stacked_expert_layout_loads_the_same_model(moe_checkpoints, tmp_path):
     out.mkdir()
     (out / "config.json").write_text((src / "config.json").read_text())
     save_file(stacked, str(out / "model.safetensors"))
+    monkeypatch.setattr(loader, "use_default_experts", lambda *args: None)  # keep the stacked weights to compare
     a = Engine(EngineConfig(src, num_kv_blocks=16)).model
     b = Engine(EngineConfig(out, num_kv_blocks=16)).model
     for i in mc.moe.sparse_layers:
@@ -305,7 +312,7 @@ def test_tp2_is_token_identical_to_tp1(moe_checkpoints, family):
     two = Engine(EngineConfig(path, num_kv_blocks=64, tp=2))
     try:
         moe = next(layer.mlp for layer in two.model.layers if isinstance(layer.mlp, SparseMoE))
-        assert moe.w13.shape[1] == 32  # half of 2 * 32 columns per expert
+        assert moe.inter == 16  # half of each expert's 32 columns
         out2, logits2 = run(two)
     finally:
         two.close()
