@@ -319,3 +319,31 @@ def test_tp2_is_token_identical_to_tp1(moe_checkpoints, family):
     assert out1 == out2
     for a, b in zip(logits1, logits2, strict=True):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_lora_on_a_moe_model_matches_transformers_with_peft(moe_checkpoints, tmp_path):
+    """An attention adapter on a MoE model, batched with the base model, against transformers +
+    peft; an adapter on the experts (peft turns MLP targets of a MoE into ``target_parameters``)
+    is refused in one line naming its config."""
+    import transformers as tf
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    path = moe_checkpoints["qwen3_moe"]
+    for name, targets in [("attn", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                          ("experts", ["q_proj", "gate_proj", "up_proj", "down_proj"])]:
+        torch.manual_seed(7)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = LoraConfig(r=8, lora_alpha=32, target_modules=targets, init_lora_weights=False)
+        get_peft_model(model, config).save_pretrained(tmp_path / name)
+    prompts = prompts_of([6, 40], 512, seed=4)
+    ref = PeftModel.from_pretrained(hf_model(path), tmp_path / "attn").eval()
+    expected = [hf_greedy(ref, p, 12) for p in prompts]
+    base = [hf_greedy(hf_model(path), p, 12) for p in prompts]
+    assert expected != base
+    engine = Engine(EngineConfig(path, num_kv_blocks=64, loras=(("attn", str(tmp_path / "attn")),)))
+    assert {group for _, group in engine.lora.get("attn").weights} == {"qkv", "o"}
+    seqs = engine.generate(prompts * 2, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                           lora=["attn", "attn", None, None])
+    assert [s.output_token_ids for s in seqs] == expected + base
+    with pytest.raises(ModelError, match=r"experts/adapter_config.json: LoRA on parameters \(expert weights\)"):
+        engine.load_lora("experts", str(tmp_path / "experts"))
