@@ -212,6 +212,7 @@ class LoraBatch:
     length: int  # the longest group: the batched form pads every group to it
     gather: torch.Tensor | None  # [num_slots * length] rows to read (pads repeat a row); None: per-slot form
     valid: torch.Tensor | None  # positions of the real rows in ``gather``; None: no padding
+    identity: bool = False  # ``rows`` is every row in order (one adapter for the whole step): no gather/scatter
 
     @classmethod
     def plan(cls, query_lens: list[int], slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -233,7 +234,8 @@ class LoraBatch:
             gather = torch.from_numpy(rows[take.reshape(-1)]).to(device)
             if n * longest != total:
                 valid = torch.from_numpy((np.arange(n)[:, None] * longest + pos[None, :])[pos[None, :] < counts[:, None]]).to(device)
-        return cls(n, torch.from_numpy(rows).to(device), segments, longest, gather, valid)
+        identity = total == len(per_row) and n == 1
+        return cls(n, torch.from_numpy(rows).to(device), segments, longest, gather, valid, identity)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, entry: TableEntry, batch: LoraBatch) -> None:
@@ -241,6 +243,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, entry: TableEntry, batch: LoraBat
     a fused output are expanded one by one and joined, so ``y`` takes one whole-row
     ``index_add_`` (into a column slice it is an order of magnitude slower)."""
     R, k = entry.rank, len(entry.b)
+    if batch.identity:
+        h = x @ entry.a[0]
+        y.add_(_join([h[:, j * R : (j + 1) * R] @ entry.b[j][0] for j in range(k)]))
+        return
     if batch.gather is None:
         xs = x.index_select(0, batch.rows)
         parts = []

@@ -211,18 +211,20 @@ def test_slots_place_adapters_in_front_least_recently_used_out():
     assert d not in slots.held
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1, 1, 1, 1], [40, 1, 1, 3]])
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1, 1, 1], [40, 1, 1, 3], [5, 1, 2]])
 def test_batched_and_per_slot_lora_matmuls_agree_with_the_definition(lens):
     """Rows of three adapters and the base model, decode-shaped (the batched bmm form) and
-    prefill-shaped (one matmul pair per slot), against y + (x A_s) B_s row by row."""
+    prefill-shaped (one matmul pair per slot), and one adapter for every row (no gather),
+    against y + (x A_s) B_s row by row."""
     g = torch.Generator().manual_seed(0)
     proj = Projection("qkv", 24, (16, 8, 8))
     entry = TableEntry(proj, size=4, rank=4, device=torch.device("cpu"), dtype=torch.float32)
     for t in (entry.a, *entry.b):
         t.copy_(torch.randn(t.shape, generator=g))
-    slots = [0, 2, -1, 1, 0, 2][: len(lens)] if len(lens) == 6 else [1, 0, -1, 2]
+    slots = {6: [0, 2, -1, 1, 0, 2], 4: [1, 0, -1, 2], 3: [0, 0, 0]}[len(lens)]
     batch = LoraBatch.plan(lens, slots, torch.device("cpu"))
     assert (batch.gather is not None) == (len(lens) == 6)
+    assert batch.identity == (len(lens) == 3)
     x = torch.randn(sum(lens), 24, generator=g)
     y = torch.randn(sum(lens), 32, generator=g)
     want = y.clone()
