@@ -336,6 +336,10 @@ class EngineConfig:
             raise ValueError("LoRA adapters were given but max_loras is 0 (LoRA off)")
         if self.tp > 1 and self.lora_slots:
             raise ValueError("LoRA adapters are not supported with --tp > 1 yet")
+        if self.disk_kv_dir and self.lora_slots:
+            # adapter blocks are named by the adapter's name; the disk tier outlives this process,
+            # and a name loaded with other weights after a restart would hit stale blocks
+            raise ValueError("LoRA adapters are not supported with a disk KV tier yet (--disk-kv-dir)")
 
     @property
     def lora_slots(self) -> int:

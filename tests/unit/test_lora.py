@@ -189,6 +189,8 @@ def test_lora_off_and_bad_configs(lora_reference):
         EngineConfig(model, loras=(("a", str(dirs["all"])), ("a", str(dirs["mlp"]))))
     with pytest.raises(ValueError, match="tp > 1"):
         EngineConfig(model, tp=2, loras=(("a", str(dirs["all"])),))
+    with pytest.raises(ValueError, match="disk KV tier"):
+        EngineConfig(model, max_loras=2, host_kv_blocks=8, disk_kv_dir="/tmp/x")
     with pytest.raises(LoraError, match=r"adapter_model.safetensors: rank 16 of mlp\.\w+ exceeds the engine's max LoRA rank 8"):
         Engine(EngineConfig(model, num_kv_blocks=16, max_lora_rank=8, loras=(("m", str(dirs["mlp"])),)))
 
