@@ -1,5 +1,10 @@
 """The decode worker: owns each request from ``GenerateRequest`` to the last ``TokenChunk``.
 
+Each request is one ``DecodeRequest`` whose ``state`` moves only through ``decode.lifecycle``
+(the table of every transition). Each engine step's outputs leave as one ``TokenBatch`` per
+gateway (its ``batch_to`` subject), or one ``TokenChunk`` per request for clients that ask for
+none, and update the metrics once.
+
 Per request:
 
     generate --> prefix match --> uncached >= threshold and prefill pool free?
@@ -24,10 +29,11 @@ import contextlib
 import logging
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from decode.lifecycle import Event, ReqState, advance
 from kvstore.transfer import KvReceiver, host_id, make_receiver
 from mesh import metrics
 from mesh.engine.core import EngineCore
@@ -41,6 +47,7 @@ from mesh.protocol import (
     LoadReport,
     PrefillDone,
     PrefillJob,
+    TokenBatch,
     TokenChunk,
     Usage,
 )
@@ -61,21 +68,43 @@ log = logging.getLogger(__name__)
 # After a job's deadline, how long to wait before reusing its blocks (a copy already started may finish).
 DEADLINE_GRACE = 2.0
 TRACER = tracer("pdmesh.decode")
+_EMITTING = (ReqState.PREFILLING, ReqState.DECODING)  # the states whose step outputs go out
 
 
-@dataclass
-class Active:
+@dataclass(slots=True)
+class _StepStats:
+    """What one step's outputs add to the metrics, gathered while its chunks are built."""
+
+    tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    gaps: dict[float, int] = field(default_factory=dict)  # inter-token gap -> tokens (most share one)
+    interactive_gap: float = 0.0  # sum of gap x tokens over interactive requests
+    interactive_tokens: int = 0
+    finished: list = field(default_factory=list)  # (output, e2e seconds) of requests that ended
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """Everything the worker knows of one request; ``state`` moves only through ``move``."""
+
     request: GenerateRequest
     reply: str
     seq: Sequence
     arrived: float
-    next_index: int = 0
-    first_token_at: float = 0.0
+    state: ReqState = ReqState.ADMITTING
+    chunks_sent: int = 0  # the next chunk's index
     last_token_at: float = 0.0
-    remote: asyncio.TimerHandle | None = None  # set while a prefill worker owns the blocks
-    cancelled: bool = False
+    deadline: asyncio.TimerHandle | None = None  # WAITING_FOR_KV / CANCELLING: the prefill job's deadline
     span: trace.Span | None = None  # decode.request: arrival to the last token
     phase: trace.Span | None = None  # its current child: prefill.local | prefill.remote | decode
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def move(self, event: Event) -> ReqState:
+        self.state = advance(self.state, event)
+        return self.state
 
     def enter(self, name: str, **attributes) -> trace.Span:
         """End the current phase span and start the next one under the request's span."""
@@ -100,7 +129,7 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.active: dict[str, Active] = {}
+        self.active: dict[str, DecodeRequest] = {}
         self.receivers: dict[str, KvReceiver] = {}
         self.prefill_loads: dict[str, LoadReport] = {}
         self.membership: Membership | None = None
@@ -128,6 +157,7 @@ class DecodeWorker(WorkerBase):
             if hasattr(rx, "start"):
                 await rx.start()
             self.receivers[name] = rx
+        self.step_metrics = metrics.StepMetrics.of(model, self.role)
         self.jobs = PrefillQueue(bus, model)
         self.membership = Membership(bus, ttl=self.settings.registry_ttl)
         await self.membership.start(wait=1.0)
@@ -165,7 +195,7 @@ class DecodeWorker(WorkerBase):
 
     def _queued(self) -> int:
         """Requests admitted here that have not produced their first token yet."""
-        return sum(1 for a in self.active.values() if a.next_index == 0)
+        return sum(1 for r in self.active.values() if r.state < ReqState.DECODING)
 
     @property
     def _max_queued(self) -> int:
@@ -183,39 +213,31 @@ class DecodeWorker(WorkerBase):
         if not raw.reply:
             log.warning("generate %s without a reply subject: dropped", req.request_id)
             return
-        if self.status != "ready":
-            await self._fail(raw.reply, req.request_id, "worker is draining", 503)
-            return
-        if req.model != self.engine.model_name:
-            await self._fail(raw.reply, req.request_id, f"model {req.model!r} is not served here", 404)
-            return
-        if req.request_id in self.active:
-            await self._fail(raw.reply, req.request_id, "duplicate request id", 409)
-            return
-        if self._queued() >= self._max_queued:
-            self.counters.bump("rejected_overloaded")
-            await self._fail(raw.reply, req.request_id, "worker overloaded: too many requests queued", 429)
-            return
-        try:
-            params = sampling_params(req.sampling)
-            seq = self.engine.new_sequence(req.token_ids, params, request_id=req.request_id)
-            if not 0 <= req.output_offset < len(req.token_ids):
-                raise ValueError(f"output_offset {req.output_offset} does not fit the prompt")
-        except (RequestError, ValueError) as e:
-            await self._fail(raw.reply, req.request_id, str(e), 400)
+        error = self._refusal(req)
+        seq = None
+        if error is None:
+            try:
+                seq = self.engine.new_sequence(req.token_ids, sampling_params(req.sampling),
+                                               request_id=req.request_id)
+                if not 0 <= req.output_offset < len(req.token_ids):
+                    raise ValueError(f"output_offset {req.output_offset} does not fit the prompt")
+            except (RequestError, ValueError) as e:
+                error = (str(e), 400)
+        if error is not None:
+            await self._fail(raw.reply, req.request_id, *error)
             return
         seq.output_offset = req.output_offset
         seq.priority = req.priority
         self.counters.requests += 1
-        act = Active(req, raw.reply, seq, time.monotonic())
-        act.span = TRACER.start_span(
+        rec = DecodeRequest(req, raw.reply, seq, time.monotonic())
+        rec.span = TRACER.start_span(
             "decode.request", context=context_from(raw.headers), kind=trace.SpanKind.SERVER,
             attributes={"pdmesh.request_id": req.request_id, "pdmesh.model": req.model,
                         "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
         )
-        self.active[req.request_id] = act
-        want_remote = seq.num_prompt_tokens >= self.settings.disagg_threshold and self._prefill_free()
+        self.active[req.request_id] = rec
         threshold = self.settings.disagg_threshold
+        want_remote = seq.num_prompt_tokens >= threshold and self._prefill_free()
 
         def admit(engine: EngineCore):
             if want_remote and engine.num_uncached_tokens(seq) >= threshold and engine.reserve_remote(seq):
@@ -224,165 +246,245 @@ class DecodeWorker(WorkerBase):
             return None
 
         reservation = await self.loop.call(admit)
+        if rec.state is not ReqState.ADMITTING:
+            return  # cancelled meanwhile (its abort was queued after the admission), or already emitting
         if reservation is None:
-            self.counters.bump("local_prefill")
-            self.counters.bump("local_prefill_tokens", len(req.token_ids))
-            if len(req.token_ids) >= threshold:  # meant for the prefill pool, which had no room
-                self.counters.bump("overflow_prefill_tokens", len(req.token_ids))
-            metrics.PREFILL_DECISIONS.labels(req.model, "local").inc()
-            act.enter("prefill.local")
+            self._admitted_locally(rec)
         else:
+            rec.move(Event.REMOTE)
             metrics.PREFILL_DECISIONS.labels(req.model, "remote").inc()
-            await self._send_job(act, *reservation)
+            await self._send_job(rec, *reservation)
 
-    async def _send_job(self, act: Active, block_table: list[int], num_cached: int) -> None:
-        rid = act.request.request_id
+    def _admitted_locally(self, rec: DecodeRequest) -> None:
+        """ADMITTING -> PREFILLING. Runs when the admission returns, or earlier, when the engine's
+        first output for the request is delivered before the admission's own result is."""
+        rec.move(Event.LOCAL)
+        n = len(rec.request.token_ids)
+        self.counters.bump("local_prefill")
+        self.counters.bump("local_prefill_tokens", n)
+        if n >= self.settings.disagg_threshold:  # meant for the prefill pool, which had no room
+            self.counters.bump("overflow_prefill_tokens", n)
+        metrics.PREFILL_DECISIONS.labels(rec.request.model, "local").inc()
+        rec.enter("prefill.local")
+
+    def _refusal(self, req: GenerateRequest) -> tuple[str, int] | None:
+        """Why this worker will not take the request (message, status), or None."""
+        if self.status != "ready":
+            return "worker is draining", 503
+        if req.model != self.engine.model_name:
+            return f"model {req.model!r} is not served here", 404
+        if req.request_id in self.active:
+            return "duplicate request id", 409
+        if self._queued() >= self._max_queued:
+            self.counters.bump("rejected_overloaded")
+            return "worker overloaded: too many requests queued", 429
+        return None
+
+    async def _send_job(self, rec: DecodeRequest, block_table: list[int], num_cached: int) -> None:
+        rid = rec.request_id
         dest = block_table[num_cached // self.engine.block_size :]
         timeout = self.settings.prefill_timeout
+        req = rec.request
         job = PrefillJob(
-            request_id=rid, model=self.engine.model_name, token_ids=act.request.token_ids,
+            request_id=rid, model=self.engine.model_name, token_ids=req.token_ids,
             decode_worker=self.worker_id, num_cached_tokens=num_cached, dest_block_ids=dest,
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
-            sampling=act.request.sampling, created=time.time(), output_offset=act.request.output_offset,
-            priority=act.request.priority,
+            sampling=req.sampling, created=time.time(), output_offset=req.output_offset,
+            priority=req.priority,
         )
-        loop = asyncio.get_running_loop()
-        act.remote = loop.call_later(timeout + DEADLINE_GRACE, self._on_prefill_timeout, rid)
-        span = act.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})
+        rec.deadline = asyncio.get_running_loop().call_later(timeout + DEADLINE_GRACE, self._on_deadline, rid)
+        span = rec.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})
         try:
             await self.jobs.publish(job, span=span)
             self.counters.bump("remote_prefill_sent")
         except Exception as e:
             # Nobody took the job, so nobody can write the blocks: prefill locally now.
             log.warning("could not queue prefill job %s: %s", rid, e)
-            await self._fallback(act)
+            await self._remote_ended(rec, ok=False)
 
-    def _on_prefill_timeout(self, rid: str) -> None:
-        act = self.active.get(rid)
-        if act is not None and act.remote is not None:
-            log.warning("no prefill result for %s in time: prefilling locally", rid)
-            self.counters.bump("remote_prefill_timeout")
-            task = asyncio.create_task(self._fallback(act))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
-
-    async def _fallback(self, act: Active) -> None:
-        rid = act.request.request_id
-        self._end_remote(act)
-        if act.cancelled:
-            await self._abort(rid)
-            return
-        self.counters.bump("local_prefill_fallback")
-        self.counters.bump("overflow_prefill_tokens", len(act.request.token_ids))
-        metrics.PREFILL_DECISIONS.labels(self.engine.model_name, "fallback").inc()
-        act.enter("prefill.local", **{"pdmesh.fallback": True})
-        await self.loop.call(lambda e: e.fail_remote(rid))
-
-    def _end_remote(self, act: Active) -> None:
-        if act.remote is not None:
-            act.remote.cancel()
-            act.remote = None
-        for rx in self.receivers.values():
-            rx.forget(act.request.request_id)
+    def _on_deadline(self, rid: str) -> None:
+        rec = self.active.get(rid)
+        if rec is not None and rec.state in (ReqState.WAITING_FOR_KV, ReqState.CANCELLING):
+            if rec.state is ReqState.WAITING_FOR_KV:
+                log.warning("no prefill result for %s in time: prefilling locally", rid)
+                self.counters.bump("remote_prefill_timeout")
+            rec.deadline = None  # this is it firing
+            self._spawn(self._remote_ended(rec, ok=False))
 
     async def _on_kv_ready(self, done: PrefillDone, raw) -> None:
-        act = self.active.get(done.request_id)
-        if act is None or act.remote is None:
+        rec = self.active.get(done.request_id)
+        if rec is None or rec.state not in (ReqState.WAITING_FOR_KV, ReqState.CANCELLING):
             return  # late: already fell back or cancelled
         ok = done.ok and done.transport in self.receivers
         if ok:
             ok = await self.receivers[done.transport].finish(done.request_id)
-        if not ok:
+        if ok:
+            self.counters.bump("remote_prefill_done")
+            self.counters.bump(f"transport_{done.transport}")
+            if rec.phase is not None:
+                rec.phase.set_attributes({"pdmesh.transport": done.transport,
+                                          "pdmesh.transfer_bytes": done.transfer_bytes,
+                                          "pdmesh.prefill_worker": done.prefill_worker})
+        elif rec.state is ReqState.WAITING_FOR_KV:
             log.warning("prefill of %s failed (%s): prefilling locally", done.request_id, done.error)
             self.counters.bump("remote_prefill_failed")
-            await self._fallback(act)
-            return
-        self._end_remote(act)
-        if act.cancelled:
-            await self._abort(done.request_id)
-            return
-        self.counters.bump("remote_prefill_done")
-        self.counters.bump(f"transport_{done.transport}")
-        if act.phase is not None:
-            act.phase.set_attributes({"pdmesh.transport": done.transport, "pdmesh.transfer_bytes": done.transfer_bytes,
-                                      "pdmesh.prefill_worker": done.prefill_worker})
-        first = SampledToken(done.token_id, engine_logprob(done.logprob))
+        await self._remote_ended(rec, ok, SampledToken(done.token_id, engine_logprob(done.logprob)))
 
-        def complete(engine: EngineCore) -> None:
-            # Emitted from the engine thread, so the first token is queued before any later step's.
-            out = engine.complete_remote(done.request_id, first)
-            if out is not None:
-                self.loop.emit([out])
+    async def _remote_ended(self, rec: DecodeRequest, ok: bool, first: SampledToken | None = None) -> None:
+        """The prefill worker is done with the blocks (it finished, failed, or its deadline passed):
+        a cancelled request frees them; otherwise the request goes on here, from its first token
+        (``ok``) or from a local prefill."""
+        if rec.deadline is not None:
+            rec.deadline.cancel()
+            rec.deadline = None
+        for rx in self.receivers.values():
+            rx.forget(rec.request_id)
+        rid = rec.request_id
+        if rec.state is ReqState.CANCELLING:
+            rec.move(Event.RELEASED)
+            await self._drop(rec, "cancelled")
+            return
+        if rec.state is not ReqState.WAITING_FOR_KV:
+            return  # a PrefillDone and the deadline raced: the first one decided
+        if ok:
+            rec.move(Event.KV_READY)
 
-        await self.loop.call(complete)
+            def complete(engine: EngineCore) -> None:
+                # Emitted from the engine thread, so the first token is queued before any later step's.
+                out = engine.complete_remote(rid, first)
+                if out is not None:
+                    self.loop.emit([out])
+
+            await self.loop.call(complete)
+            return
+        rec.move(Event.FALLBACK)
+        self.counters.bump("local_prefill_fallback")
+        self.counters.bump("overflow_prefill_tokens", len(rec.request.token_ids))
+        metrics.PREFILL_DECISIONS.labels(self.engine.model_name, "fallback").inc()
+        rec.enter("prefill.local", **{"pdmesh.fallback": True})
+        await self.loop.call(lambda e: e.fail_remote(rid))
 
     async def _on_cancel(self, msg: Cancel, raw) -> None:
-        act = self.active.get(msg.request_id)
-        if act is None:
+        rec = self.active.get(msg.request_id)
+        if rec is None:
             return
-        act.cancelled = True
         self.counters.cancelled += 1
-        if act.remote is None:  # else: freed once the prefill worker is done with the blocks
-            await self._abort(msg.request_id)
+        if rec.move(Event.CANCEL) is ReqState.CANCELLED:
+            await self._drop(rec, "cancelled")
+        # CANCELLING: freed once the prefill worker is done with the blocks (_remote_ended)
 
-    async def _abort(self, rid: str) -> None:
-        act = self.active.pop(rid, None)
-        if act is not None:
-            act.end_spans("cancelled")
-            metrics.WORKER_REQUESTS.labels(act.request.model, self.role, "cancelled").inc()
+    async def _drop(self, rec: DecodeRequest, outcome: str) -> None:
+        """Forget a request that ended without its last chunk, and free it in the engine."""
+        rid = rec.request_id
+        if self.active.get(rid) is rec:
+            del self.active[rid]
+        rec.end_spans(outcome)
+        metrics.WORKER_REQUESTS.labels(rec.request.model, self.role, outcome).inc()
         await self.loop.call(lambda e: e.abort(rid))
 
-    # -- streaming ----------------------------------------------------------------
-    async def handle_outputs(self, outs: list[StepOutput]) -> None:
-        for out in outs:
-            await self._emit(out)
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
-    async def _emit(self, out: StepOutput) -> None:
-        act = self.active.get(out.request_id)
-        if act is None or act.cancelled:
-            return
+    # -- streaming: one message per step per destination ---------------------------------
+    async def handle_outputs(self, outs: list[StepOutput]) -> None:
+        """A step's outputs: one ``TokenBatch`` per ``batch_to`` subject, a ``TokenChunk`` per
+        request for the rest; the step's metrics in one update."""
         now = time.monotonic()
-        model = act.request.model
-        interactive = act.request.priority >= 0  # the SLA windows (and so the planner) count only these
-        if act.next_index == 0:
-            act.first_token_at = now
+        batches: dict[str, list[TokenChunk]] = {}
+        singles: list[tuple[str, TokenChunk]] = []
+        step = _StepStats()
+        active = self.active
+        for out in _per_request(outs):
+            rec = active.get(out.request_id)
+            if rec is None:
+                continue  # cancelled, or the tail of a request that already ended
+            if rec.state not in _EMITTING:
+                if rec.state is not ReqState.ADMITTING:
+                    continue  # cancelled (CANCELLED requests are gone from ``active``; CANCELLING wait)
+                # The engine stepped it before the event loop saw the admission's result (both
+                # come from the engine thread; the step's outputs can be handled first).
+                self._admitted_locally(rec)
+            chunk = self._chunk(rec, out, now, step)
+            to = rec.request.batch_to
+            if to:
+                chunk.stream = rec.request.stream
+                batch = batches.get(to)
+                if batch is None:
+                    batches[to] = [chunk]
+                else:
+                    batch.append(chunk)
+            else:
+                singles.append((rec.reply, chunk))
+        self._record(step)
+        publish = self.bus.publish
+        for subject, chunks in batches.items():
+            await publish(subject, TokenBatch(self.worker_id, chunks), traced=False)
+        for reply, chunk in singles:
+            await publish(reply, chunk, traced=False)
+
+    def _chunk(self, rec: DecodeRequest, out: StepOutput, now: float, step: _StepStats) -> TokenChunk:
+        """The request's next chunk; moves its state and counts the step's figures."""
+        ids = out.new_token_ids
+        n = len(ids)
+        step.tokens += n
+        interactive = rec.request.priority >= 0  # the SLA windows (and so the planner) count only these
+        if rec.state is ReqState.PREFILLING:
+            step.ttfts.append(now - rec.arrived)
             if interactive:
-                self.ttft.add(now - act.arrived)
-            metrics.WORKER_TTFT.labels(model).observe(now - act.arrived)
-            act.enter("decode")
-        elif act.last_token_at:
-            gap = (now - act.last_token_at) / max(1, len(out.new_token_ids))
+                self.ttft.add(now - rec.arrived)
+            if out.finish_reason is None:
+                rec.move(Event.FIRST_TOKEN)
+                rec.enter("decode")
+        elif n:
+            gap = (now - rec.last_token_at) / n
+            step.gaps[gap] = step.gaps.get(gap, 0) + n
             if interactive:
-                self.itl.add(gap)
-            itl = metrics.WORKER_ITL.labels(model)
-            for _ in out.new_token_ids:
-                itl.observe(gap)
-        act.last_token_at = now
-        self.counters.bump("decode_tokens", len(out.new_token_ids))
-        chunk = TokenChunk(
-            request_id=out.request_id, index=act.next_index, token_ids=out.new_token_ids,
-            logprobs=[wire_logprob(lp) for lp in out.new_logprobs], finish_reason=out.finish_reason,
-            worker=self.worker_id,
-        )
-        if act.next_index == 0 or out.finish_reason is not None:
+                step.interactive_gap += gap * n
+                step.interactive_tokens += n
+        rec.last_token_at = now
+        chunk = TokenChunk(out.request_id, rec.chunks_sent, ids,
+                           [wire_logprob(lp) for lp in out.new_logprobs] if out.new_logprobs else [],
+                           out.finish_reason, worker=self.worker_id)
+        if rec.chunks_sent == 0 or out.finish_reason is not None:
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        if out.finish_reason == "error":
-            chunk.error, chunk.error_status = "the engine failed on this request", 500
-        act.next_index += 1
-        metrics.OUTPUT_TOKENS.labels(model).inc(len(out.new_token_ids))
+        rec.chunks_sent += 1
         if out.finish_reason is not None:
-            self.active.pop(out.request_id, None)
-            self.counters.finished += 1
-            outcome = "error" if out.finish_reason == "error" else "finished"
-            metrics.WORKER_REQUESTS.labels(model, self.role, outcome).inc()
-            metrics.WORKER_E2E.labels(model).observe(now - act.arrived)
-            metrics.PROMPT_TOKENS.labels(model).inc(out.num_prompt_tokens)
-            metrics.CACHED_TOKENS.labels(model).inc(out.num_cached_tokens)
-            act.end_spans(outcome, **{"pdmesh.output_tokens": out.num_output_tokens,
-                                      "pdmesh.cached_tokens": out.num_cached_tokens,
-                                      "pdmesh.finish_reason": out.finish_reason})
-        await self.bus.publish(act.reply, chunk, traced=False)
+            self._finish(rec, out, now, step)
+            if out.finish_reason == "error":
+                chunk.error, chunk.error_status = "the engine failed on this request", 500
+        return chunk
+
+    def _finish(self, rec: DecodeRequest, out: StepOutput, now: float, step: _StepStats) -> None:
+        failed = out.finish_reason == "error"
+        rec.move(Event.ERROR if failed else Event.FINISH)
+        del self.active[rec.request_id]
+        self.counters.finished += 1
+        step.finished.append((out, now - rec.arrived))
+        rec.end_spans("error" if failed else "finished",
+                      **{"pdmesh.output_tokens": out.num_output_tokens, "pdmesh.cached_tokens": out.num_cached_tokens,
+                         "pdmesh.finish_reason": out.finish_reason})
+
+    def _record(self, step: _StepStats) -> None:
+        """One step's metrics, in one update per metric."""
+        if not step.tokens and not step.finished:
+            return
+        m = self.step_metrics
+        self.counters.bump("decode_tokens", step.tokens)
+        m.output_tokens.inc(step.tokens)
+        for ttft in step.ttfts:
+            m.ttft.observe(ttft)
+        for gap, count in step.gaps.items():
+            metrics.observe_many(m.itl, gap, count)
+        if step.interactive_tokens:
+            self.itl.add(step.interactive_gap / step.interactive_tokens)
+        for out, e2e in step.finished:
+            (m.failed if out.finish_reason == "error" else m.finished).inc()
+            m.e2e.observe(e2e)
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.cached_tokens.inc(out.num_cached_tokens)
 
     async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:
         self.counters.errors += 1
@@ -390,6 +492,22 @@ class DecodeWorker(WorkerBase):
             reply, TokenChunk(rid, 0, finish_reason="error", error=message, error_status=status,
                               worker=self.worker_id)
         )
+
+    async def drain(self) -> None:
+        await super().drain()
+        await self.abort_all("the worker stopped before the request finished", 503)
+
+    async def abort_all(self, message: str, status: int) -> None:
+        """End every live request with an error chunk (503: the gateway resumes it elsewhere)."""
+        for rec in list(self.active.values()):
+            rec.move(Event.ABORT)
+            del self.active[rec.request_id]
+            rec.end_spans("aborted")
+            metrics.WORKER_REQUESTS.labels(rec.request.model, self.role, "aborted").inc()
+            chunk = TokenChunk(rec.request_id, rec.chunks_sent, finish_reason="error", error=message,
+                               error_status=status, worker=self.worker_id)
+            with contextlib.suppress(Exception):
+                await self.bus.publish(rec.reply, chunk, traced=False)
 
     # -- the prefill pool -----------------------------------------------------------
     async def _on_load(self, report: LoadReport, raw) -> None:
@@ -403,8 +521,20 @@ class DecodeWorker(WorkerBase):
             return False
         capacity = sum(c.capacity for c in cards)
         busy = sum(r.active_jobs for w, r in self.prefill_loads.items() if any(c.worker_id == w for c in cards))
-        mine = sum(1 for a in self.active.values() if a.remote is not None)
+        mine = sum(1 for r in self.active.values() if r.state is ReqState.WAITING_FOR_KV)
         return mine < capacity and busy < capacity
+
+
+def _per_request(outs: list[StepOutput]) -> list[StepOutput] | dict.values:
+    """One output per request: a request with outputs of several steps (the event loop took
+    them together) gets one with all their tokens, and the last one's finish and counts."""
+    merged: dict[str, StepOutput] = {}
+    for out in outs:
+        prev = merged.get(out.request_id)
+        merged[out.request_id] = out if prev is None else StepOutput(
+            out.request_id, prev.new_token_ids + out.new_token_ids, prev.new_logprobs + out.new_logprobs,
+            out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+    return outs if len(merged) == len(outs) else merged.values()
 
 
 async def _unsubscribe(sub) -> None:

@@ -22,16 +22,16 @@ from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import errors
+from gateway import metrics as gateway_metrics
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
 from gateway.service import Gateway
 from gateway.streaming import (
     SSEResponse,
@@ -42,7 +42,7 @@ from gateway.streaming import (
     unless_disconnected,
 )
 from mesh.protocol import SamplingOptions
-from mesh.telemetry import REGISTRY, tracer
+from mesh.telemetry import tracer
 from mesh.tokenizer import ChatTemplateError
 from mesh.tracing import context_from
 
@@ -85,8 +85,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        text = gateway.stats.render(gateway) + generate_latest(REGISTRY).decode()
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(gateway_metrics.render(gateway), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request):
@@ -164,9 +163,10 @@ class CompletionRoutes:
 async def _counted(gw: Gateway, endpoint: str, request: Request, handler: Awaitable[Response]) -> Response:
     """Run a completion handler inside its server span (continuing the caller's ``traceparent``)
     and count its status. A streamed response ends the span when the stream ends."""
-    span = TRACER.start_span(f"POST /v1/{endpoint.replace('chat', 'chat/completions')}",
-                             context=context_from(dict(request.headers)), kind=trace.SpanKind.SERVER,
-                             attributes={"http.request.method": "POST", "http.route": request.url.path})
+    parent = context_from(dict(request.headers)) if gw.tracing else None  # no-op spans need no parent
+    span = TRACER.start_span(f"POST /v1/{endpoint.replace('chat', 'chat/completions')}", context=parent,
+                             kind=trace.SpanKind.SERVER,
+                             attributes={"http.request.method": "POST", "http.route": request.scope["path"]})
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
         response = await handler
@@ -213,17 +213,17 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 async def _chat(gw: Gateway, request: Request) -> Response:
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    check_served(body)
     gw.check_model(body.model)
     tok = gw.require_tokenizer(body.model, "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = body.template_messages()
     try:
         with TRACER.start_as_current_span("template+tokenize") as span:
             prompt = await _off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
-                                     body.add_generation_prompt)
+                                     body.add_generation_prompt, body.template_tools(), body.chat_template_kwargs)
             span.set_attribute("pdmesh.prompt_tokens", len(prompt))
     except ChatTemplateError as e:
-        raise APIError(400, str(e), "messages") from None
+        raise APIError(400, str(e), e.param) from None
     if not prompt:
         raise APIError(400, "the messages render to an empty prompt", "messages")
     fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(body.model), [prompt], body.n,
@@ -233,6 +233,7 @@ async def _chat(gw: Gateway, request: Request) -> Response:
 
 async def _completions(gw: Gateway, request: Request) -> Response:
     body: CompletionRequest = await _parse(request, CompletionRequest)
+    check_served(body)
     gw.check_model(body.model)
     raw_prompts = body.prompts()
     prompts = []

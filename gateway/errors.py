@@ -75,6 +75,10 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, "invalid request")
     first = errors[0]
     kind = first.get("type", "")
+    ctx = first.get("ctx") or {}
+    if kind == "named_field_error":  # a cross-field check that names its field (gateway.schemas.field_error)
+        return APIError(400, str(ctx.get("message", first.get("msg", ""))), ctx.get("param"),
+                        ctx.get("code", "invalid_value"))
     if kind == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
     raw_loc = [p for p in first.get("loc", ()) if p != "body"]

@@ -1,59 +1,132 @@
-"""The gateway's Prometheus text: request counts by endpoint and status, tokens, cancels, load.
+"""The gateway's Prometheus metrics: requests by endpoint and status, tokens, cancels, migrations,
+choices by final state, token batches, load; and the ``/metrics`` text.
 
-Plain counters bumped on the event loop (one process, one thread), rendered on scrape.
+Every gateway process counts into ``prometheus_client`` metrics. With several processes on one
+port (``mesh gateway --workers N``), ``PROMETHEUS_MULTIPROC_DIR`` is set before they start, so
+their counters live in files there and a scrape, whichever process answers it, adds them up
+(prometheus_client's multiprocess mode; gauges of in-flight work sum over live processes).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from mesh.metrics import GATEWAY_E2E, GATEWAY_ITL, GATEWAY_TTFT
+from mesh.telemetry import REGISTRY
 
 if TYPE_CHECKING:
     from gateway.service import Gateway
 
+REQUESTS = Counter("pdmesh_gateway_requests", "Requests answered, by endpoint and HTTP status",
+                   ["endpoint", "status"], registry=REGISTRY)
+COMPLETION_TOKENS = Counter("pdmesh_gateway_completion_tokens", "Tokens streamed from workers", registry=REGISTRY)
+CANCELS = Counter("pdmesh_gateway_cancels", "Requests cancelled on a worker before they finished",
+                  registry=REGISTRY)
+MIGRATIONS = Counter("pdmesh_gateway_migrations", "Streams resumed on another worker mid-request",
+                     registry=REGISTRY)
+REROUTES = Counter("pdmesh_gateway_reroutes",
+                   "Requests sent to another worker after theirs died or went silent before a token",
+                   registry=REGISTRY)
+CHOICES = Counter("pdmesh_gateway_choices", "Choices that ended, by final state (FINISHED, FAILED, CLOSED)",
+                  ["state"], registry=REGISTRY)
+TOKEN_BATCHES = Counter("pdmesh_gateway_token_batches", "TokenBatch messages received (one per worker step)",
+                        registry=REGISTRY)
+BATCHED_CHUNKS = Counter("pdmesh_gateway_batched_chunks", "Token chunks that arrived inside TokenBatch messages",
+                         registry=REGISTRY)
+LIVE_CHOICES = Gauge("pdmesh_gateway_live_choices", "Choices routing, waiting or streaming (not final)",
+                     registry=REGISTRY, multiprocess_mode="livesum")
+INFLIGHT = Gauge("pdmesh_gateway_inflight_requests", "Choices admitted and not finished",
+                 registry=REGISTRY, multiprocess_mode="livesum")
 
-@dataclass
+
+@dataclass(frozen=True)
+class Latency:
+    """One model's latency histograms (labelled children, looked up once per model)."""
+
+    ttft: object
+    itl: object
+    e2e: object
+
+
 class GatewayStats:
-    requests: Counter = field(default_factory=Counter)  # (endpoint, status) -> count
-    completion_tokens: int = 0
-    cancels: int = 0  # requests cancelled on a worker (client gone, stop string, error)
-    migrations: int = 0  # streams resumed on another worker after theirs died or went silent mid-stream
-    reroutes: int = 0  # requests sent to another worker after theirs died or went silent before a token
+    """What the gateway's code bumps; one per process."""
+
+    def __init__(self):
+        self.migrations = 0  # this process's, for logs and tests
+        self.reroutes = 0
+        self._latency: dict[str, Latency] = {}
+
+    def latency(self, model: str) -> Latency:
+        got = self._latency.get(model)
+        if got is None:
+            got = self._latency[model] = Latency(GATEWAY_TTFT.labels(model), GATEWAY_ITL.labels(model),
+                                                 GATEWAY_E2E.labels(model))
+        return got
 
     def request(self, endpoint: str, status: int) -> None:
-        self.requests[(endpoint, status)] += 1
+        REQUESTS.labels(endpoint, str(status)).inc()
 
-    def render(self, gw: Gateway) -> str:
-        lines = [
-            "# HELP pdmesh_gateway_requests_total Requests answered, by endpoint and HTTP status.",
-            "# TYPE pdmesh_gateway_requests_total counter",
-        ]
-        for (endpoint, status), n in sorted(self.requests.items()):
-            lines.append(f'pdmesh_gateway_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        lines += [
-            "# HELP pdmesh_gateway_completion_tokens_total Tokens streamed from workers.",
-            "# TYPE pdmesh_gateway_completion_tokens_total counter",
-            f"pdmesh_gateway_completion_tokens_total {self.completion_tokens}",
-            "# HELP pdmesh_gateway_cancels_total Requests cancelled on a worker before they finished.",
-            "# TYPE pdmesh_gateway_cancels_total counter",
-            f"pdmesh_gateway_cancels_total {self.cancels}",
-            "# HELP pdmesh_gateway_migrations_total Streams resumed on another worker mid-request.",
-            "# TYPE pdmesh_gateway_migrations_total counter",
-            f"pdmesh_gateway_migrations_total {self.migrations}",
-            "# HELP pdmesh_gateway_reroutes_total Requests sent to another worker after theirs died before a token.",
-            "# TYPE pdmesh_gateway_reroutes_total counter",
-            f"pdmesh_gateway_reroutes_total {self.reroutes}",
-            "# HELP pdmesh_gateway_inflight_requests Choices admitted and not finished.",
-            "# TYPE pdmesh_gateway_inflight_requests gauge",
-            f"pdmesh_gateway_inflight_requests {gw.inflight}",
-            "# HELP pdmesh_gateway_live_workers Ready decode workers per model.",
-            "# TYPE pdmesh_gateway_live_workers gauge",
-        ]
-        for m in gw.live_models():
-            lines.append(f'pdmesh_gateway_live_workers{{model="{_label(m)}"}} {len(gw.decode_workers(m))}')
-        return "\n".join(lines) + "\n"
+    def tokens(self, n: int) -> None:
+        COMPLETION_TOKENS.inc(n)
+
+    def cancel(self) -> None:
+        CANCELS.inc()
+
+    def migrated(self, with_tokens: bool) -> None:
+        """A choice resumed elsewhere: a migration when tokens had been streamed, else a reroute."""
+        if with_tokens:
+            self.migrations += 1
+            MIGRATIONS.inc()
+        else:
+            self.rerouted()
+
+    def rerouted(self) -> None:
+        self.reroutes += 1
+        REROUTES.inc()
+
+    def choice_started(self) -> None:
+        LIVE_CHOICES.inc()
+
+    def choice_ended(self, state_name: str) -> None:
+        LIVE_CHOICES.dec()
+        CHOICES.labels(state_name).inc()
+
+    def inflight(self, delta: int) -> None:
+        INFLIGHT.inc(delta)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class WorkersCollector:
+    """Scrape-time gauges from this process's view of the registry (the same in every process)."""
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = GaugeMetricFamily("pdmesh_gateway_live_workers", "Ready decode workers per model", labels=["model"])
+        if self.gw.membership is not None:
+            for m in self.gw.live_models():
+                live.add_metric([m], len(self.gw.decode_workers(m)))
+        yield live
+
+
+def workers_registry(gw: Gateway) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(WorkersCollector(gw))
+    return reg
+
+
+def render(gw: Gateway) -> bytes:
+    """The /metrics text: this process's registry, or every gateway process's in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry) + generate_latest(gw.workers_metrics)
+    return generate_latest(REGISTRY) + generate_latest(gw.workers_metrics)

@@ -1,11 +1,13 @@
 """Token streams from decode workers, all on one reply subscription per gateway.
 
-Each request gets a reply subject under the gateway's inbox prefix; one
-wildcard subscription hands every chunk to its request's ``ReplyStream`` by
-the last subject token. A reader takes *all* the chunks that have arrived
-(``next_batch``), so under load a request's tokens are detokenized and written
-to the client together rather than one event each, and no per-request
-subscription is made or torn down on the server.
+Each request gets a reply subject under the gateway's inbox prefix and asks its worker to batch
+(``GenerateRequest.batch_to`` = ``{prefix}.batch``): a worker then sends one ``TokenBatch`` per
+engine step with the chunks of all our requests it serves, each tagged with its stream's key,
+and this module hands each chunk to its ``ReplyStream``. A worker that does not batch (a custom
+one) publishes each ``TokenChunk`` on the request's own reply subject, which the same wildcard
+subscription receives. A reader takes *all* the chunks that have arrived (``next_batch``), so
+under load a request's tokens are detokenized and written to the client together rather than
+one event each, and no per-request subscription is made or torn down on the server.
 
 This is ``mesh.client.generate`` (same checks: in order, no gaps, timeouts as
 ``StreamError``) without a subscription and a ``wait_for`` task per request
@@ -16,11 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import deque
 
+from gateway import metrics
 from mesh.bus import Bus
 from mesh.client import StreamError
-from mesh.protocol import DecodeError, TokenChunk, decode
+from mesh.protocol import DecodeError, TokenBatch, TokenChunk, decode
+
+log = logging.getLogger(__name__)
+BATCH_TOKEN = "batch"  # the subject token of TokenBatches (stream keys are hex, so never this)
 
 _TIMED_OUT = object()
 _GONE = object()  # pushed when the stream's worker left the registry
@@ -48,10 +55,12 @@ class ReplyStreams:
     def __init__(self, bus: Bus):
         self.bus = bus
         self.prefix = bus.nc.new_inbox()
+        self.batch_subject = f"{self.prefix}.{BATCH_TOKEN}"
         self._streams: dict[str, ReplyStream] = {}
         self._keys = itertools.count()
         self._sub = None
         self.stray = 0  # chunks for requests already closed (a cancelled request's tail)
+        self.dropped = 0  # undecodable batches (their streams time out; single chunks fail their stream)
 
     async def start(self) -> None:
         self._sub = await self.bus.nc.subscribe(
@@ -76,14 +85,38 @@ class ReplyStreams:
         return stream
 
     async def _on_msg(self, msg) -> None:
-        stream = self._streams.get(msg.subject[len(self.prefix) + 1 :])
+        key = msg.subject[len(self.prefix) + 1 :]
+        if key == BATCH_TOKEN:
+            self._on_batch(msg.data)
+            return
+        stream = self._streams.get(key)
         if stream is None:
             self.stray += 1
             return
         if not msg.data:  # no chunk is ever empty: this is the server's 503 "no responders" status
             stream.push(_NO_RESPONDERS)
             return
-        stream.push(msg.data)
+        try:
+            stream.push(decode(msg.data, TokenChunk))
+        except DecodeError as e:
+            stream.push(StreamError(f"worker {stream.worker_id} sent a malformed chunk: {e}", 502))
+
+    def _on_batch(self, data: bytes) -> None:
+        try:
+            batch = decode(data, TokenBatch)
+        except DecodeError as e:
+            self.dropped += 1
+            log.warning("dropped a malformed token batch: %s", e)
+            return
+        metrics.TOKEN_BATCHES.inc()
+        metrics.BATCHED_CHUNKS.inc(len(batch.chunks))
+        streams = self._streams
+        for chunk in batch.chunks:
+            stream = streams.get(chunk.stream)
+            if stream is None:
+                self.stray += 1
+            else:
+                stream.push(chunk)
 
 
 class ReplyStream:
@@ -97,10 +130,10 @@ class ReplyStream:
         self.subject = f"{owner.prefix}.{key}"
         self.worker_id = worker_id
         self.expect = 0
-        self._pending: deque[bytes | object] = deque()
+        self._pending: deque[TokenChunk | StreamError | object] = deque()
         self._waiter: asyncio.Future | None = None
 
-    def push(self, data: bytes | object) -> None:
+    def push(self, data: TokenChunk | StreamError | object) -> None:
         self._pending.append(data)
         w = self._waiter
         if w is not None and not w.done():
@@ -119,19 +152,18 @@ class ReplyStream:
                 timer.cancel()
                 self._waiter = None
         out = []
-        while self._pending:
-            data = self._pending.popleft()
-            if data is _GONE or data is _NO_RESPONDERS:
-                if out:  # hand over what did arrive; the next call reports the loss
-                    self._pending.appendleft(data)
+        pending = self._pending
+        while pending:
+            chunk = pending.popleft()
+            if type(chunk) is not TokenChunk:  # the stream broke: after what did arrive, say how
+                if out:
+                    pending.appendleft(chunk)
                     break
-                if data is _NO_RESPONDERS:
+                if chunk is _NO_RESPONDERS:
                     raise NoResponders(self.worker_id)
-                raise WorkerGone(self.worker_id)
-            try:
-                chunk = decode(data, TokenChunk)
-            except DecodeError as e:
-                raise StreamError(f"worker {self.worker_id} sent a malformed chunk: {e}", 502) from None
+                if chunk is _GONE:
+                    raise WorkerGone(self.worker_id)
+                raise chunk
             if chunk.index != self.expect:
                 raise StreamError(f"stream from {self.worker_id} skipped chunk {self.expect}", 502)
             self.expect += 1

@@ -1,9 +1,16 @@
 """OpenAI request bodies, validated the way OpenAI validates them.
 
-Unknown fields are ignored (as OpenAI's server ignores them); a known field
-with a bad value is a 400 naming the field. Types are strict (``true`` is not
-the integer 1, ``"2"`` is not 2) and every number has a bound, so nothing a
+Unknown fields are ignored (as OpenAI's server ignores them), except those that
+would change what the model must produce and that we do not implement
+(``REFUSED``): those are a 400 naming the field, never silently dropped. A known
+field with a bad value is a 400 naming the field. Types are strict (``true`` is
+not the integer 1, ``"2"`` is not 2) and every number has a bound, so nothing a
 client sends can overflow the wire codec or the sampler further in.
+
+Structured output (``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``) is parsed into typed fields and checked here: schemas
+the grammar engine cannot enforce, unknown tool names, tool choices without
+tools are 400s. ``check_served`` refuses what the workers do not enforce yet.
 """
 
 from __future__ import annotations
@@ -11,6 +18,18 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.errors import APIError
+from gateway.output_schemas import (
+    MAX_TOOLS,
+    FunctionDefinition,
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolDefinition,
+    _refuse_unimplemented,
+    field_error,
+)
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -37,6 +56,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    reasoning_content: str | None = None  # an earlier turn's thinking, for templates that show it
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -44,6 +74,20 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as Hugging Face chat templates expect it: only the keys it has (templates test
+        ``'tool_calls' in message``)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
 
 class SamplingFields(BaseModel):
@@ -70,6 +114,13 @@ class SamplingFields(BaseModel):
     user: str | None = None
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
     return_token_ids: bool = False  # vLLM's extension: token_ids (and prompt_token_ids) in each choice
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data):
+        _refuse_unimplemented(data, set(cls.model_fields))
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -111,12 +162,20 @@ class SamplingFields(BaseModel):
         return 0.0 if t < GREEDY_BELOW else t
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+RESERVED_TEMPLATE_VARS = {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # extra template variables (``enable_thinking``), as vLLM takes them
 
     @model_validator(mode="after")
     def _logprobs(self):
@@ -124,9 +183,63 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "tool names must be unique")
+        if not names:
+            for field in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, field) is not None:
+                    raise field_error(field, f"{field} is only allowed when tools are specified")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise field_error("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                             "one of the tools")
+        if self.tool_choice_mode == "auto" and self.wants_json:
+            raise field_error("response_format", "response_format with tools the model may call "
+                                                 "(tool_choice auto) is not supported", "unsupported_parameter")
+        for key in self.chat_template_kwargs or {}:
+            if not key.isidentifier() or key.startswith("_") or key in RESERVED_TEMPLATE_VARS:
+                raise field_error("chat_template_kwargs", f"chat_template_kwargs cannot set {key!r}")
+        return self
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none, auto, required or named; OpenAI's default: auto with tools, none without."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    @property
+    def forced_tools(self) -> list[FunctionDefinition]:
+        """The functions a call must be to (required: any of them; named: that one)."""
+        mode = self.tool_choice_mode
+        functions = [t.function for t in self.tools or []]
+        if mode == "required":
+            return functions
+        if mode == "named":
+            return [f for f in functions if f.name == self.tool_choice.function.name]
+        return []
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.template_dict() for t in self.tools] if self.tools else None
+
     @property
     def max_output(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -164,6 +277,10 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
     @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
@@ -175,3 +292,19 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+def check_served(body: SamplingFields) -> None:
+    """Refuse what is validated but not yet enforced end to end (a 400, never a silent drop).
+
+    The engine enforces constraints (mesh/engine/constraints); the workers do not receive them
+    until the wire carries them, and the gateway does not yet parse tool calls out of a stream.
+    Until then JSON output and tools the model may call are refused. ``tools`` with
+    ``tool_choice="none"`` are served: the template shows them, the model writes text.
+    """
+    if body.wants_json:
+        raise APIError(400, "response_format json_object and json_schema are validated but not served yet",
+                       "response_format", "unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest) and body.tool_choice_mode != "none":
+        raise APIError(400, "tool calls are validated but not served yet; tool_choice \"none\" is",
+                       "tool_choice" if body.tool_choice is not None else "tools", "unsupported_parameter")

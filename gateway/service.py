@@ -13,15 +13,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from opentelemetry import trace
 
+from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
-from gateway.errors import APIError, upstream
-from gateway.metrics import GatewayStats
-from gateway.replies import NoResponders, ReplyStreams
+from gateway.errors import APIError
+from gateway.metrics import GatewayStats, workers_registry
+from gateway.replies import ReplyStream, ReplyStreams
 from mesh import client, metrics
 from mesh.bus import Bus
 from mesh.client import StreamError
@@ -43,7 +45,6 @@ from mesh.tracing import child_context
 
 log = logging.getLogger(__name__)
 TRACER = tracer("pdmesh.gateway")
-UNREACHABLE_BACKOFF = 0.5  # seconds between rounds over workers nobody answers for
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,17 @@ class Gateway:
         self.membership: Membership | None = None
         self.router: KvRouter | None = None
         self.inflight = 0
+        self.tracing = False  # start(): whether spans are recorded (else the tracer is a no-op)
         self.stats = GatewayStats()
+        self.workers_metrics = workers_registry(self)
+        self.retry_policy = RetryPolicy(config.retries, config.max_migrations, config.unreachable_wait,
+                                        config.first_token_timeout, config.idle_timeout)
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        setup_tracing("pdmesh-gateway")
-        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns)
+        self.tracing = setup_tracing("pdmesh-gateway")
+        # no_echo: our own routing decisions would come back to our router, to be decoded and dropped
+        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns, no_echo=True)
         self.replies = ReplyStreams(self.bus)
         await self.replies.start()
         self.membership = Membership(self.bus)
@@ -173,9 +179,11 @@ class Gateway:
         if self.inflight + n > self.config.max_inflight:
             raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
         self.inflight += n
+        self.stats.inflight(n)
 
     def release(self, n: int) -> None:
         self.inflight -= n
+        self.stats.inflight(-n)
 
     # -- one choice -----------------------------------------------------------------------
     async def stream_choice(
@@ -183,121 +191,113 @@ class Gateway:
         sampling: SamplingOptions, stops: list[str], priority: int = 0,
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
+        ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
 
         Who cancels on the worker: this generator's ``finally``, whenever it ends before the
-        worker's last chunk (client gone, stop string, error), whether it is closed or cancelled.
+        worker's last chunk (client gone, stop string, error), whether it is closed or cancelled;
+        and a migration, on the worker it leaves.
         """
-        choice = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids))
-        req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time())
-        cfg = self.config
-        tried: set[str] = set()
-        stream = None
-        finished = False  # the worker sent its last chunk: nothing to cancel
-        started = last_at = time.monotonic()
-        tokens = 0
+        text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids))
+        run = ChoiceRun(self.retry_policy)
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
-        generated: list[int] = []  # streamed to the client so far: a resumed request continues after them
-        attempt = migrations = 0
+        stream = None
+        last_at = run.started
+        latency = self.stats.latency(model)
+        self.stats.choice_started()
         try:
             while True:
-                finished = False
-                worker_id = self.pick_worker(model, prompt_ids + generated, tried, request_id, span)
-                tried.add(worker_id)
-                span.set_attribute("pdmesh.worker", worker_id)
-                stream = self.replies.open(worker_id)
-                await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject,
-                                       span=span)
-                first = not generated
-                timeout = cfg.first_token_timeout
+                if run.state is ChoiceState.BACKOFF:
+                    self.stats.rerouted()
+                    await asyncio.sleep(UNREACHABLE_BACKOFF)
+                    run.backed_off()
+                if run.state is ChoiceState.ROUTING:
+                    stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span)
                 try:
-                    while True:
-                        chunks = await stream.next_batch(timeout)
-                        timeout = cfg.idle_timeout
-                        last = chunks[-1]
-                        finished = last.finish_reason is not None or bool(last.error)
-                        if last.error:
-                            if last.error_status in (503, 429) and attempt < cfg.retries and self._untried(model, tried):
-                                break  # draining or overloaded: try another worker
-                            if last.error_status == 429:
-                                raise APIError(429, "every worker is overloaded; retry shortly",
-                                               headers={"Retry-After": "1"})
-                            raise upstream(last.error_status or 500, last.error)
-                        delta = choice.delta(chunks)
-                        generated.extend(delta.token_ids)
-                        self.stats.completion_tokens += len(delta.token_ids)
-                        tokens += len(delta.token_ids)
-                        now = time.monotonic()
-                        if first:
-                            self.router.first_token(worker_id, request_id)
-                            metrics.GATEWAY_TTFT.labels(model).observe(now - started)
-                            first = False
-                        elif delta.token_ids:
-                            metrics.GATEWAY_ITL.labels(model).observe((now - last_at) / len(delta.token_ids))
-                        last_at = now
-                        if delta.finish_reason is not None:
-                            metrics.GATEWAY_E2E.labels(model).observe(now - started)
-                        yield delta
-                        if delta.finish_reason is not None:
-                            return
-                    attempt += 1
+                    chunks = await stream.next_batch(run.timeout)
                 except StreamError as e:
-                    # The worker died or went silent: resume on another one, after the tokens the client has.
-                    if e.status in (503, 504):
-                        self.router.suspect(worker_id)
-                    exhausted = migrations >= cfg.max_migrations or not self._untried(model, tried)
-                    if (isinstance(e, NoResponders) and exhausted
-                            and time.monotonic() - started < cfg.unreachable_wait):
-                        # Nobody listens anywhere we tried: after a NATS restart the workers are back
-                        # within a second or two. Wait a little and try them all again.
-                        self.stats.reroutes += 1
-                        await asyncio.sleep(UNREACHABLE_BACKOFF)
-                        tried.clear()
-                    else:
-                        if exhausted or e.status not in (503, 504):
-                            raise
-                        migrations += 1
-                        if generated:
-                            self.stats.migrations += 1
-                        else:
-                            self.stats.reroutes += 1
-                        span.add_event("migrated", {"pdmesh.from": worker_id, "pdmesh.after_tokens": len(generated)})
+                    if e.status in (503, 504):  # gone or silent: no new work for it until it reports
+                        self.router.suspect(run.worker_id)
+                    if run.lost(e, self._untried(model, run.tried)) is ChoiceState.FAILED:
+                        raise run.error from None
+                    if run.state is ChoiceState.ROUTING:
+                        self.stats.migrated(with_tokens=bool(run.generated))
+                        span.add_event("migrated", {"pdmesh.from": run.worker_id,
+                                                    "pdmesh.after_tokens": len(run.generated)})
                         log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e,
-                                    len(generated))
-                        self._cancel_later(model, worker_id, request_id)  # if it is only slow, free it
-                    req = _resumed(req, prompt_ids, sampling, generated)
-                stream.close()
-                self.router.finished(stream.worker_id, request_id)
-                stream = None
-        except StreamError as e:
-            raise APIError(e.status, str(e)) from None
+                                    len(run.generated))
+                        self._cancel_later(model, run.worker_id, request_id)  # if it is only slow, free it
+                    stream = self._close(stream, request_id)
+                    continue
+                last = chunks[-1]
+                if last.error:
+                    stream = self._close(stream, request_id)
+                    if run.refused(last.error_status, last.error, self._untried(model, run.tried)) is ChoiceState.FAILED:
+                        raise run.error
+                    continue
+                if run.state is ChoiceState.WAITING:  # this worker's first chunk: its prefill is done
+                    self.router.first_token(run.worker_id, request_id)
+                first = not run.generated
+                delta = text.delta(chunks)
+                run.streamed(delta.token_ids, delta.finish_reason is not None)
+                self.stats.tokens(len(delta.token_ids))
+                now = time.monotonic()
+                if first:
+                    latency.ttft.observe(now - run.started)
+                elif delta.token_ids:
+                    latency.itl.observe((now - last_at) / len(delta.token_ids))
+                last_at = now
+                if run.state is ChoiceState.FINISHED:
+                    if last.finish_reason is not None:  # else a stop string ended it: the worker goes on
+                        stream = self._close(stream, request_id)
+                    latency.e2e.observe(now - run.started)
+                    yield delta
+                    return
+                yield delta
         finally:
-            span.set_attributes({"pdmesh.output_tokens": tokens, "pdmesh.finished": finished})
+            run.closed()
+            self.stats.choice_ended(run.state.name)
+            span.set_attributes({"pdmesh.output_tokens": len(run.generated), "pdmesh.state": run.state.name})
             span.end()
-            if stream is not None:
-                stream.close()
-                self.router.finished(stream.worker_id, request_id)
-                if not finished:
-                    self._cancel_later(model, stream.worker_id, request_id)
+            if stream is not None:  # ended before the worker's last chunk: stop it there
+                self._close(stream, request_id)
+                self._cancel_later(model, stream.worker_id, request_id)
+
+    async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
+                    sampling: SamplingOptions, priority: int, span: trace.Span) -> ReplyStream:
+        """Pick a worker for the choice (after the tokens it already has) and send it the request."""
+        generated = run.generated
+        try:
+            worker_id = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span)
+        except APIError as e:
+            run.no_worker(e)
+            raise
+        stream = self.replies.open(worker_id)
+        req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
+                              batch_to=self.replies.batch_subject, stream=stream.key)
+        if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs
+            left = sampling.max_tokens - len(generated)
+            req.token_ids = prompt_ids + generated
+            req.sampling = msgspec.structs.replace(sampling, max_tokens=max(1, left))
+            req.output_offset = len(generated)
+        span.set_attribute("pdmesh.worker", worker_id)
+        run.sent(worker_id)
+        await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
+        return stream
+
+    def _close(self, stream: ReplyStream, request_id: str) -> None:
+        stream.close()
+        self.router.finished(stream.worker_id, request_id)
 
     def _untried(self, model: str, tried: set[str]) -> bool:
         return any(c.worker_id not in tried for c in self.decode_workers(model))
 
     def _cancel_later(self, model: str, worker_id: str, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).
-        self.stats.cancels += 1
+        self.stats.cancel()
         task = asyncio.get_running_loop().create_task(client.cancel(self.bus, model, worker_id, request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _resumed(req: GenerateRequest, prompt: list[int], sampling: SamplingOptions,
-             generated: list[int]) -> GenerateRequest:
-    """The request to resume a stream after ``generated``: they join the prompt and count as outputs."""
-    left = sampling.max_tokens - len(generated)
-    return GenerateRequest(req.request_id, req.model, prompt + generated,
-                           replace(sampling, max_tokens=max(1, left)), req.priority, req.created,
-                           output_offset=len(generated))
 
 
 class _ChoiceText:

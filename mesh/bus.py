@@ -36,7 +36,10 @@ class Bus:
         self.dropped = 0  # undecodable messages received
 
     @classmethod
-    async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0) -> Bus:
+    async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0,
+                      no_echo: bool = False) -> Bus:
+        """``no_echo``: the server does not deliver this connection's own messages back to it (a
+        gateway publishes routing decisions on a subject it also listens on for other gateways')."""
         conn: list[Client] = []
         hooks: list = []
         last_error = [0.0]
@@ -75,6 +78,7 @@ class Bus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            no_echo=no_echo,
         )
         conn.append(nc)
         return cls(nc, Subjects(ns), hooks)

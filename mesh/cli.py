@@ -93,6 +93,10 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="GPU: replay decode steps from CUDA graphs (FlashInfer attention; not yet measured on a GPU)")
+    p.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
+                   help="grammar engine of constrained output (xgrammar: pip install pdmesh[xgrammar])")
+    p.add_argument("--grammar-threads", type=int, default=0,
+                   help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
 
 
@@ -112,6 +116,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="decode: at most one token message per gateway per this many ms (0: every step)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
@@ -138,6 +144,9 @@ def _add_gateway(sub) -> None:
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds a started stream may go silent before it ends with a timeout error")
+    p.add_argument("--workers", type=int, default=None,
+                   help="gateway processes on the port (SO_REUSEPORT; default: one per two cores, at most 4)")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     p.set_defaults(func=cmd_gateway)
 
 
@@ -145,7 +154,8 @@ def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
     add_bus_flags(p)
     add_pool_flags(p, multi_model=True)
-    p.add_argument("--mock", action="store_true", help="mocker workers instead of a model")
+    p.add_argument("--mock", action="store_true",
+                   help="mocker workers instead of a model (with --model DIR: under its name, vocabulary and context)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
@@ -156,6 +166,8 @@ def _add_up(sub) -> None:
     p.add_argument("--router-temperature", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-prefill-weight", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--gateway-workers", type=int, default=None,
+                   help="gateway processes on the port (default: one per two cores, at most 4)")
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     p.set_defaults(func=cmd_up)
@@ -288,6 +300,11 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
+        if args.model:  # simulate this model: its name, vocabulary and context (the gateway brings its tokenizer)
+            from mesh.engine.config import ModelConfig
+
+            mc = ModelConfig.from_dir(args.model)
+            kw.update(model_name=Path(args.model).name, vocab_size=mc.vocab_size, max_model_len=mc.max_position)
         if args.served_name:
             kw["model_name"] = args.served_name
         return MockConfig(**kw)
@@ -303,6 +320,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=args.cuda_graphs,
+        grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
         **{k: v for k, v in tiers.items() if v is not None},
     )
 
@@ -322,6 +340,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         engine=engine_config(args, mock=mock),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
+        stream_interval_ms=args.stream_interval_ms,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
     )
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
@@ -338,6 +357,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import asgi_app
+    from gateway.serve import PortInUse, child_argv, default_workers, reuse_port_socket, supervise
     from gateway.service import Gateway, GatewayConfig
     from mesh.config import settings
     from mesh.router.policy import RouterConfig
@@ -351,6 +371,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             raise CliError(f"model directory {m} does not exist")
     if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0:
         raise CliError("--max-inflight must be >= 1 and the timeouts > 0")
+    workers = default_workers() if args.workers is None else args.workers
+    if workers < 1:
+        raise CliError("--workers must be >= 1")
+    if workers > 1:
+        try:
+            return supervise(workers, child_argv(sys.argv[1:]), args.host, args.port)
+        except PortInUse as e:
+            raise CliError(str(e)) from None
     gw = Gateway(GatewayConfig(
         nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
@@ -366,7 +394,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                             # longer than clients' idle pools keep connections (httpx: 5 s), so the
                             # server never closes one a client is about to reuse
                             timeout_keep_alive=75)
-    uvicorn.Server(config).run()
+    sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 
@@ -378,7 +407,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 1:
         raise CliError("--decode must be >= 1 and --prefill >= 0")
     models: list[str] = []
-    if not args.mock:
+    if not args.mock or args.model:  # --mock alone: the mocker under the name "mock", no tokenizer
         models = [str(m) for m in (args.model or [ensure_tiny_model(default_model_dir())])]
         names = [Path(m).name for m in models]
         if len(set(names)) != len(names):
@@ -387,7 +416,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError("--served-name names one model; with several --model each is named by its directory")
         for m in models:  # validates every model directory and the flags before anything starts
             args.model = m
-            engine_config(args)
+            engine_config(args, mock=args.mock)
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
@@ -395,6 +424,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         flags += ["--tp", str(args.tp)]
     if args.cuda_graphs:
         flags += ["--cuda-graphs"]
+    if args.grammar_backend != "llguidance" or args.grammar_threads:
+        flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
                  "transports", "disagg_threshold"):
         value = getattr(args, name)
@@ -402,12 +433,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.mock:
         flags += ["--mock-speedup", str(args.mock_speedup)]
-    gateway_flags = ["--served-name", args.served_name] if args.served_name and not args.mock else []
+    gateway_flags = ["--served-name", args.served_name] if args.served_name and models else []
     if args.router:
         gateway_flags += ["--router", args.router]
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.gateway_workers is not None:
+        if args.gateway_workers < 1:
+            raise CliError("--gateway-workers must be >= 1")
+        gateway_flags += ["--workers", str(args.gateway_workers)]
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else planner_config(args)

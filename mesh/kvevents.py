@@ -1,11 +1,13 @@
 """A worker's KV events on the bus: numbered batches of cache changes, and snapshots.
 
 The engine thread drains the block pool's event log after every step and
-every command (``flush``), numbers the batch and hands it to the event loop,
-which publishes batches in order. A snapshot is taken in the engine thread
-right after a flush, so it is exactly the state after batch ``seq``: a router
-that applies the snapshot, then every batch with a higher number, has the
-worker's cache.
+every command (``flush``). It numbers a batch and hands it to the event loop,
+which publishes batches in order; until the loop has sent the last batch, new
+events wait and go out with the next one (a busy loop sends one batch for
+several steps, not one each). A snapshot is taken in the engine thread
+right after a flush that numbers whatever waits, so it is exactly the state
+after batch ``seq``: a router that applies the snapshot, then every batch with
+a higher number, has the worker's cache.
 """
 
 from __future__ import annotations
@@ -32,15 +34,18 @@ class KvEventPublisher:
         self.worker_id = worker_id
         self.model = model
         self.seq = 0  # engine thread only
+        self._waiting: list = []  # engine thread: events not numbered yet
+        self._handing = False  # a numbered batch is on its way to the event loop
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[KvEventBatch] = asyncio.Queue()
         self._snapshots: dict[str, tuple[float, int, dict[str, list[int]]]] = {}
         self._task: asyncio.Task | None = None
+        self._engine_loop = None  # start()
         self._sub = None
         self.published = 0
 
     # -- engine thread ------------------------------------------------------------------
-    def flush(self, engine) -> None:
+    def flush(self, engine, force: bool = False) -> None:
         log_ = engine.pool.events
         events = log_.drain()
         if log_.overflowed:
@@ -48,12 +53,19 @@ class KvEventPublisher:
             log_.overflowed = False
             self.seq += 1
         if events:
+            self._waiting.extend(to_wire(events))
+        if self._waiting and (force or not self._handing):
             self.seq += 1
-            batch = KvEventBatch(self.worker_id, self.model, self.seq, to_wire(events))
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+            batch = KvEventBatch(self.worker_id, self.model, self.seq, self._waiting)
+            self._waiting = []
+            self._handing = True
+            self._loop.call_soon_threadsafe(self._take, batch)
+
+    def _take(self, batch: KvEventBatch) -> None:
+        self._queue.put_nowait(batch)
 
     def take_snapshot(self, engine) -> tuple[int, dict[str, list[int]]]:
-        self.flush(engine)
+        self.flush(engine, force=True)
         return self.seq, engine.kv_snapshot()
 
     # -- event loop ---------------------------------------------------------------------
@@ -82,6 +94,12 @@ class KvEventPublisher:
                 self.published += 1
             except Exception as e:  # the gap in numbers makes routers resync
                 log.warning("could not publish KV events: %s", e)
+            if self._queue.empty():
+                # Sent: the engine thread may number the next batch. Events that waited for this
+                # one go with its next flush (after its next step), or now if it is idle.
+                self._handing = False
+                if self._waiting and self._engine_loop is not None:
+                    self._engine_loop.call(self.flush)
 
     async def _on_snapshot(self, req: KvSnapshotRequest, raw) -> None:
         if not raw.reply:

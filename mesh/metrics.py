@@ -7,7 +7,9 @@ report, so they cost nothing between scrapes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -52,6 +54,40 @@ ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt c
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
 PLANNER_REPLICAS = Gauge("pdmesh_planner_replicas", "The planner's pools: current and target size",
                          ["model", "pool", "kind"], registry=REGISTRY)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """A decode worker's per-step metrics for its model: the labelled children, looked up once
+    (``labels()`` costs a lock and a dict lookup per call)."""
+
+    output_tokens: object
+    ttft: object
+    itl: object
+    e2e: object
+    prompt_tokens: object
+    cached_tokens: object
+    finished: object
+    failed: object
+
+    @classmethod
+    def of(cls, model: str, role: str) -> StepMetrics:
+        return cls(OUTPUT_TOKENS.labels(model), WORKER_TTFT.labels(model), WORKER_ITL.labels(model),
+                   WORKER_E2E.labels(model), PROMPT_TOKENS.labels(model), CACHED_TOKENS.labels(model),
+                   WORKER_REQUESTS.labels(model, role, "finished"), WORKER_REQUESTS.labels(model, role, "error"))
+
+
+def observe_many(hist, amount: float, count: int) -> None:
+    """``count`` observations of ``amount`` in one update of a labelled ``Histogram`` child (a
+    decode step's tokens mostly share one inter-token gap). prometheus_client has no weighted
+    observe; this adds to the child's sum and bucket as ``observe`` does, ``count`` at once
+    (tests/unit/test_metrics.py checks the exposition against ``observe`` called ``count`` times)."""
+    if count == 1:
+        hist.observe(amount)
+        return
+    hist._sum.inc(amount * count)
+    i = bisect.bisect_left(hist._upper_bounds, amount)  # the first bound >= amount, as observe picks
+    hist._buckets[i].inc(count)
 
 
 class LoadCollector:

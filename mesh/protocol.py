@@ -1,11 +1,12 @@
 """The wire protocol of the mesh: every subject and every message, defined once.
 
-Messages are dataclasses encoded with msgpack as a map of their fields plus a
-``"type"`` key naming the class (nested messages are plain maps; the schema
-says what they are). Decoding checks every field's type against its
-annotation, so a malformed message is rejected at the edge with a
-``DecodeError`` instead of failing deep inside a worker. Unknown fields are
-ignored (newer senders may add fields); missing fields take their defaults.
+Messages are msgspec Structs encoded with msgpack as a map of their fields plus a
+``"type"`` key naming the class (nested parts are plain maps; the schema says
+what they are). Fields at their default are left out. Decoding checks every
+field's type against its annotation (in msgspec's C code, no per-field Python),
+so a malformed message is rejected at the edge with a ``DecodeError`` instead of
+failing deep inside a worker. Unknown fields are ignored (newer senders may add
+fields); missing fields take their defaults.
 
 ``docs/protocol.md`` documents the same table for writers of custom workers.
 """
@@ -13,12 +14,12 @@ ignored (newer senders may add fields); missing fields take their defaults.
 from __future__ import annotations
 
 import re
-import types
 import typing
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar, get_args, get_origin
+from dataclasses import dataclass
+from typing import TypeVar
 
-import msgpack
+import msgspec
+from msgspec import field
 
 T = TypeVar("T")
 
@@ -114,141 +115,57 @@ class DecodeError(ValueError):
     """Bytes that are not a valid message of the expected type."""
 
 
+# Every message and part by class name (docs/protocol.md documents each); only ``Message``s
+# arrive on their own.
 MESSAGE_TYPES: dict[str, type] = {}
-_CHECKERS: dict[type, list[tuple[str, Any]]] = {}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[type | None, msgspec.msgpack.Decoder] = {}
 
 
-def message(cls: type[T]) -> type[T]:
-    """Make ``cls`` a dataclass message registered under its class name."""
-    cls = dataclass(cls)
-    MESSAGE_TYPES[cls.__name__] = cls
-    return cls
+class Message(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
+    """A message sent on its own: a msgpack map of its fields plus ``"type"``, the class name.
+    Fields left at their default are omitted (a receiver fills them in)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        MESSAGE_TYPES[cls.__name__] = cls
+        _DECODERS.pop(None, None)  # the any-message decoder is rebuilt with the new member
 
 
-def encode(msg: Any) -> bytes:
-    body = _to_wire(msg)
-    body["type"] = type(msg).__name__
-    return msgpack.packb(body, use_bin_type=True)
+class Part(msgspec.Struct, omit_defaults=True):
+    """A message only ever nested in another (a plain map: its place in the schema says what it is)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        MESSAGE_TYPES[cls.__name__] = cls
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
 
 
 def decode(data: bytes, expect: type[T] | None = None) -> T:
+    """The message in ``data``; ``expect`` a message class to accept only that one."""
+    dec = _DECODERS.get(expect)
+    if dec is None:
+        if expect is None:
+            tagged = tuple(c for c in MESSAGE_TYPES.values() if issubclass(c, Message))
+            dec = msgspec.msgpack.Decoder(typing.Union[tagged])  # noqa: UP007
+        else:
+            dec = msgspec.msgpack.Decoder(expect)
+        _DECODERS[expect] = dec
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise DecodeError(f"not msgpack: {type(e).__name__}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-        raise DecodeError("not a message (no type)")
-    cls = MESSAGE_TYPES.get(obj["type"])
-    if cls is None:
-        raise DecodeError(f"unknown message type {obj['type']!r}")
-    if expect is not None and cls is not expect:
-        raise DecodeError(f"expected {expect.__name__}, got {cls.__name__}")
-    return _from_wire(cls, obj)
-
-
-def _to_wire(msg: Any) -> dict:
-    out = {}
-    for f in fields(msg):
-        v = getattr(msg, f.name)
-        if type(v) in MESSAGE_TYPES.values():
-            v = _to_wire(v)
-        elif isinstance(v, list) and v and type(v[0]) in MESSAGE_TYPES.values():
-            v = [_to_wire(x) for x in v]
-        out[f.name] = v
-    return out
-
-
-def _from_wire(cls: type[T], obj: dict) -> T:
-    kwargs = {}
-    for name, check in _checkers(cls):
-        if name in obj:
-            try:
-                kwargs[name] = check(obj[name])
-            except (TypeError, ValueError) as e:
-                raise DecodeError(f"{cls.__name__}.{name}: {e}") from None
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise DecodeError(f"{cls.__name__}: {e}") from None
-    except ValueError as e:  # a message's own __post_init__ validation
-        raise DecodeError(f"{cls.__name__}: {e}") from None
-
-
-def _checkers(cls: type) -> list[tuple[str, Any]]:
-    got = _CHECKERS.get(cls)
-    if got is None:
-        hints = typing.get_type_hints(cls)
-        got = [(f.name, _checker(hints[f.name])) for f in fields(cls)]
-        _CHECKERS[cls] = got
-    return got
-
-
-def _checker(tp: Any):
-    """A function that validates (and, for nested messages, builds) a value of type ``tp``."""
-    origin = get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        opts = [a for a in get_args(tp) if a is not type(None)]
-        inner = _checker(opts[0]) if len(opts) == 1 else (lambda v: v)
-        return lambda v: None if v is None else inner(v)
-    if origin is list:
-        (arg,) = get_args(tp) or (Any,)
-        if arg is int:
-            return _int_list
-        item = _checker(arg)
-        return lambda v: [item(x) for x in _expect(v, list)]
-    if origin is dict:
-        args = get_args(tp)
-        item = _checker(args[1]) if args else (lambda v: v)
-        return lambda v: {_expect(k, str): item(x) for k, x in _expect(v, dict).items()}
-    if tp in MESSAGE_TYPES.values():
-        return lambda v: _from_wire(tp, _expect(v, dict))
-    if tp is float:
-        return lambda v: float(_expect(v, (int, float)))
-    if tp is int:
-        return _int
-    if tp is bool:
-        return lambda v: _expect(v, bool)
-    if tp is str:
-        return lambda v: _expect(v, str)
-    if tp is bytes:
-        return lambda v: _expect(v, bytes)
-    if tp is dict:
-        return lambda v: _expect(v, dict)
-    return lambda v: v
-
-
-def _expect(v: Any, tp: type | tuple[type, ...]) -> Any:
-    # bool is an int subclass, but a bool where a number belongs is a malformed message
-    if not isinstance(v, tp) or (isinstance(v, bool) and tp is not bool):
-        raise TypeError(f"expected {_name(tp)}, got {type(v).__name__}")
-    return v
-
-
-def _int(v: Any) -> int:
-    if type(v) is not int:
-        raise TypeError(f"expected int, got {type(v).__name__}")
-    return v
-
-
-def _int_list(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(type(x) is int for x in v):
-        raise TypeError("expected a list of ints")
-    return v
-
-
-def _as_tuple(tp):
-    return tp if isinstance(tp, tuple) else (tp,)
-
-
-def _name(tp) -> str:
-    return "/".join(t.__name__ for t in _as_tuple(tp))
+        return dec.decode(data)
+    except msgspec.ValidationError as e:  # wrong type tag, field type, or a __post_init__ check
+        raise DecodeError(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"not msgpack: {e}") from None
 
 
 # -- messages -------------------------------------------------------------------
 
 
-@message
-class SamplingOptions:
+class SamplingOptions(Part):
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -263,8 +180,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
 
 
-@message
-class GenerateRequest:
+class GenerateRequest(Message):
     """Gateway -> decode worker, on ``generate``; the reply subject receives ``TokenChunk``s."""
 
     request_id: str
@@ -276,24 +192,25 @@ class GenerateRequest:
     # A migrated request: its last ``output_offset`` tokens were generated by another worker
     # (seeded sampling continues at that index; penalties count them as outputs).
     output_offset: int = 0
+    # Where the worker may send this request's chunks batched with other requests' (``TokenBatch``),
+    # each chunk tagged with ``stream``; empty: one ``TokenChunk`` message per chunk to the reply subject.
+    batch_to: str = ""
+    stream: str = ""
 
 
-@message
-class TokenLogprobs:
+class TokenLogprobs(Part):
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
 
 
-@message
-class Usage:
+class Usage(Part):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
 
 
-@message
-class TokenChunk:
+class TokenChunk(Message):
     """Decode worker -> the request's reply subject: new tokens; the last one has finish_reason."""
 
     request_id: str
@@ -305,15 +222,22 @@ class TokenChunk:
     error: str | None = None
     error_status: int = 0  # HTTP-like status for errors (400 bad request, 503 overloaded, ...)
     worker: str = ""
+    stream: str = ""  # in a TokenBatch: the request's GenerateRequest.stream
 
 
-@message
-class Cancel:
+class TokenBatch(Message):
+    """Decode worker -> a ``GenerateRequest.batch_to`` subject, once per engine step: every chunk the
+    step produced for the requests that named that subject, in step order."""
+
+    worker: str
+    chunks: list[TokenChunk] = field(default_factory=list)
+
+
+class Cancel(Message):
     request_id: str
 
 
-@message
-class PrefillJob:
+class PrefillJob(Message):
     """Decode worker -> prefill pool (work queue): compute this prompt's KV into my blocks."""
 
     request_id: str
@@ -332,8 +256,7 @@ class PrefillJob:
     priority: int = 0  # see GenerateRequest.priority
 
 
-@message
-class PrefillDone:
+class PrefillDone(Message):
     """Prefill worker -> decode worker on ``kv_ready``: blocks written, first token sampled."""
 
     request_id: str
@@ -349,8 +272,7 @@ class PrefillDone:
     num_chunks: int = 0  # nats transport: data messages sent before this one
 
 
-@message
-class KvChunk:
+class KvChunk(Message):
     """One piece of a request's KV over the nats transport (block-major bytes)."""
 
     request_id: str
@@ -360,8 +282,7 @@ class KvChunk:
     data: bytes
 
 
-@message
-class WorkerCard:
+class WorkerCard(Message):
     """A worker's entry in the registry bucket, refreshed while it lives."""
 
     worker_id: str
@@ -382,8 +303,7 @@ class WorkerCard:
     engine: str = "model"  # model | mock
 
 
-@message
-class LoadReport:
+class LoadReport(Message):
     """Periodic, on ``load``: what the router and planner need to know about a worker."""
 
     worker_id: str
@@ -410,8 +330,7 @@ class LoadReport:
 
 
 
-@message
-class KvEvent:
+class KvEvent(Part):
     """One change to a worker's cache. ``stored``: a chain of blocks, each the child of the one
     before, the first the child of ``parent``; ``removed``: blocks gone from ``tier``;
     ``cleared``: everything gone."""
@@ -422,8 +341,7 @@ class KvEvent:
     tier: str = "device"  # device | host | disk
 
 
-@message
-class KvEventBatch:
+class KvEventBatch(Message):
     """On ``kv.events.{worker}``, once per engine step with changes; ``seq`` counts batches, so a gap
     tells a router it missed some and must resync from a snapshot."""
 
@@ -433,14 +351,12 @@ class KvEventBatch:
     events: list[KvEvent] = field(default_factory=list)
 
 
-@message
-class KvSnapshotRequest:
+class KvSnapshotRequest(Message):
     page: int = 0
     snapshot_id: str = ""  # from page 0's reply; later pages come from the same snapshot
 
 
-@message
-class KvSnapshot:
+class KvSnapshot(Message):
     """Reply on ``kv.snapshot.{worker}``: every cached block by tier, as of batch ``seq``."""
 
     worker_id: str
@@ -451,8 +367,7 @@ class KvSnapshot:
     blocks: dict[str, list[int]] = field(default_factory=dict)  # tier -> hashes on this page
 
 
-@message
-class RouterDecision:
+class RouterDecision(Message):
     """On ``router.decisions``: so other gateway replicas count this request's load too."""
 
     router_id: str
@@ -466,8 +381,7 @@ class RouterDecision:
     timestamp: float
 
 
-@message
-class PlannerDecision:
+class PlannerDecision(Message):
     """On ``planner.decisions``: one pool's size for the next window, and why."""
 
     pool: str  # prefill | decode
@@ -484,8 +398,7 @@ class PlannerDecision:
 # -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
 
 
-@message
-class NcclConnect:
+class NcclConnect(Message):
     """Prefill -> decode, request on ``nccl.connect``: join a two-rank communicator as rank 1."""
 
     session: str  # names the communicator on both sides
@@ -493,8 +406,7 @@ class NcclConnect:
     unique_id: bytes  # ncclUniqueId, 128 bytes
 
 
-@message
-class NcclBegin:
+class NcclBegin(Message):
     """Prefill -> decode, request on ``nccl.begin``: post the recvs of this request's bytes."""
 
     session: str
@@ -503,7 +415,6 @@ class NcclBegin:
     chunk_bytes: int  # one send per this many bytes (the last one shorter)
 
 
-@message
-class NcclReply:
+class NcclReply(Message):
     ok: bool
     error: str = ""

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -21,7 +23,11 @@ from mesh.engine.errors import ModelError
 
 
 class ChatTemplateError(ValueError):
-    """The chat template failed to render these messages."""
+    """The chat template failed to render these messages (``param``: the request field at fault)."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 class Tokenizer:
@@ -48,11 +54,15 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = None
+        self.chat_template: str | None = template or None
+        self.template_uses_tools = False
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
+            env = _template_env()
             self._template = env.from_string(template)
+            variables = meta.find_undeclared_variables(env.parse(template))
+            self.template_uses_tools = bool({"tools", "custom_tools"} & variables)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     @property
     def has_chat_template(self) -> bool:
@@ -73,21 +83,36 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one special token of this tokenizer (a control marker)."""
+        return self._special.get(text)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The template rendered as transformers' ``apply_chat_template`` renders it: ``tools`` are
+        OpenAI tool objects (``{"type": "function", "function": {...}}``); ``template_kwargs`` are
+        extra variables (``enable_thinking``)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        if tools and not self.template_uses_tools:
+            raise ChatTemplateError("this model's chat template cannot render tools", "tools")
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return self._template.render({
+                **(template_kwargs or {}),  # never in place of what follows
+                "messages": messages,
+                "tools": tools or None,
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            })
         except TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _token_text(tok: object) -> str | None:
@@ -98,3 +123,21 @@ def _token_text(tok: object) -> str | None:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes ``<`` and ``>`` for HTML)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (same filters and globals)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env

@@ -52,7 +52,7 @@ def ensure_tiny_model(path: Path) -> Path:
 class UpPlan:
     """What to start; built from the CLI flags."""
 
-    models: list[str]  # model directories, one pool pair each ([] with mock)
+    models: list[str]  # model directories, one pool pair each ([] with --mock alone: the model "mock")
     mock: bool
     prefill: int
     decode: int
@@ -161,7 +161,9 @@ async def run_up(plan: UpPlan) -> int:
                 planner = Planner(bus, membership, connector, plan.planner, model=name)
                 await planner.start()
                 planners.append(planner)
-        what = "mocker" if plan.mock else ", ".join(plan.models)
+        what = ", ".join(plan.models) or "the mocker"
+        if plan.mock and plan.models:
+            what = f"the mocker as {what}"
         mode = "planner on" if planners else "fixed pools"
         print(
             f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "

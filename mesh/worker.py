@@ -57,6 +57,9 @@ class WorkerSettings:
     registry_ttl: float = DEFAULT_TTL
     drain_timeout: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
+    # decode: at most one emission (TokenBatch per gateway) per this many ms; steps that end in
+    # between go out together. 0: each emission as soon as the event loop is free.
+    stream_interval_ms: float = 0.0
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
 
@@ -174,7 +177,6 @@ class WorkerBase:
         self.engine: EngineCore | None = None
         self.loop: EngineLoop | None = None
         self.cards: CardPublisher | None = None
-        self._outputs: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.last_load: LoadReport | None = None
         self.metrics_port = 0
@@ -202,7 +204,8 @@ class WorkerBase:
         """Subscribe and start role tasks; push cleanups onto ``stack``."""
 
     async def handle_outputs(self, outs: list) -> None:
-        """Step outputs, in step order, on the event loop."""
+        """Step outputs, in step order, on the event loop (several steps' at once when the loop was
+        busy: a request may then have several outputs in ``outs``)."""
 
     def in_flight(self) -> int:
         return 0
@@ -231,7 +234,8 @@ class WorkerBase:
             counters={
                 **self.counters.by_key, "requests": self.counters.requests, "finished": self.counters.finished,
                 "cancelled": self.counters.cancelled, "errors": self.counters.errors,
-                "preemptions": s.num_preemptions, "prefix_hit_blocks": engine.pool.hit_blocks,
+                "steps": engine.num_steps, "preemptions": s.num_preemptions,
+                "prefix_hit_blocks": engine.pool.hit_blocks,
                 "prefix_query_blocks": engine.pool.queried_blocks, **engine.kv_counters(),
             },
         )
@@ -253,7 +257,7 @@ class WorkerBase:
                 self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
             else:
                 self.engine.pool.events.enabled = False
-            self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._outputs.put_nowait,
+            self.loop = EngineLoop(self.engine, asyncio.get_running_loop(),
                                    after_work=self.kv_events.flush if self.kv_events else None,
                                    name=f"engine-{self.role}", on_failure=lambda e: self._engine_died(stop))
             self.loop.start()
@@ -305,12 +309,18 @@ class WorkerBase:
                 await t
 
     async def _deliver_outputs(self) -> None:
+        """Steps' outputs to ``handle_outputs``: every step that ended while the last ones were being
+        sent goes in one call; with ``stream_interval`` at most one call per interval."""
+        interval = self.settings.stream_interval_ms / 1000.0
         while True:
-            outs = await self._outputs.get()
+            outs = await self.loop.outputs()
+            sent = time.monotonic()
             try:
                 await self.handle_outputs(outs)
             except Exception:
                 log.exception("delivering step outputs failed")
+            if interval:
+                await asyncio.sleep(interval - (time.monotonic() - sent))
 
     async def _report_load(self) -> None:
         subject = self.bus.subjects.load(self.engine.model_name, self.worker_id)

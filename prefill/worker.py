@@ -135,10 +135,13 @@ class PrefillWorker(WorkerBase):
                 await m.term()
             return
         misfit = self._misfit(job)
-        if misfit is not None and _deliveries(m) < MAX_DELIVERIES:
-            # Another worker of the pool may be able to serve it (e.g. it shares the decode worker's host).
+        deliveries = _deliveries(m)
+        if misfit is not None and deliveries < MAX_DELIVERIES:
+            # Another worker of the pool may be able to serve it (e.g. it shares the decode worker's
+            # host). Back off longer each time, so that a worker that fetches often cannot spend the
+            # job's deliveries before one that fits fetches it (20 deliveries: about 4 s in all).
             with contextlib.suppress(Exception):
-                await m.nak(delay=0.02)
+                await m.nak(delay=0.02 * deliveries)
             return
         # Ack at once: a job is never redelivered into blocks a decode worker may have reused.
         with contextlib.suppress(Exception):

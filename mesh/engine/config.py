@@ -303,6 +303,9 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
+    grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
+    grammar_cache_size: int = 256  # compiled grammars kept per worker
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -323,6 +326,8 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.grammar_threads < 0 or self.grammar_cache_size < 1:
+            raise ValueError("grammar_threads must be >= 0 and grammar_cache_size >= 1")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         if self.max_loras is not None and self.max_loras < 0:

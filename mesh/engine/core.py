@@ -68,6 +68,7 @@ class EngineCore:
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
         self.tiers: TieredCache | None = None  # enable_tiers()
         self.lora = None  # a LoraManager (mesh.engine.lora) when the engine serves LoRA adapters
+        self.grammar = None  # a GrammarManager where the engine enforces constraints (the real engine)
         self._ids = itertools.count()
 
     # -- KV tiers ---------------------------------------------------------------
@@ -148,7 +149,17 @@ class EngineCore:
         return self.lora is not None and self.lora.unload(name) is not None
 
     def add(self, seq: Sequence) -> None:
+        self.attach_grammar(seq)
         self.scheduler.add(seq)
+
+    def attach_grammar(self, seq: Sequence) -> None:
+        """A constrained sequence gets its grammar state, caught up with the tokens it already generated
+        (raises ``RequestError`` if this engine cannot enforce the constraint)."""
+        if seq.params.constraint is None:
+            return
+        if self.grammar is None:
+            raise RequestError("this engine does not enforce constraints (response_format, tools)")
+        self.grammar.attach(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -162,6 +173,7 @@ class EngineCore:
         return seq.num_tokens - len(self.kv_manager.match_prefix(seq)) * self.block_size
 
     def reserve_remote(self, seq: Sequence) -> bool:
+        self.attach_grammar(seq)  # the first token comes from the prefill worker, and advances it
         ok = self.scheduler.reserve_remote(seq)
         if ok and self.tiers is not None:
             # Another process writes the reserved blocks next: the offload copies that read

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from kvstore.disk import DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
 from mesh.engine.attention import create_backend, default_backend
 from mesh.engine.config import EngineConfig, ModelConfig
+from mesh.engine.constraints.manager import GrammarConfig, GrammarManager
 from mesh.engine.core import CoreConfig, EngineCore
 from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.loader import load_model
@@ -85,13 +87,18 @@ class Engine(EngineCore):
         self.sampler = Sampler(self.device, config.seed)
         if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
             self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
+        self.grammar = GrammarManager(
+            Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
+            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size),
+            pin_memory=self.device.type == "cuda",
+        )
         graphs = None
         if (config.cuda_graphs and self.device.type == "cuda" and self.tp is None
                 and getattr(self.attention, "supports_cuda_graphs", False)):
             graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device)
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=graphs,
-                                  lora=self.lora)
+                                  lora=self.lora, grammar=self.grammar)
         log.info(
             "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
@@ -114,6 +121,7 @@ class Engine(EngineCore):
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
         if self.tp is not None:
             self.tp.close()
+        self.grammar.close()
         self.kv_cache.close(unlink=True)
 
     def _enable_tiers(self) -> None:

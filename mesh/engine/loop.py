@@ -2,14 +2,17 @@
 
 The event loop never waits on a model step. It hands the engine thread
 closures (``call``); the thread runs them between steps, in order, and
-resolves their futures on the event loop. Step outputs are delivered to the
-loop with ``call_soon_threadsafe``.
+resolves their futures on the event loop. Step outputs wait in order until the
+loop takes them (``await outputs()``); only the first step to end after the
+loop last took them wakes it, so a loop busy sending one step's tokens takes
+every step that ended meanwhile in one go (one wake-up, one message per
+destination for all of them).
 
     asyncio side                      engine thread
     ------------                      -------------
     await loop.call(fn) --queue-->    fn(engine) between two steps
                       <--future--     result / exception
-    on_outputs(outs)  <--------       engine.step()
+    await outputs()   <--pending--    engine.step() (wakes the loop only if it waits)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,17 +41,18 @@ class EngineLoop:
         self,
         engine: Steppable,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list], None],
         after_work: Callable[[Any], None] | None = None,
         name: str = "engine",
         on_failure: Callable[[BaseException], None] | None = None,
     ):
         self.engine = engine
         self.loop = loop
-        self.on_outputs = on_outputs
         self.after_work = after_work  # engine thread, after every step and every batch of commands
         self.on_failure = on_failure  # event loop: the engine thread died
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque[list] = deque()  # step outputs the event loop has not taken yet
+        self._signalled = True  # the loop was woken (or is not waiting): later emits need not wake it
+        self._ready = asyncio.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds = 0.0  # duration of the last step
@@ -68,9 +73,27 @@ class EngineLoop:
         return fut
 
     def emit(self, outs: list) -> None:
-        """From the engine thread (inside a ``call``): deliver outputs in order with the step outputs."""
+        """From the engine thread (also inside a ``call``): deliver outputs in order with the step
+        outputs. Only the first emit after the loop started waiting wakes it."""
         if outs:
-            self.loop.call_soon_threadsafe(self.on_outputs, outs)
+            self._pending.append(outs)  # before reading the flag: a waiter that resets it
+            if not self._signalled:  # after we read it finds this list
+                self._signalled = True
+                self.loop.call_soon_threadsafe(self._ready.set)
+
+    async def outputs(self) -> list:
+        """On the event loop: every output emitted since the last call, in order (waits for one)."""
+        pending = self._pending
+        while True:
+            self._signalled = False  # before looking: an emit that sees it unset wakes us
+            self._ready.clear()
+            if pending:
+                break
+            await self._ready.wait()
+        outs: list = []
+        while pending:
+            outs.extend(pending.popleft())
+        return outs
 
     def _run(self) -> None:
         try:
@@ -108,6 +131,8 @@ class EngineLoop:
         return outs
 
     def _drain(self, block: bool) -> None:
+        if not block and self._commands.empty():  # between two steps, most of the time
+            return
         try:
             item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:

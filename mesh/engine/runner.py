@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mesh.engine.attention import AttentionBackend, AttentionBatch
+from mesh.engine.constraints.manager import GrammarManager
 from mesh.engine.cuda_graphs import DecodeGraphs
 from mesh.engine.model import CausalLM
 from mesh.engine.sampler import Sampler
@@ -37,9 +38,10 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
                  broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
-                 lora=None):
+                 lora=None, grammar: GrammarManager | None = None):
         self.model = model
         self.lora = lora  # a LoraManager: brings each step's adapters into its slots, plans their rows
+        self.grammar = grammar  # constrained rows: their masks are filled while the model runs
         self.graphs = graphs  # CUDA: pure decode steps replay from graphs
         self.attention = attention
         self.sampler = sampler
@@ -55,6 +57,8 @@ class ModelRunner:
         step, sample_rows = self.inputs(out)
         if self.broadcast is not None:
             self.broadcast(step)
+        seqs = [c.seq for c in out.sampling_chunks]
+        masks = self.grammar.begin_step(seqs) if self.grammar is not None and seqs else None
         hidden = self.forward(step)
         if self.capture_logits:
             self.last_logits = self.model.logits(hidden)
@@ -62,7 +66,7 @@ class ModelRunner:
             return []
         rows = torch.as_tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return self.sampler(logits, [c.seq for c in out.sampling_chunks])
+        return self.sampler(logits, seqs, masks)
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mesh.engine.constraints.masks import StepMasks
 from mesh.engine.sequence import SampledToken, Sequence, TokenLogprob
 
 _BIG = 1e38
@@ -22,11 +23,14 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """``logits [B, V]`` (float32), one row per sequence in ``seqs``."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: StepMasks | None = None) -> list[SampledToken]:
+        """``logits [B, V]`` (float32), one row per sequence in ``seqs``; ``masks``: the grammar's allowed
+        tokens of the constrained rows (applied after the logprobs, which stay the model's own)."""
         params = [s.params for s in seqs]
         want_lp = [p.logprobs for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
+        if masks is not None:
+            logits = masks.apply(logits)
         if any(p.has_penalties for p in params):
             logits = logits.clone()
             for i, s in enumerate(seqs):

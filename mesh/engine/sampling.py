@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.engine.constraints.spec import Constraint
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -19,6 +21,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: Constraint | None = None  # the output must match it (JSON schema, grammar); see constraints/
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

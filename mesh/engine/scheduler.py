@@ -261,8 +261,7 @@ class Scheduler:
             return None
         seq.num_computed_tokens = seq.num_tokens
         self.kv.cache_computed(seq)
-        seq.append_token(first.token_id, first.logprob)
-        self.check_stop(seq)
+        self.take_token(seq, first)
         if seq.is_finished:
             self.retire(seq)
         else:
@@ -293,8 +292,7 @@ class Scheduler:
             if not chunk.samples:
                 continue
             tok = next(samples)
-            seq.append_token(tok.token_id, tok.logprob)
-            self.check_stop(seq)
+            self.take_token(seq, tok)
             if seq.is_finished:
                 finished.append(seq)
             results.append(self.output_of(seq, [tok]))
@@ -303,11 +301,21 @@ class Scheduler:
             self.retire(seq)
         return results
 
+    def take_token(self, seq: Sequence, tok: SampledToken) -> None:
+        """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
+        seq.append_token(tok.token_id, tok.logprob)
+        if seq.grammar is not None and not seq.grammar.advance(tok.token_id):
+            seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
+            return
+        self.check_stop(seq)
+
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
         last = seq.last_token_id
         if (not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids:
             seq.status = SeqStatus.FINISHED_STOPPED
+        elif seq.grammar is not None and seq.grammar.is_done:
+            seq.status = SeqStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.status = SeqStatus.FINISHED_LENGTH
 

@@ -14,6 +14,7 @@ from mesh.hashing import block_hashes
 
 if TYPE_CHECKING:
     from mesh.engine.lora import LoraAdapter
+    from mesh.engine.constraints.state import GrammarState
 
 
 class SeqStatus(enum.IntEnum):
@@ -26,6 +27,7 @@ class SeqStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine could not go on with it (a token its grammar rejects)
 
     @property
     def is_finished(self) -> bool:
@@ -40,6 +42,7 @@ _FINISH_REASONS = {
     SeqStatus.FINISHED_STOPPED: "stop",
     SeqStatus.FINISHED_LENGTH: "length",
     SeqStatus.FINISHED_ABORTED: "abort",
+    SeqStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -80,6 +83,8 @@ class Sequence:
     output_offset: int = 0
     # The LoRA adapter the request runs (its block hashes use the adapter's ``hash_seed``); None: the base model
     lora: LoraAdapter | None = None
+    # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
+    grammar: GrammarState | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

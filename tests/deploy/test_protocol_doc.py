@@ -4,13 +4,13 @@ registry and work-queue settings. A protocol change that forgets the doc fails h
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 import types
 import typing
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from mesh.hashing import block_hashes, model_seed
@@ -37,10 +37,10 @@ def wire_type(tp) -> str:
     return tp.__name__
 
 
-def wire_default(f: dataclasses.Field) -> str:
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+def wire_default(f: msgspec.structs.FieldInfo) -> str:
+    if f.required:
         return "required"
-    v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    v = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
     if v is None:
         return "nil"
     if isinstance(v, bool):
@@ -71,7 +71,7 @@ def documented_fields(name: str) -> list[tuple[str, str, str]]:
 def test_every_field_of_every_message_is_documented(name):
     cls = MESSAGE_TYPES[name]
     hints = typing.get_type_hints(cls)
-    expect = [(f.name, wire_type(hints[f.name]), wire_default(f)) for f in dataclasses.fields(cls)]
+    expect = [(f.name, wire_type(hints[f.name]), wire_default(f)) for f in msgspec.structs.fields(cls)]
     assert documented_fields(name) == expect
 
 

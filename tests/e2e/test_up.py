@@ -86,3 +86,29 @@ def test_mesh_up_mock_serves_the_mocker(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+def test_mesh_up_mock_with_a_model_speaks_its_language(tmp_path, tiny_model):
+    """``--mock --model DIR``: the mocker serves under the directory's name, and the gateway renders
+    chat with that model's template and tokenizer, so chat requests and text prompts work."""
+    model = tmp_path / "chatty"
+    model.symlink_to(tiny_model, target_is_directory=True)
+    proc, url = start_up("--mock", "--model", str(model), "--decode", "1", "--prefill", "0", "--no-planner",
+                         "--mock-speedup", "50")
+    try:
+        assert "the mocker as" in proc.up_line
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["chatty"]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "chatty", "messages": [{"role": "user", "content": "Hello there, mocker"}], "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "chatty" and body["usage"]["completion_tokens"] == 6
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        # the prompt went through the model's chat template: more tokens than the words alone
+        from mesh.tokenizer import Tokenizer
+        words = len(Tokenizer(str(tiny_model)).encode("Hello there, mocker", add_special_tokens=False))
+        assert body["usage"]["prompt_tokens"] > words
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

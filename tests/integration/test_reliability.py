@@ -67,6 +67,9 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
         assert got == reference.output_token_ids  # no token lost, none repeated
         metrics = (await httpx.AsyncClient().get(f"{url}/metrics")).text
         assert "pdmesh_gateway_migrations_total 1" in metrics
+        # the migrated choice ended FINISHED: nothing is left routing, waiting or streaming
+        assert "pdmesh_gateway_live_choices 0" in metrics
+        assert 'pdmesh_gateway_choices_total{state="FINISHED"} 1' in metrics
     finally:
         await w.close()
 

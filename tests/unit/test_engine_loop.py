@@ -22,10 +22,16 @@ class Flaky(MockEngine):
         return super().execute(out)
 
 
+async def gather(loop: EngineLoop, outs: list) -> None:
+    while True:
+        outs.extend(await loop.outputs())
+
+
 async def test_a_failing_step_fails_its_requests_and_the_loop_serves_on():
     engine = Flaky(MockConfig(speedup=1000, num_blocks=64))
     outs: list = []
-    loop = EngineLoop(engine, asyncio.get_running_loop(), outs.extend)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    collect = asyncio.create_task(gather(loop, outs))
     loop.start()
     try:
         def add(e, rid, n):
@@ -50,6 +56,7 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_serves_on():
         assert loop.failure is None
     finally:
         loop.stop()
+        collect.cancel()
 
 
 async def test_a_fatal_engine_error_ends_the_loop_and_says_so():
@@ -63,7 +70,8 @@ async def test_a_fatal_engine_error_ends_the_loop_and_says_so():
     engine = Dead(MockConfig(speedup=1000, num_blocks=64))
     outs: list = []
     died = asyncio.get_running_loop().create_future()
-    loop = EngineLoop(engine, asyncio.get_running_loop(), outs.extend, on_failure=died.set_result)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), on_failure=died.set_result)
+    collect = asyncio.create_task(gather(loop, outs))
     loop.start()
     try:
         await loop.call(lambda e: e.add(e.new_sequence([1, 2, 3], SamplingParams(max_tokens=5), request_id="r")))
@@ -73,3 +81,4 @@ async def test_a_fatal_engine_error_ends_the_loop_and_says_so():
         assert [o.finish_reason for o in outs if o.request_id == "r"] == ["error"]  # its request was failed
     finally:
         loop.stop()
+        collect.cancel()

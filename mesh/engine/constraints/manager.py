@@ -1,0 +1,134 @@
+"""The engine's grammars: one backend (built on first use), one compiled-grammar cache, the step masks.
+
+    prepare(constraint)   any thread: compile into the cache (a worker warms it before adding)
+    attach(seq)           engine thread, when a sequence is added: its GrammarState, replaying the
+                          tokens it already generated (migrated, disaggregated or rebuilt requests)
+    begin_step(seqs)      engine thread, before the forward pass: starts the mask fill in a thread
+    the sampler           applies the masks (StepMasks.apply); the scheduler advances the states
+
+Building the backend reads the whole vocabulary (seconds for 128k tokens), so it
+happens on the first constraint, not when a worker starts; ``prepare`` from a
+thread keeps that off the engine thread too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mesh.engine.constraints.backend import GrammarBackend, bitmask_words, create_backend
+from mesh.engine.constraints.cache import GrammarCache
+from mesh.engine.constraints.masks import StepMasks
+from mesh.engine.constraints.spec import Constraint, ConstraintError
+from mesh.engine.constraints.state import GrammarState
+
+if TYPE_CHECKING:
+    from mesh.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    backend: str = "llguidance"
+    threads: int = 0  # mask-fill threads of the backend; 0: its default
+    cache_size: int = 256  # compiled grammars kept
+
+
+@dataclass
+class MaskStats:
+    steps: int = 0  # steps with at least one constrained row
+    rows: int = 0
+    fill_seconds: float = 0.0  # in the mask thread
+    wait_seconds: float = 0.0  # the sampler waiting for a fill: the part not hidden behind the model
+
+
+class GrammarManager:
+    def __init__(self, tokenizer_file: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 config: GrammarConfig | None = None, pin_memory: bool = False):
+        self.config = config or GrammarConfig()
+        self.tokenizer_file = Path(tokenizer_file) if tokenizer_file else None
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.pin_memory = pin_memory
+        self.cache = GrammarCache(self._compile, self.config.cache_size)
+        self.masks = MaskStats()
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._bitmask: torch.Tensor | None = None
+
+    # -- compile ---------------------------------------------------------------------------
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                if self.tokenizer_file is None or not self.tokenizer_file.is_file():
+                    raise ConstraintError("this model has no tokenizer.json: constrained output needs one")
+                self._backend = create_backend(self.config.backend, self.tokenizer_file.read_text(),
+                                               self.vocab_size, self.eos_token_ids, self.config.threads)
+            return self._backend
+
+    def _compile(self, c: Constraint) -> object:
+        return self.backend.compile(c)
+
+    def prepare(self, c: Constraint) -> None:
+        """Compile ``c`` into the cache (raises ``ConstraintError``); from any thread."""
+        self.cache.get(c)
+
+    # -- sequences -------------------------------------------------------------------------
+    def attach(self, seq: Sequence) -> None:
+        """Give ``seq`` its grammar state, caught up with every token it generated so far."""
+        c = seq.params.constraint
+        if c is None or seq.grammar is not None:
+            return
+        state = GrammarState(self.backend.matcher(self.cache.get(c)), c.start_after)
+        if not state.replay(seq.generated_token_ids):
+            raise ConstraintError(f"the tokens generated so far do not match the constraint: {state.error}")
+        seq.grammar = state
+
+    # -- steps -----------------------------------------------------------------------------
+    def begin_step(self, seqs: list[Sequence]) -> StepMasks | None:
+        """Start filling the masks of the constrained rows of ``seqs`` (the rows that sample this step)."""
+        rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.needs_mask]
+        if not rows:
+            return None
+        bitmask = self._buffer(len(seqs))[: len(rows)]
+        backend = self.backend
+        # the Python side of the fill happens here: the mask thread only runs the backend's native
+        # call, which releases the GIL, so it never competes with the engine thread for it
+        fill = backend.prepare_fill([(state.matcher, j) for j, (_, state) in enumerate(rows)], bitmask)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self.masks.steps += 1
+        self.masks.rows += len(rows)
+        done = self._pool.submit(self._fill, fill)
+        return StepMasks(done, [i for i, _ in rows], bitmask, self.masks)
+
+    def _fill(self, fill) -> None:
+        t0 = time.perf_counter()
+        fill()
+        self.masks.fill_seconds += time.perf_counter() - t0
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            shape = (max(rows, 8), bitmask_words(self.vocab_size))
+            self._bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+        return self._bitmask
+
+    def stats(self) -> dict[str, float]:
+        s, m = self.cache.stats, self.masks
+        return {
+            "grammars_cached": len(self.cache), "compile_hits": s.hits, "compile_misses": s.misses,
+            "compile_seconds": s.compile_seconds, "mask_steps": m.steps, "mask_rows": m.rows,
+            "mask_fill_seconds": m.fill_seconds, "mask_wait_seconds": m.wait_seconds,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,54 @@
+"""One sequence's place in its grammar.
+
+``GrammarState`` advances with every token the sequence accepts, wherever that
+token was sampled: the scheduler calls ``advance`` for a decoded token and for
+the first token a prefill worker sent. A sequence that arrives with tokens
+already generated (migration, a disaggregated first token, a rebuilt
+request) replays them through the same ``advance`` when it is attached, so a
+rebuilt state is the state an uninterrupted run would have. Preemption keeps
+the state: recompute re-reads tokens, it does not re-accept them.
+
+While ``start_after`` is pending (a reasoning model's thinking block) the
+output is free and no mask is computed; the grammar starts with the token
+after it.
+"""
+
+from __future__ import annotations
+
+from mesh.engine.constraints.backend import TokenMatcher
+
+
+class GrammarState:
+    __slots__ = ("error", "matcher", "num_tokens", "start_after", "started")
+
+    def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
+        self.matcher = matcher
+        self.start_after = start_after
+        self.started = start_after is None
+        self.num_tokens = 0  # generated tokens seen (before and after the start)
+        self.error = ""
+
+    def advance(self, token_id: int) -> bool:
+        """Take one generated token; False if the grammar rejects it (``error`` says why)."""
+        self.num_tokens += 1
+        if not self.started:
+            self.started = token_id == self.start_after
+            return True
+        if self.error:
+            return False
+        if not self.matcher.consume(token_id):
+            self.error = self.matcher.error or f"token {token_id} does not match the grammar"
+            return False
+        return True
+
+    def replay(self, token_ids: list[int]) -> bool:
+        return all(self.advance(t) for t in token_ids)
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.started and not self.error and not self.matcher.is_done
+
+    @property
+    def is_done(self) -> bool:
+        """The grammar is complete: the sequence ends here (finish reason ``stop``)."""
+        return self.started and not self.error and self.matcher.is_done

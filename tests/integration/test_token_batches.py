@@ -1,0 +1,124 @@
+"""Per-step token batches through the real path: a mock decode worker (real ``EngineCore``,
+scheduler and emission) sends one ``TokenBatch`` per step for many concurrent streams, and the
+gateway hands each chunk to its stream, in order; on the same mesh a custom worker written against
+the raw protocol (plain nats-py and msgpack, one ``TokenChunk`` per message, no batching) serves
+another model through the same gateway reply subscription."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import time
+
+import httpx
+import msgpack
+import nats
+import pytest
+
+from mesh.bus import Bus
+from mesh.mocker.engine import MockConfig
+from mesh.protocol import Subjects, WorkerCard
+from mesh.registry import CardPublisher
+from tests.integration.conftest import Watcher, wait_http_ok
+
+N_STREAMS = 24
+MAX_TOKENS = 40
+VOCAB = MockConfig().vocab_size
+
+
+def mocker_tokens(prompt: list[int], n: int) -> list[int]:
+    """What ``MockEngine.token_for`` generates after ``prompt``."""
+    toks, last, length = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = (last * 31 + length * 17 + 7) % VOCAB
+        toks.append(last)
+        length += 1
+    return toks
+
+
+class SingleChunkWorker:
+    """A custom worker as one in another language would write it: raw subjects, msgpack maps, one
+    TokenChunk per token on the reply subject; it ignores ``batch_to``. It echoes the prompt."""
+
+    def __init__(self, nats_url: str, worker_id: str):
+        self.nats_url, self.worker_id = nats_url, worker_id
+        self.served = 0
+
+    async def start(self) -> None:
+        self.nc = await nats.connect(self.nats_url)
+        await self.nc.subscribe(f"mesh.echo.decode.{self.worker_id}.generate", cb=self._on_generate)
+        self.bus = Bus(self.nc, Subjects("mesh"))  # only to publish our card the standard way
+        self.cards = CardPublisher(self.bus, self._card)
+        await self.cards.start()
+
+    def _card(self) -> WorkerCard:
+        now = time.time()
+        return WorkerCard(self.worker_id, "decode", "echo", 16, 1024, 16384, socket.gethostname(), os.getpid(),
+                          now, now, engine="custom")
+
+    async def _on_generate(self, msg) -> None:
+        req = msgpack.unpackb(msg.data)
+        ids = req["token_ids"][: req["sampling"]["max_tokens"]]
+        for i, t in enumerate(ids):
+            chunk = {"type": "TokenChunk", "request_id": req["request_id"], "index": i, "token_ids": [t]}
+            if i == len(ids) - 1:
+                chunk["finish_reason"] = "length"
+                chunk["usage"] = {"prompt_tokens": len(req["token_ids"]), "completion_tokens": len(ids)}
+            await self.nc.publish(msg.reply, msgpack.packb(chunk))
+            await asyncio.sleep(0.002)
+        self.served += 1
+
+    async def stop(self) -> None:
+        await self.cards.stop()
+        await self.nc.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tiny_model):
+    cluster.worker("mock", "--served-name", "batchy", "--worker-id", "batchy-0", "--mock-speedup", "20")
+    return cluster.gateway(tiny_model, None)  # "batchy" and "echo" have no tokenizer here: token ids
+
+
+async def stream_ids(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True,
+            "ignore_eos": True, "temperature": 0}
+    got = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                got += event["choices"][0].get("token_ids") or []
+    return got
+
+
+async def test_batched_and_single_chunk_streams_share_one_gateway(cluster, gateway):
+    custom = SingleChunkWorker(cluster.nats_url, "echo-0")
+    await custom.start()
+    w = await Watcher.open(cluster.nats_url)
+    try:
+        await w.wait_for(lambda: w.membership.get("batchy-0") and w.membership.get("echo-0"), 60, "workers")
+        wait_http_ok(gateway + "/health", 60)
+        prompts = [[(17 * i + j) % 900 + 3 for j in range(20 + i)] for i in range(N_STREAMS)]
+        async with httpx.AsyncClient(timeout=60) as http:
+            batched = [stream_ids(http, gateway, "batchy", p, MAX_TOKENS) for p in prompts]
+            singles = [stream_ids(http, gateway, "echo", p, 12) for p in prompts[:4]]
+            results = await asyncio.gather(*batched, *singles)
+            metrics = (await http.get(gateway + "/metrics")).text
+        for p, got in zip(prompts, results[:N_STREAMS], strict=True):
+            assert got == mocker_tokens(p, MAX_TOKENS)  # every token, in order, to its own stream
+        for p, got in zip(prompts[:4], results[N_STREAMS:], strict=True):
+            assert got == p[:12]
+        assert custom.served == 4
+        batches = float(re.search(r"^pdmesh_gateway_token_batches_total (\S+)$", metrics, re.M).group(1))
+        chunks = float(re.search(r"^pdmesh_gateway_batched_chunks_total (\S+)$", metrics, re.M).group(1))
+        # the batching worker's chunks all came in batches, several streams' per message
+        assert chunks >= N_STREAMS * 2 and chunks / batches > 2, (chunks, batches)
+        assert "pdmesh_gateway_live_choices 0" in metrics
+    finally:
+        await w.close()
+        await custom.stop()

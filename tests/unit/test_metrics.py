@@ -1,0 +1,33 @@
+"""A step's metrics in one update: ``observe_many`` exposes exactly what ``observe`` n times does."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from mesh.metrics import observe_many
+from mesh.telemetry import LATENCY_BUCKETS
+
+
+def _pair():
+    reg = CollectorRegistry()
+    one = Histogram("one_by_one", "x", ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+    many = Histogram("in_one_go", "x", ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+    return reg, one.labels("m"), many.labels("m")
+
+
+def _samples(reg, name):
+    return {(s.name.replace(name, ""), tuple(sorted(s.labels.items()))): s.value
+            for m in reg.collect() if m.name == name for s in m.samples if not s.name.endswith("_created")}
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.001, 0.0011, 0.0025, 0.7, 60.0, 61.0])
+@pytest.mark.parametrize("count", [1, 2, 37])
+def test_observe_many_equals_repeated_observe(amount, count):
+    reg, one, many = _pair()
+    for _ in range(count):
+        one.observe(amount)
+    observe_many(many, amount, count)
+    assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)
+    text = generate_latest(reg).decode()
+    assert f'in_one_go_count{{model="m"}} {float(count)}' in text
