@@ -13,8 +13,8 @@ from mesh.engine.sampling import SamplingParams
 from mesh.hashing import block_hashes
 
 if TYPE_CHECKING:
-    from mesh.engine.lora import LoraAdapter
     from mesh.engine.constraints.state import GrammarState
+    from mesh.engine.lora import LoraAdapter
 
 
 class SeqStatus(enum.IntEnum):
