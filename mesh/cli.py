@@ -98,6 +98,7 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
+    add_lora_flags(p)
 
 
 def add_bus_flags(p: argparse.ArgumentParser) -> None:
@@ -297,6 +298,8 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
             raise CliError("the mocker has no KV bytes: --host-kv-gb and --disk-kv-dir are for model workers")
         if args.tp != 1:
             raise CliError("the mocker has no model to shard: --tp is for model workers")
+        if args.lora or args.max_loras:
+            raise CliError("the mocker runs no model: --lora and --max-loras are for model workers")
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
@@ -313,16 +316,28 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     model = args.model or settings().model
     if not model:
         raise CliError("--model DIR is required (or MESH_MODEL)")
-    ModelConfig.from_dir(model).check_tp(args.tp)
+    mc = ModelConfig.from_dir(model)
+    mc.check_tp(args.tp)
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb}
-    return EngineConfig(
+    config = EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=args.cuda_graphs,
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
-        **{k: v for k, v in tiers.items() if v is not None},
+        **{k: v for k, v in tiers.items() if v is not None}, **lora_config(args),
     )
+    check_loras(config, mc)
+    return config
+
+
+def check_loras(config, mc) -> None:
+    """Read every --lora adapter once before anything starts: a broken directory is one line
+    naming the file (LoraError), not a worker that dies after joining the mesh."""
+    from mesh.engine.lora import read_adapter
+
+    for name, path in config.loras:
+        read_adapter(name, path, mc, config.model_name, config.max_lora_rank)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -424,6 +439,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         flags += ["--tp", str(args.tp)]
     if args.cuda_graphs:
         flags += ["--cuda-graphs"]
+    for spec in args.lora:
+        flags += ["--lora", spec]
+    if args.max_loras is not None:
+        flags += ["--max-loras", str(args.max_loras)]
+    if args.max_lora_rank != 16:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
     if args.grammar_backend != "llguidance" or args.grammar_threads:
         flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",

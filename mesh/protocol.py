@@ -100,6 +100,10 @@ class Subjects:
         """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
 
+    def lora(self, model: str) -> str:
+        """Runtime LoRA load/unload: every worker of the model answers (a request gathers replies)."""
+        return f"{self._m(model)}.lora"
+
     def control(self, worker: str) -> str:
         """Per-worker control (drain), used by the planner's local connector."""
         return f"{self.ns}.control.{subject_token(worker)}"
@@ -196,6 +200,8 @@ class GenerateRequest(Message):
     # each chunk tagged with ``stream``; empty: one ``TokenChunk`` message per chunk to the reply subject.
     batch_to: str = ""
     stream: str = ""
+    # The LoRA adapter the request runs (a name the worker's card lists in ``adapters``); "": the base model
+    adapter: str = ""
 
 
 class TokenLogprobs(Part):
@@ -254,6 +260,7 @@ class PrefillJob(Message):
     created: float = 0.0  # unix seconds when the decode worker queued it
     output_offset: int = 0  # see GenerateRequest.output_offset
     priority: int = 0  # see GenerateRequest.priority
+    adapter: str = ""  # see GenerateRequest.adapter: a prefill worker without it leaves the job to others
 
 
 class PrefillDone(Message):
@@ -301,6 +308,8 @@ class WorkerCard(Message):
     metrics_port: int = 0
     publishes_kv_events: bool = True
     engine: str = "model"  # model | mock
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded here (requests may name them)
+    max_loras: int = 0  # LoRA adapters one engine step can run (device slots); 0: LoRA off
 
 
 class LoadReport(Message):
@@ -327,6 +336,7 @@ class LoadReport(Message):
     requests_total: int = 0
     status: str = "ready"
     counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
+    hot_adapters: list[str] = field(default_factory=list)  # LoRA adapters in device slots now (no swap-in)
 
 
 
@@ -394,6 +404,25 @@ class PlannerDecision(Message):
     capacity: float = 0.0
     latency_ms: float = 0.0
     connector: str = ""
+
+class LoraRequest(Message):
+    """Admin -> every worker of a model, request on ``lora``: load a PEFT adapter directory (each
+    worker reads it from its own file system) under ``name``, or unload ``name``."""
+
+    action: str  # load | unload
+    name: str
+    path: str = ""  # load: the adapter directory
+
+
+class LoraReply(Message):
+    """A worker's answer to a ``LoraRequest``; ``adapters``: what it holds afterwards."""
+
+    worker_id: str
+    ok: bool
+    error: str = ""
+    status: int = 0  # on failure: 400 (a broken adapter, a bad name), 404 (unload of an unknown name)
+    adapters: list[str] = field(default_factory=list)
+
 
 # -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
 
