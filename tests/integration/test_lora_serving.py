@@ -10,7 +10,10 @@ adapter until one is loaded at runtime), one gateway with the KV router.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import signal
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -189,3 +192,44 @@ def test_a_broken_adapter_directory_is_one_line_naming_the_file(tiny_model, tmp_
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("mesh: error:") and str(broken / "adapter_config.json") in line
+
+
+async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_model, adapters, mesh):
+    """Last in the module (it kills a decode worker): the adapter is loaded on both decode
+    workers; the one streaming is killed; the gateway resumes the request on the other, on the
+    same adapter, and the client sees the engine's output unbroken."""
+    from mesh.engine import Engine, EngineConfig, SamplingParams
+
+    dirs, _ = adapters
+    url, nats_url = mesh
+    prompt, n = ids(40, 11), 400
+    w = await Watcher.open(nats_url)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": "mig", "lora_path": str(dirs["mlp"])})
+            assert r.status_code == 200, r.text
+            body = {"model": "mig", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "return_token_ids": True}
+            got: list[int] = []
+            killed = None
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    got += event["choices"][0].get("token_ids") or []
+                    if killed is None and len(got) >= 20:
+                        busy = await w.wait_for(
+                            lambda: [x for x in (DEC, BASE) if (rep := w.loads.get(x)) and rep.running], 10,
+                            "the serving worker's load report")
+                        killed = busy[0]
+                        pid = next(p.pid for p in cluster.procs if killed in p.args)
+                        os.kill(pid, signal.SIGKILL)
+        assert killed is not None
+        engine = Engine(EngineConfig(tiny_model, num_kv_blocks=256, loras=(("mig", str(dirs["mlp"])),)))
+        want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), lora="mig")
+        assert got == want[0].output_token_ids  # no token lost, none repeated, the adapter kept
+    finally:
+        await w.close()
