@@ -3,8 +3,10 @@
     python bench/engine.py                 # CPU, the ``small`` model (~52M params, fp32), ~4 min on 2 idle cores
     python bench/engine.py --quick         # a short smoke run (under a minute)
     python bench/engine.py --json out.json
-    python bench/engine.py --gpu           # CUDA only: Llama-3-8B-shaped random bf16 model, batch 64,
-                                           # FlashInfer decode vs the HBM roofline
+    python bench/engine.py --gpu           # CUDA only: issue 21's table (bench/engine_gpu.py): Llama-3-8B
+                                           # shape, decode at batch 1/64/256 vs the HBM roofline, eager vs
+                                           # graphs vs graphs+overlap(+fused), prefill 2k/8k TTFT
+    python bench/engine.py --gpu --dry-run # the same code on the CPU with a tiny shape (plumbing only)
 
 Definitions (identical for both engines):
 
@@ -32,7 +34,6 @@ engine (flat token batch, paged KV) does not; they are reported separately for t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -41,17 +42,14 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from mesh.engine import engine as engine_module
 from mesh.engine.config import EngineConfig, ModelConfig
 from mesh.engine.engine import Engine
-from mesh.engine.loader import build_model
 from mesh.engine.sampling import SamplingParams
 
 BLOCK_SIZE = 16
@@ -127,7 +125,7 @@ class OursRunner:
         engine.step = timed_step
 
     @classmethod
-    def on_cpu(cls, model_dir: Path, cases: list[Case]) -> OursRunner:
+    def on_cpu(cls, model_dir: Path, cases: list[Case], async_scheduling: bool = False) -> OursRunner:
         need_blocks = max(
             sum(-(-(n + c.new_tokens) // BLOCK_SIZE) for n in c.prompt_lens) for c in cases
         )
@@ -141,6 +139,7 @@ class OursRunner:
             max_num_batched_tokens=max(2048, *(c.prompt_tokens for c in cases)),
             # a repeated prompt would otherwise be a prefix-cache hit and skip its prefill
             enable_prefix_caching=False,
+            async_scheduling=async_scheduling,
         )))
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[float, list[float], list[list[int]]]:
@@ -330,12 +329,13 @@ def run_cpu(args: argparse.Namespace) -> dict:
     cases = build_cases(args.quick, args.seed)
     reps = args.reps or (1 if args.quick else 3)
     mc = ModelConfig.from_dir(model_dir)
-    ours, hf = OursRunner.on_cpu(model_dir, cases), HFRunner(model_dir)
+    ours, hf = OursRunner.on_cpu(model_dir, cases, args.async_scheduling), HFRunner(model_dir)
     params = sum(p.numel() for p in hf.model.parameters())
     header = (
         f"engine benchmark: {model_dir.name} ({params / 1e6:.1f}M params, fp32) on CPU "
         f"({platform.processor() or platform.machine()}, {threads} threads), "
-        f"torch {torch.__version__}, transformers {transformers.__version__}\n"
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+        f"{', ours with overlapped scheduling' if args.async_scheduling else ''}\n"
         f"decode tok/s = B / decode step (median step of a run, best of {reps} runs); prefill "
         f"tok/s = real prompt tokens / best t(1) of {reps}; ms = per decode step / per prefill call;\n"
         f"t(N)-t(1) = ours/HF by B*(N-1) / (best t(N) - best t(1)), a whole-call cross-check\n"
@@ -364,197 +364,6 @@ def run_cpu(args: argparse.Namespace) -> dict:
     }
 
 
-# -- GPU: Llama-3-8B shape, random bf16 weights, FlashInfer decode vs HBM roofline -------
-
-LLAMA3_8B_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-@contextlib.contextmanager
-def random_weights(seed: int = 0):
-    """Let ``Engine`` build a model with random weights on its device instead of reading safetensors.
-
-    Stand-in for an engine hook (vLLM's ``load_format="dummy"``): the engine has none yet, so
-    this swaps the loader its module calls for the duration of the ``with``.
-    """
-
-    def load_random(cfg: ModelConfig, device, dtype, max_positions, **kwargs):
-        model = build_model(cfg, device, dtype, max_positions, **kwargs)  # kwargs: as load_model's
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                elif p.dim() == 1:
-                    p.zero_()
-                else:  # 1/sqrt(fan_in) keeps activations O(1), so bf16 neither overflows nor NaNs
-                    std = 0.2 if name.startswith("embed_tokens") else p.shape[1] ** -0.5
-                    p.normal_(0.0, std, generator=gen)
-        return model
-
-    original = engine_module.load_model
-    engine_module.load_model = load_random
-    try:
-        yield
-    finally:
-        engine_module.load_model = original
-
-
-def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
-    """Every weight is read once per decode step, except the embedding table (one row per token)."""
-    total = 0
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        nbytes = p.numel() * p.element_size()
-        if name.startswith("embed_tokens") and not model.cfg.tie_word_embeddings:
-            nbytes = batch * p.shape[1] * p.element_size()
-        total += nbytes
-    return total
-
-
-def run_gpu(args: argparse.Namespace) -> dict:
-    if not torch.cuda.is_available():
-        sys.exit(f"bench/engine.py --gpu: CUDA is not available here (torch {torch.__version__})")
-    runs, failed = [], []
-    for backend in args.gpu_attention.split(","):  # one engine at a time: each holds 16 GB of weights
-        try:
-            runs.append(gpu_decode(args, torch.device("cuda"), LLAMA3_8B_SHAPE, backend))
-        except SystemExit as e:  # a backend that cannot run is reported; the others still run
-            print(e, file=sys.stderr)
-            failed.append({"attention": backend, "error": str(e)})
-        torch.cuda.empty_cache()
-    for r in runs[:-1]:
-        base = runs[-1]
-        print(f"decode {r['attention']} / {base['attention']}: "
-              f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x; prefill "
-              f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x")
-    return {"mode": "gpu", "runs": runs, "failed": failed}
-
-
-def gpu_decode(args: argparse.Namespace, device: torch.device, shape: dict, backend: str) -> dict:
-    """``backend``: an attention backend name; ``NAME:graphs`` replays decode steps from CUDA graphs."""
-    backend, _, how = backend.partition(":")
-    batch = args.gpu_batch
-    prompt, new = (128, 32) if args.quick else (args.gpu_prompt, args.gpu_new_tokens)
-    reps = args.reps or 2
-    model_dir = Path(tempfile.mkdtemp(prefix="pdmesh-random-model-"))
-    (model_dir / "config.json").write_text(json.dumps(shape, indent=2) + "\n")
-    blocks = batch * -(-(prompt + new) // BLOCK_SIZE) + 16
-    try:
-        with random_weights(args.seed):
-            engine = Engine(EngineConfig(
-                model_dir, device=str(device), dtype="bfloat16", block_size=BLOCK_SIZE,
-                num_kv_blocks=blocks, max_num_batched_tokens=batch * prompt, max_num_seqs=batch,
-                max_model_len=prompt + new + BLOCK_SIZE, enable_prefix_caching=False,
-                attention_backend=backend, cuda_graphs=how == "graphs",
-            ))
-        runner = OursRunner(engine)
-        rng = random.Random(args.seed)
-        prompts = [[rng.randrange(8, shape["vocab_size"]) for _ in range(prompt)] for _ in range(batch)]
-        runner.generate(prompts, 4)  # warm-up; FlashInfer may JIT-compile its kernels here
-    except (ValueError, ImportError, RuntimeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        sys.exit(f"bench/engine.py --gpu: the engine did not run with attention "
-                 f"{backend!r}: {msg}")
-    t1, steps = [], []
-    for _ in range(reps):  # every step ends in .tolist() of the sampled ids: a device sync
-        t1.append(runner.generate(prompts, 1)[0])
-        stamps = runner.generate(prompts, new)[1]
-        steps.append(statistics.median(decode_gaps(stamps)))
-    report = _gpu_report(engine, batch, prompt, new, min(t1), min(steps), args.hbm_tbps)
-    if args.gpu_profile:
-        report["profile"] = profile_decode(engine, prompts, args.gpu_profile)
-    del engine, runner
-    return report
-
-
-def profile_decode(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
-    """Where a decode step's time goes: kernel time on the GPU against the step's wall time.
-    Kernel time well under wall time means the step waits on the host (launches, Python)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add(engine.new_sequence(p, params))
-    engine.step()  # the prefill, outside the profile
-    engine.step()
-    cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - t0) / steps
-    while engine.has_work:
-        engine.step()
-    events = prof.key_averages()
-    # kernel rows only: an ATen op's row repeats the time of the kernels it launched
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
-    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) / steps
-    print(f"  profile ({attention_label(engine)}, {steps} decode steps, under the profiler): wall "
-          f"{wall * 1e3:.2f} ms/step, GPU kernels {kernel_us / 1e3:.2f} ms/step "
-          f"({kernel_us / 1e6 / wall:.0%} busy), {launches:.0f} kernel launches/step")
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    return {"wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3, "launches_per_step": launches}
-
-
-def attention_label(engine: Engine) -> str:
-    """The attention backend, and whether decode steps replayed CUDA graphs."""
-    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
-    return engine.attention.name + (" + CUDA graphs" if graphs else "")
-
-
-def _gpu_report(engine: Engine, batch: int, prompt: int, new: int, t1: float, step_s: float,
-                hbm_tbps: float) -> dict:
-    mc = engine.model_config
-    elem = torch.empty((), dtype=engine.dtype).element_size()
-    kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem  # K and V, all layers
-    w_bytes = weight_bytes_per_step(engine.model, batch)
-    # decode step j (1..N-1) attends over prompt + j tokens per sequence; the median step is
-    # about the middle one
-    kv_bytes = batch * (prompt + new // 2) * kv_token
-    achieved = (w_bytes + kv_bytes) / step_s
-    roofline_step = (w_bytes + kv_bytes) / (hbm_tbps * 1e12)
-    name = torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device)
-    label = attention_label(engine)
-    print(f"engine benchmark (GPU): Llama-3-8B shape, random bf16 weights, {name}, "
-          f"attention {label}, torch {torch.__version__}")
-    print(f"batch {batch}, prompt {prompt}, {new} new tokens; decode step = median gap between "
-          f"consecutive engine steps, best run")
-    print(f"  prefill          {batch * prompt / t1:>10.0f} tok/s   ({t1 * 1e3:.1f} ms incl. first token)")
-    print(f"  decode           {batch / step_s:>10.0f} tok/s   ({step_s * 1e3:.2f} ms/step)")
-    print(f"  bytes per step   weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB "
-          f"(context {prompt + new // 2})")
-    print(f"  achieved         {achieved / 1e12:>10.2f} TB/s = {achieved / (hbm_tbps * 1e12):.0%} of "
-          f"{hbm_tbps} TB/s HBM (roofline step {roofline_step * 1e3:.2f} ms)")
-    return {
-        "mode": "gpu", "device": name, "attention": label, "batch": batch,
-        "prompt": prompt, "new_tokens": new, "t1_s": t1, "step_ms": step_s * 1e3,
-        "decode_tok_s": batch / step_s, "prefill_tok_s": batch * prompt / t1,
-        "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes,
-        "achieved_tb_s": achieved / 1e12, "hbm_tb_s": hbm_tbps,
-        "roofline_step_ms": roofline_step * 1e3,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory (default: generate the `small` model in a cache dir)")
@@ -563,30 +372,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--async-scheduling", action="store_true", help="CPU: our engine with overlapped scheduling")
     p.add_argument("--moe", action="store_true",
                    help="mixture of experts instead (bench/moe.py): the tiny and small-sized Qwen3-MoE vs "
                         "transformers; with --gpu an 8B-active-shaped MoE against its roofline")
-    g = p.add_argument_group("GPU (--gpu replaces the CPU comparison)")
-    g.add_argument("--gpu", action="store_true", help="Llama-3-8B-shaped bf16 decode on CUDA")
-    g.add_argument("--gpu-attention", default="flashinfer",
-                   help="attention backend(s), comma-separated, NAME:graphs with CUDA graphs; "
-                        "the last is the baseline of the ratios")
-    g.add_argument("--gpu-batch", type=int, default=64)
-    g.add_argument("--gpu-prompt", type=int, default=512)
-    g.add_argument("--gpu-new-tokens", type=int, default=128)
-    g.add_argument("--gpu-profile", type=int, default=0, metavar="STEPS",
-                   help="also profile this many decode steps (torch.profiler): kernel time vs wall time")
-    g.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth (H200: 4.8)")
+    gpu = _gpu_module()
+    gpu.add_arguments(p)
     args = p.parse_args(argv)
+    if args.dry_run and not args.gpu:
+        p.error("--dry-run goes with --gpu")
     if args.moe:
         from moe import run_moe  # bench/moe.py: this script's directory is first on sys.path
 
         result = run_moe(args, sys.modules[__name__])
     else:
-        result = run_gpu(args) if args.gpu else run_cpu(args)
+        result = gpu.run_gpu(gpu.gpu_settings(args)) if args.gpu else run_cpu(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 1 if result.get("failed") else 0
+
+
+def _gpu_module():
+    """bench/engine_gpu.py, whether this file runs as a script (bench/ on sys.path) or as bench.engine."""
+    try:
+        from bench import engine_gpu
+    except ImportError:
+        import engine_gpu
+    return engine_gpu
 
 
 if __name__ == "__main__":

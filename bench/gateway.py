@@ -4,6 +4,7 @@
     python bench/gateway.py --quick             # shorter runs
     python bench/gateway.py --url http://127.0.0.1:8000 --nats nats://127.0.0.1:4222   # an existing mesh
     python bench/gateway.py --json out.json
+    python bench/gateway.py --tracing-modes off,always,0.1   # tracing's cost: off, every request, 10% head sampling
 
 What it measures (definitions):
 
@@ -461,6 +462,10 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--tracing", action="store_true",
                    help="run the mesh with OpenTelemetry tracing on (OTLP/HTTP to a local sink)")
+    p.add_argument("--tracing-modes", default=None,
+                   help="run the whole bench once per mode, in this order, and compare: comma-separated "
+                        "off, always (every request traced) or a head-sampling ratio such as 0.1 "
+                        "(OTEL_TRACES_SAMPLER=parentbased_traceidratio), e.g. off,always,0.1")
     args = p.parse_args()
     if args.quick:
         args.seconds, args.warmup, args.pairs = 5.0, 1.0, 60
@@ -472,26 +477,63 @@ def main() -> int:
         pass
     print(f"gateway bench: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} streamed output tokens, "
           f"{os.cpu_count()} CPUs (load generator on the same machine)", flush=True)
+    if args.tracing_modes:
+        return _compare_tracing(args)
     if args.url:
         if not args.nats:
             p.error("--url needs --nats")
         args.root_pid = 0
         out = asyncio.run(bench(args))
     else:
-        port = free_port()
-        sink = OtlpSink() if args.tracing else None
-        with MeshUp(port, args.mock_speedup, args.decode, sink.env if sink else None) as mesh:
-            if sink:
-                print(f"tracing on: every process exports spans over OTLP/HTTP to {sink.env['OTEL_EXPORTER_OTLP_ENDPOINT']}")
-            print(f"mesh up --mock --mock-speedup {args.mock_speedup:g} --prefill 0 --decode {args.decode} "
-                  f"(gateway :{port}, {mesh.nats_url})", flush=True)
-            args.url, args.nats, args.root_pid = f"http://127.0.0.1:{port}", mesh.nats_url, mesh.root_pid
-            out = asyncio.run(bench(args))
-        if sink:
-            print(f"the OTLP sink received {sink.requests} exports, {sink.bytes / 1e6:.1f} MB")
+        out = _own_mesh(args, args.tracing)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    return 0
+
+
+def _own_mesh(args, tracing: bool, sampling: float | None = None) -> dict:
+    port = free_port()
+    sink = OtlpSink() if tracing else None
+    env = dict(sink.env) if sink else None
+    if sink and sampling is not None:
+        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(sampling))
+    with MeshUp(port, args.mock_speedup, args.decode, env) as mesh:
+        if sink:
+            print(f"tracing on: every process exports spans over OTLP/HTTP to {sink.env['OTEL_EXPORTER_OTLP_ENDPOINT']}")
+        print(f"mesh up --mock --mock-speedup {args.mock_speedup:g} --prefill 0 --decode {args.decode} "
+              f"(gateway :{port}, {mesh.nats_url})", flush=True)
+        args.url, args.nats, args.root_pid = f"http://127.0.0.1:{port}", mesh.nats_url, mesh.root_pid
+        out = asyncio.run(bench(args))
+    if sink:
+        print(f"the OTLP sink received {sink.requests} exports, {sink.bytes / 1e6:.1f} MB")
+        out["otlp_exports"], out["otlp_mb"] = sink.requests, sink.bytes / 1e6
+    return out
+
+
+def _compare_tracing(args) -> int:
+    """The same bench once per tracing mode (fresh mesh each), then one table."""
+    results = {}
+    for mode in args.tracing_modes.split(","):
+        mode = mode.strip()
+        print(f"\n=== tracing {mode}", flush=True)
+        if mode == "off":
+            results[mode] = _own_mesh(args, False)
+        elif mode == "always":
+            results[mode] = _own_mesh(args, True)
+        else:
+            results[mode] = _own_mesh(args, True, float(mode))
+    print("\ntracing      " + "".join(f"c={f['concurrency']:<4} req/s  gw ms CPU/req  " for f in results[next(iter(results))]["load"])
+          + "added p50 ms")
+    for mode, out in results.items():
+        cells = ""
+        for f in out["load"]:
+            cpu = f["cpu_percent"].get("gateway", 0) / 100 / max(f["requests_per_s"], 1e-9) * 1000
+            cells += f"{f['requests_per_s']:12.1f} {cpu:14.2f}  "
+        print(f"{mode:<12} {cells}{out['added_latency']['added_p50_ms']:10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
     return 0
 
 

@@ -3,23 +3,41 @@
 # CUDA 13, nvcc, ninja; no network). From the repository root, with wheels/
 # carried along (scripts/fetch_gpu_wheels.sh fills it):
 #
-#     bash bench/gpu_check.sh        # device tool: carry ["wheels"], timeout_s 480
+#     GPU_CHECK_PARTS="kernels tests bench" bash bench/gpu_check.sh
+#                         # device tool: carry ["wheels"], timeout_s 540: issue 21's check
+#     bash bench/gpu_check.sh                    # everything, the KV transports too
 #
 # It installs the carried wheels and the project (never torch), builds the
 # FlashInfer kernels the tests and benchmarks need, runs the GPU tests and the
 # GPU benchmarks. Output goes to $OUT (the device tool brings back at most 8
 # files) or bench/out/gpu: gpu_check.log, gpu_tests.xml, bench_engine.json.
 # Each step has a time limit, and all share one deadline (GPU_CHECK_SECONDS,
-# default 420), so the whole check ends inside 8 minutes even when a step hangs.
-# The FlashInfer kernel build runs in the background while the transport checks run.
-# GPU_CHECK_PARTS="flashinfer engine" skips the transports (a recheck after engine work).
+# default 480), so the whole check ends inside 8 minutes even when a step hangs.
+#
+# Parts (GPU_CHECK_PARTS, space-separated; default: all):
+#   transfer   the KV transport tests and bench/transfer_gpu.py
+#   kernels    JIT-build every FlashInfer module the tests and benchmarks use, in parallel
+#              (attention FA2 per dtype/head size; fused norm, activation, rope, sampling, merge)
+#   tests      tests/gpu except the transports (GPU_TESTS: other paths or a -k expression)
+#   bench      bench/engine.py --gpu: issue 21's table (GPU_BENCH_ARGS: extra arguments)
+#   (flashinfer and engine are the old names of tests and bench)
+# Built kernels go to bench/out/flashinfer, which the device tool keeps between
+# calls while the machine stays warm: a rerun of one part skips the builds, and
+# the install is skipped when the packages are already there.
+#
+# Rerun of what failed, on the same warm machine, e.g.:
+#   GPU_CHECK_PARTS=bench GPU_BENCH_ARGS="--gpu-modes eager,graphs+overlap" bash bench/gpu_check.sh
+#   GPU_CHECK_PARTS=tests GPU_TESTS="tests/gpu/test_graphs_overlap.py" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logdir=${OUT:-bench/out/gpu}
 mkdir -p "$logdir"
 py=${PYTHON:-python3}
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-420}))
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
 failed=()
+parts=" ${GPU_CHECK_PARTS:-transfer kernels tests bench} "
+parts=${parts// flashinfer / tests }
+parts=${parts// engine / bench }
 
 step() {  # step NAME LIMIT COMMAND...: run COMMAND within LIMIT and the time left
     local name=$1 limit=$2 left=$((deadline - SECONDS)) t0=$SECONDS rc
@@ -57,8 +75,10 @@ setup_env() {
     if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
         export CUDA_HOME=/usr/local/cuda PATH="/usr/local/cuda/bin:$PATH"
     fi
-    # three kernel builds run side by side; nvcc takes GBs of memory per job
-    export MAX_JOBS=${MAX_JOBS:-6}
+    # several kernel builds run side by side; nvcc takes GBs of memory per job
+    export MAX_JOBS=${MAX_JOBS:-4}
+    # kept between calls on a warm machine (bench/out is git-ignored: the device tool leaves it)
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/bench/out/flashinfer}
     # the checkout is importable even if the editable install fails
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
@@ -71,6 +91,10 @@ show_machine() {
 }
 
 install() {
+    if "$py" -c 'import flashinfer, nats, pytest_asyncio, mesh' 2>/dev/null; then
+        echo "already installed (a warm machine): flashinfer $("$py" -c 'import flashinfer; print(flashinfer.__version__)')"
+        return 0
+    fi
     shopt -s nullglob
     local wheels=(wheels/*.whl)
     if ((${#wheels[@]})); then
@@ -84,24 +108,39 @@ install() {
 }
 
 # Build the FlashInfer modules in parallel before the tests need them one by one:
-# (dtype, head_dim) of the GPU tests (small model: 64) and the benchmark (128).
+# attention for (dtype, head_dim) of the GPU tests (small model: 64) and the benchmark (128),
+# and the fused-kernel modules (--fused-kernels, flashinfer-ragged's merge).
 warm_kernels() {
     local pids=() rc=0 spec
-    for spec in "bfloat16 64" "float16 64" "bfloat16 128"; do
+    for spec in "attention bfloat16 64" "attention float16 64" "attention bfloat16 128" "fused bfloat16 128"; do
         # shellcheck disable=SC2086
         "$py" - $spec <<'EOF' &
 import sys, time, torch
-from kvstore.cache import KVCache, KVCacheSpec
-from mesh.engine.attention import AttentionBatch, create_backend
-dtype, head_dim, t0 = getattr(torch, sys.argv[1]), int(sys.argv[2]), time.time()
-kv = KVCache(KVCacheSpec(1, 4, 16, 1, head_dim, dtype), torch.device("cuda"))
-attn = create_backend("flashinfer", kv, head_dim**-0.5)
-for qlen in (2, 1):  # a prefill step, then a decode step: the same FA2 module serves both
-    attn.plan(AttentionBatch([qlen], [2], [[0]], torch.arange(2 - qlen, 2, device="cuda")))
-    x = torch.zeros(qlen, 1, head_dim, dtype=dtype, device="cuda")
-    attn.forward(0, x, x, x)
+what, dtype, head_dim, t0 = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), time.time()
+cuda = torch.device("cuda")
+if what == "attention":
+    from kvstore.cache import KVCache, KVCacheSpec
+    from mesh.engine.attention import AttentionBatch, create_backend
+    kv = KVCache(KVCacheSpec(1, 4, 16, 1, head_dim, dtype), cuda)
+    for name in ("flashinfer", "flashinfer-ragged"):  # one FA2 module serves paged, ragged and decode
+        attn = create_backend(name, kv, head_dim**-0.5)
+        for qlen, ctx in ((2, 2), (1, 2), (2, 3)):  # prefill, decode, a chunk after a prefix
+            attn.plan(AttentionBatch([qlen], [ctx], [[0]], torch.arange(ctx - qlen, ctx, device=cuda)))
+            x = torch.zeros(qlen, 1, head_dim, dtype=dtype, device=cuda)
+            attn.forward(0, x, x, x)
+else:
+    from mesh.engine import kernels as k
+    x = torch.randn(4, 1024, dtype=dtype, device=cuda)
+    k.flashinfer_add_rmsnorm(x.clone(), x.clone(), torch.ones(1024, dtype=dtype, device=cuda), 1e-5)
+    k.flashinfer_silu_and_mul(torch.randn(4, 2048, dtype=dtype, device=cuda))
+    cache = torch.randn(64, head_dim, device=cuda)
+    q, kk = torch.randn(4, 4, head_dim, dtype=dtype, device=cuda), torch.randn(4, 2, head_dim, dtype=dtype, device=cuda)
+    k.FlashInferRope(cache, torch.arange(4, device=cuda)).rotate_qk(q, kk)
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    k.flashinfer_top_k_top_p(torch.randn(4, 100, device=cuda), torch.full((4,), 5, dtype=torch.int32, device=cuda),
+                             torch.full((4,), 0.9, device=cuda), gen)
 torch.cuda.synchronize()
-print(f"flashinfer {sys.argv[1]} head_dim {head_dim}: ready in {time.time() - t0:.0f}s")
+print(f"flashinfer {what} {sys.argv[2]} head_dim {head_dim}: ready in {time.time() - t0:.0f}s")
 EOF
         pids+=($!)
     done
@@ -110,32 +149,40 @@ EOF
 }
 export -f setup_env show_machine install warm_kernels
 
-want() {  # GPU_CHECK_PARTS: which parts run (default: all of transfer, flashinfer, engine)
-    [[ " ${GPU_CHECK_PARTS:-transfer flashinfer engine} " == *" $1 "* ]]
+want() {
+    [[ "$parts" == *" $1 "* ]]
 }
 
 main() {
     setup_env
+    echo "== parts:$parts"
     step machine 60 bash -c show_machine
     step install 120 bash -c install || { echo "install failed: nothing to test"; return 1; }
     # nvcc builds the FlashInfer kernels on the CPUs while the transports (which need none of
     # them: the tiny model runs the torch backend) are tested and measured on the GPU
+    local warm_pid=
     local warm_log=/tmp/warm_kernels.log
-    step warm-kernels 300 bash -c warm_kernels >"$warm_log" 2>&1 &
-    local warm_pid=$!
+    if want kernels; then
+        step warm-kernels 300 bash -c warm_kernels >"$warm_log" 2>&1 &
+        warm_pid=$!
+    fi
     if want transfer; then
         step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
         # GPU tests outside tests/gpu, by file: collecting all of tests/ needs the CPU suite's dev extras
         step gpu-marked-elsewhere 90 bash -c 'pytest_gpu -m gpu $(grep -rl --include="test_*.py" "mark.gpu" tests | grep -v "^tests/gpu/")'
         step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
     fi
-    wait "$warm_pid" || failed+=("warm-kernels")
-    cat "$warm_log"
-    if want flashinfer; then
-        step gpu-tests 240 bash -c 'pytest_gpu tests/gpu -m gpu --ignore=tests/gpu/test_transfer_gpu.py --junitxml "$0"' "$logdir/gpu_tests.xml"
+    if [[ -n "$warm_pid" ]]; then
+        wait "$warm_pid" || failed+=("warm-kernels")
+        cat "$warm_log"
     fi
-    if want engine; then
-        step bench-engine 200 "$py" bench/engine.py --gpu --gpu-attention "${GPU_ATTENTION:-flashinfer:graphs,flashinfer,torch}" --gpu-profile 8 --json "$logdir/bench_engine.json"
+    if want tests; then
+        # shellcheck disable=SC2086
+        step gpu-tests 240 bash -c 'pytest_gpu ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_transfer_gpu.py} -m gpu --junitxml "$0"' "$logdir/gpu_tests.xml"
+    fi
+    if want bench; then
+        # shellcheck disable=SC2086
+        step bench-engine 240 "$py" bench/engine.py --gpu --gpu-new-tokens 64 --gpu-profile 8 ${GPU_BENCH_ARGS:-} --json "$logdir/bench_engine.json"
     fi
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))

@@ -167,7 +167,8 @@ def run_moe_gpu(args, bench) -> dict:
 
 
 def _gpu_moe_decode(args, bench, experts: str) -> dict:
-    shape, batch = MOE_8B_ACTIVE_SHAPE, args.gpu_batch
+    batches = [int(b) for b in args.gpu_batches.split(",")]
+    shape, batch = MOE_8B_ACTIVE_SHAPE, 64 if 64 in batches else max(batches)
     prompt, new = (128, 32) if args.quick else (args.gpu_prompt, args.gpu_new_tokens)
     model_dir = Path(tempfile.mkdtemp(prefix="pdmesh-random-moe-"))
     (model_dir / "config.json").write_text(json.dumps(shape, indent=2) + "\n")
@@ -176,7 +177,7 @@ def _gpu_moe_decode(args, bench, experts: str) -> dict:
             model_dir, device="cuda", dtype="bfloat16", block_size=bench.BLOCK_SIZE,
             num_kv_blocks=batch * -(-(prompt + new) // bench.BLOCK_SIZE) + 16,
             max_num_batched_tokens=batch * prompt, max_num_seqs=batch, max_model_len=prompt + new + 16,
-            enable_prefix_caching=False, attention_backend=args.gpu_attention.split(",")[0].partition(":")[0],
+            enable_prefix_caching=False, attention_backend=args.gpu_attention,
         ))
     name = engine.model.layers[0].mlp.experts.name
     runner = bench.OursRunner(engine)
@@ -189,7 +190,7 @@ def _gpu_moe_decode(args, bench, experts: str) -> dict:
         steps.append(statistics.median(bench.decode_gaps(runner.generate(prompts, new)[1])))
     step = min(steps)
     mc = engine.model_config
-    weights = bench.weight_bytes_per_step(engine.model, batch)  # every expert is hit at this batch
+    weights = bench._gpu_module().weight_bytes_per_step(engine.model, batch)  # every expert is hit at this batch
     kv = batch * (prompt + new // 2) * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     roofline = (weights + kv) / (args.hbm_tbps * 1e12)
     print(f"MoE engine benchmark (GPU): 8B-active Mixtral-layout shape ({mc.moe.num_experts} experts, top-"

@@ -71,6 +71,9 @@ TRACER = tracer("pdmesh.decode")
 _EMITTING = (ReqState.PREFILLING, ReqState.DECODING)  # the states whose step outputs go out
 
 
+METRICS_FLUSH_S = 0.1
+
+
 @dataclass(slots=True)
 class _StepStats:
     """What one step's outputs add to the metrics, gathered while its chunks are built."""
@@ -136,6 +139,8 @@ class DecodeWorker(WorkerBase):
         self.jobs: PrefillQueue | None = None
         self.ttft = Window()
         self.itl = Window()
+        self._unflushed: list[_StepStats] = []  # steps whose figures Prometheus has not had yet
+        self._flushed_at = 0.0
 
     # -- setup --------------------------------------------------------------------
     def build(self) -> EngineCore:
@@ -420,7 +425,7 @@ class DecodeWorker(WorkerBase):
                     batch.append(chunk)
             else:
                 singles.append((rec.reply, chunk))
-        self._record(step)
+        self._record(step, now)
         publish = self.bus.publish
         for subject, chunks in batches.items():
             await publish(subject, TokenBatch(self.worker_id, chunks), traced=False)
@@ -469,24 +474,38 @@ class DecodeWorker(WorkerBase):
                       **{"pdmesh.output_tokens": out.num_output_tokens, "pdmesh.cached_tokens": out.num_cached_tokens,
                          "pdmesh.finish_reason": out.finish_reason})
 
-    def _record(self, step: _StepStats) -> None:
-        """One step's metrics, in one update per metric."""
+    def _record(self, step: _StepStats, now: float) -> None:
+        """One step's figures. The SLA windows take them now; Prometheus (a lock per update) every
+        ``METRICS_FLUSH_S`` in one update per metric, and whenever a request ends, so a request's
+        figures are exported before its last chunk is sent."""
         if not step.tokens and not step.finished:
             return
-        m = self.step_metrics
         self.counters.bump("decode_tokens", step.tokens)
-        m.output_tokens.inc(step.tokens)
-        for ttft in step.ttfts:
-            m.ttft.observe(ttft)
-        for gap, count in step.gaps.items():
-            metrics.observe_many(m.itl, gap, count)
         if step.interactive_tokens:
             self.itl.add(step.interactive_gap / step.interactive_tokens)
-        for out, e2e in step.finished:
-            (m.failed if out.finish_reason == "error" else m.finished).inc()
-            m.e2e.observe(e2e)
-            m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.cached_tokens.inc(out.num_cached_tokens)
+        self._unflushed.append(step)
+        if step.finished or now - self._flushed_at >= METRICS_FLUSH_S:
+            self._flush_metrics(now)
+
+    def _flush_metrics(self, now: float) -> None:
+        steps, self._unflushed = self._unflushed, []
+        self._flushed_at = now
+        m = self.step_metrics
+        gaps: dict[float, int] = {}
+        tokens = 0
+        for step in steps:
+            tokens += step.tokens
+            for ttft in step.ttfts:
+                m.ttft.observe(ttft)
+            for gap, count in step.gaps.items():
+                gaps[gap] = gaps.get(gap, 0) + count
+            for out, e2e in step.finished:
+                (m.failed if out.finish_reason == "error" else m.finished).inc()
+                m.e2e.observe(e2e)
+                m.prompt_tokens.inc(out.num_prompt_tokens)
+                m.cached_tokens.inc(out.num_cached_tokens)
+        m.output_tokens.inc(tokens)
+        metrics.observe_counts(m.itl, gaps)
 
     async def _fail(self, reply: str, rid: str, message: str, status: int) -> None:
         self.counters.errors += 1

@@ -320,6 +320,8 @@ def _priority(body, request: Request) -> int:
 
 
 def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=body.sampling_temperature,
@@ -333,6 +335,7 @@ def _sampling(body, max_tokens: int, seed: int | None) -> SamplingOptions:
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens,
     )
 
 

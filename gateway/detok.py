@@ -78,6 +78,11 @@ class StopMatcher:
         out, self.buf = ("" if self.stopped else self.buf), ""
         return out
 
+    def skip(self, text: str) -> str:
+        """Text that no stop string may match (before ``min_tokens``): passed through with what was held."""
+        out, self.buf = self.buf + text, ""
+        return out
+
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE token uses -> the byte."""

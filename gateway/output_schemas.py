@@ -132,7 +132,6 @@ REFUSED: dict[str, tuple] = {
     "logits_processors": (_off, "logits processors are not implemented"),
     "bad_words": (_off, "bad_words is not implemented"),
     "allowed_token_ids": (_off, "allowed_token_ids is not implemented"),
-    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not implemented"),
     "best_of": (lambda v: v in (None, 1), "best_of is not implemented"),
     "use_beam_search": (_off, "beam search is not implemented"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty is not implemented"),

@@ -111,6 +111,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: EOS, stop ids and stop strings wait for this many tokens
     user: str | None = None
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
     return_token_ids: bool = False  # vLLM's extension: token_ids (and prompt_token_ids) in each choice

@@ -218,7 +218,7 @@ class Gateway:
         worker's last chunk (client gone, stop string, error), whether it is closed or cancelled;
         and a migration, on the worker it leaves.
         """
-        text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids))
+        text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens)
         run = ChoiceRun(self.retry_policy)
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
@@ -325,8 +325,9 @@ class Gateway:
 class _ChoiceText:
     """One choice's text so far (incremental detokenization, stop strings) and its token counts."""
 
-    def __init__(self, index: int, tok: Tokenizer | None, stops: list[str], prompt_tokens: int):
+    def __init__(self, index: int, tok: Tokenizer | None, stops: list[str], prompt_tokens: int, min_tokens: int = 0):
         self.index = index
+        self.min_tokens = min_tokens  # stop strings are looked for once the output is past it (as vLLM)
         self.detok = IncrementalDetokenizer(tok) if tok else None
         self.stop = StopMatcher(stops)
         self.prompt_tokens = prompt_tokens
@@ -347,7 +348,7 @@ class _ChoiceText:
                 self.cached = c.usage.cached_tokens  # the first worker's: a resumed request's is not the client's
         reason = last.finish_reason
         text = self.detok.push(ids, final=reason is not None) if self.detok else ""
-        out = self.stop.feed(text)
+        out = self.stop.feed(text) if self.completion > self.min_tokens else self.stop.skip(text)
         if self.stop.stopped:
             reason = "stop"
         elif reason is not None:

@@ -91,14 +91,53 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="GPU: the share of the device this worker may use, weights and KV (two models on one GPU: 0.4 each)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="GPU: replay decode steps from CUDA graphs (FlashInfer attention; not yet measured on a GPU)")
+    add_gpu_execution_flags(p)
     p.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
                    help="grammar engine of constrained output (xgrammar: pip install pdmesh[xgrammar])")
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
     add_lora_flags(p)
+
+
+def add_gpu_execution_flags(p: argparse.ArgumentParser) -> None:
+    """How a model worker runs on a GPU (issue 21): each off by default until measured on one."""
+    p.add_argument("--attention-backend", default=None,
+                   help="flashinfer (CUDA default), flashinfer-ragged (prefill over this step's K/V as a ragged "
+                        "batch plus the cached prefix) or torch (CPU default)")
+    p.add_argument("--cuda-graphs", action="store_const", const=True, default=None,
+                   help="GPU: replay decode steps from CUDA graphs (FlashInfer attention, --tp 1)")
+    p.add_argument("--enforce-eager", action="store_true", help="GPU: never use CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling and output processing with the device's step (--tp 1)")
+    p.add_argument("--fused-kernels", default="",
+                   help="GPU: FlashInfer kernels for these ops, comma-separated: add_rmsnorm, silu_and_mul, "
+                        "rope, sampling; or all")
+
+
+def gpu_execution_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of ``add_gpu_execution_flags`` (ValueError on a bad value)."""
+    from mesh.engine.kernels import parse_fused_kernels
+
+    return {"attention_backend": args.attention_backend, "cuda_graphs": args.cuda_graphs,
+            "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
+            "fused_kernels": parse_fused_kernels(args.fused_kernels)}
+
+
+def gpu_execution_flags(args: argparse.Namespace) -> list[str]:
+    """The same flags again, for the workers ``mesh up`` starts."""
+    flags = []
+    if args.attention_backend:
+        flags += ["--attention-backend", args.attention_backend]
+    if args.cuda_graphs:
+        flags += ["--cuda-graphs"]
+    if args.enforce_eager:
+        flags += ["--enforce-eager"]
+    if args.async_scheduling is not None:
+        flags += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
+    if args.fused_kernels:
+        flags += ["--fused-kernels", args.fused_kernels]
+    return flags
 
 
 def add_bus_flags(p: argparse.ArgumentParser) -> None:
@@ -300,6 +339,9 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
             raise CliError("the mocker has no model to shard: --tp is for model workers")
         if args.lora or args.max_loras:
             raise CliError("the mocker runs no model: --lora and --max-loras are for model workers")
+        if any(gpu_execution_flags(args)):
+            raise CliError("the mocker runs no model: --attention-backend, --cuda-graphs, --enforce-eager, "
+                           "--async-scheduling and --fused-kernels are for model workers")
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
@@ -323,7 +365,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
-        kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=args.cuda_graphs,
+        kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_kwargs(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
         **{k: v for k, v in tiers.items() if v is not None}, **lora_config(args),
     )
@@ -437,8 +479,7 @@ def cmd_up(args: argparse.Namespace) -> int:
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
-    if args.cuda_graphs:
-        flags += ["--cuda-graphs"]
+    flags += gpu_execution_flags(args)
     for spec in args.lora:
         flags += ["--lora", spec]
     if args.max_loras is not None:

@@ -77,17 +77,23 @@ class StepMetrics:
                    WORKER_REQUESTS.labels(model, role, "finished"), WORKER_REQUESTS.labels(model, role, "error"))
 
 
-def observe_many(hist, amount: float, count: int) -> None:
-    """``count`` observations of ``amount`` in one update of a labelled ``Histogram`` child (a
-    decode step's tokens mostly share one inter-token gap). prometheus_client has no weighted
-    observe; this adds to the child's sum and bucket as ``observe`` does, ``count`` at once
-    (tests/unit/test_metrics.py checks the exposition against ``observe`` called ``count`` times)."""
-    if count == 1:
-        hist.observe(amount)
+def observe_counts(hist, counts: dict[float, int]) -> None:
+    """``count`` observations of each ``amount``, each bucket and the sum updated once (a window
+    of decode steps' inter-token gaps: hundreds of amounts, a dozen buckets). prometheus_client
+    has no weighted observe; this adds to the child's sum and buckets as ``observe`` does
+    (tests/unit/test_metrics.py checks the exposition against ``observe`` called that often)."""
+    bounds = hist._upper_bounds
+    per_bucket = [0] * len(bounds)
+    total = 0.0
+    for amount, count in counts.items():
+        per_bucket[bisect.bisect_left(bounds, amount)] += count
+        total += amount * count
+    if not any(per_bucket):
         return
-    hist._sum.inc(amount * count)
-    i = bisect.bisect_left(hist._upper_bounds, amount)  # the first bound >= amount, as observe picks
-    hist._buckets[i].inc(count)
+    hist._sum.inc(total)
+    for i, count in enumerate(per_bucket):
+        if count:
+            hist._buckets[i].inc(count)
 
 
 class LoadCollector:

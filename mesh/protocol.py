@@ -182,6 +182,7 @@ class SamplingOptions(Part):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
 
 class GenerateRequest(Message):

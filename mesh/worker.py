@@ -148,6 +148,7 @@ def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
         presence_penalty=opts.presence_penalty,
         frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty,
+        min_tokens=min(opts.min_tokens, override.get("max_tokens", opts.max_tokens)),
     )
 
 

@@ -276,6 +276,12 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# GPU execution defaults (issue 21). Off until bench/gpu_check.sh has run tests/gpu on a device;
+# each is the one line to change once it has.
+CUDA_GRAPHS_DEFAULT = False  # CUDA: decode steps replay CUDA graphs (--cuda-graphs / --enforce-eager)
+ASYNC_SCHEDULING_DEFAULT_CUDA = False  # CUDA: overlap scheduling with the device (--async-scheduling)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | Path
@@ -291,7 +297,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
-    cuda_graphs: bool = False  # CUDA: replay decode steps from CUDA graphs (attention backends that support it)
+    cuda_graphs: bool | None = None  # CUDA: replay decode steps from CUDA graphs; None: CUDA_GRAPHS_DEFAULT
     kv_shm_path: str | None = None  # CPU: put the KV pool in this shared-memory file
     host_kv_gb: float = 0.0  # host tier (pinned RAM on CUDA): offloaded blocks; 0 = no tiers
     host_kv_blocks: int | None = None  # the host tier in blocks (overrides host_kv_gb)
@@ -303,6 +309,10 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    # -- GPU execution (issue 21) --
+    enforce_eager: bool = False  # never CUDA graphs, whatever the default
+    async_scheduling: bool | None = None  # overlap host and device steps; None: on CUDA as the default says
+    fused_kernels: tuple[str, ...] = ()  # FlashInfer kernels for these ops (mesh.engine.kernels.FUSED_KERNELS)
     grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
     grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
     grammar_cache_size: int = 256  # compiled grammars kept per worker
@@ -345,6 +355,39 @@ class EngineConfig:
             # adapter blocks are named by the adapter's name; the disk tier outlives this process,
             # and a name loaded with other weights after a restart would hit stale blocks
             raise ValueError("LoRA adapters are not supported with a disk KV tier yet (--disk-kv-dir)")
+        if self.lora_slots and self.async_scheduling:
+            raise ValueError("LoRA adapters are not supported with --async-scheduling yet")
+        self._check_gpu_execution()
+
+    def _check_gpu_execution(self) -> None:
+        from mesh.engine.attention import backend_names
+        from mesh.engine.kernels import FUSED_KERNELS
+
+        if self.attention_backend is not None and self.attention_backend not in backend_names():
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} "
+                             f"(available: {', '.join(backend_names())})")
+        if self.enforce_eager and self.cuda_graphs:
+            raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
+        if self.async_scheduling and self.tp > 1:
+            raise ValueError("--async-scheduling is not supported with --tp > 1 yet (other ranks would need "
+                             "the sampled tokens)")
+        unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
+        if unknown:
+            raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs (where the device and attention backend allow)."""
+        if self.enforce_eager:
+            return False
+        return CUDA_GRAPHS_DEFAULT if self.cuda_graphs is None else self.cuda_graphs
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
+                and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -11,6 +11,10 @@ from there to disk), and prefix hits below the device are onboarded at
 admission. The real engine passes a ``BlockCopier`` that moves the bytes; the
 mocker may run a host tier without one (bookkeeping only, so hit rates are
 still modelled). ``kv_snapshot`` and ``kv_counters`` cover every tier.
+
+Overlapped scheduling (``async_scheduling``, ``mesh.engine.overlap``): ``step()``
+launches the next step before resolving the previous one, so its outputs are
+one step behind. The subclass then provides ``launch()`` as well.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
 from kvstore.tiers import BlockCopier, HostTier, TieredCache
 from mesh.engine.errors import LoraError, RequestError, UnknownAdapterError
+from mesh.engine.overlap import OverlappedSteps
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from mesh.engine.sequence import SampledToken, Sequence
@@ -41,6 +46,17 @@ class CoreConfig:
     eos_token_ids: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
     max_loras: int = 0  # LoRA adapters one step can run; 0: LoRA off
+    async_scheduling: bool = False  # overlap host work with the device's step (needs launch())
+
+
+class _Done:
+    """A step that already ran: ``launch`` of an engine without asynchronous execution."""
+
+    def __init__(self, tokens: list[SampledToken]):
+        self.tokens = tokens
+
+    def result(self) -> list[SampledToken]:
+        return self.tokens
 
 
 class EngineCore:
@@ -70,6 +86,7 @@ class EngineCore:
         self.lora = None  # a LoraManager (mesh.engine.lora) when the engine serves LoRA adapters
         self.grammar = None  # a GrammarManager where the engine enforces constraints (the real engine)
         self._ids = itertools.count()
+        self.overlap = OverlappedSteps(self) if core.async_scheduling else None
 
     # -- KV tiers ---------------------------------------------------------------
     def enable_tiers(self, host_blocks: int, copier: BlockCopier | None = None, disk=None,
@@ -103,6 +120,17 @@ class EngineCore:
     # -- the one thing a subclass provides --------------------------------------
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         raise NotImplementedError
+
+    # -- and for overlapped scheduling --------------------------------------------
+    def launch(self, out: SchedulerOutput, prev=None):
+        """Start the step; a handle whose ``result()`` gives its tokens. ``prev``: the handle of
+        the step in flight, whose sampled tokens some of this step's rows take as input."""
+        return _Done(self.execute(out))
+
+    def needs_resolved_tokens(self, out: SchedulerOutput) -> bool:
+        """Whether the step after ``out`` (in flight) needs its tokens before it is scheduled:
+        penalties count every token, and a grammar's next mask follows the token before it."""
+        return any(c.seq.params.has_penalties or c.seq.grammar is not None for c in out.sampling_chunks)
 
     # -- requests ---------------------------------------------------------------
     def new_sequence(
@@ -189,10 +217,12 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.inflight is not None)
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.overlap is not None:
+            return self.overlap.step()
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
@@ -217,4 +247,6 @@ class EngineCore:
             if not self.has_work:
                 raise RuntimeError("engine idle with unfinished sequences")
             self.step()
+        if self.overlap is not None:
+            self.overlap.finish()  # a step with only rows of sequences that stopped: nothing to emit
         return seqs

@@ -5,6 +5,9 @@ Tokens of all scheduled sequences are concatenated (``[T]``); attention is the
 backend's business, so the model itself has no notion of sequences or padding.
 QKV and gate/up projections are fused into one matmul each. A layer's MLP is dense
 (``MLP``) or sparse (``mesh.engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says.
+The residual stream runs beside the hidden states (``residual``) so that its add and
+the next norm can be one kernel; which operations run fused kernels is the model's
+``Kernels`` (``mesh.engine.kernels``; plain PyTorch unless ``use_kernels`` chose others).
 
 Under tensor parallelism (``Shard``, see ``mesh.engine.tp``) a rank holds its
 share of the heads and MLP columns; the row-parallel ``o_proj`` and
@@ -14,25 +17,28 @@ share of the heads and MLP columns; the row-parallel ``o_proj`` and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mesh.engine.attention import AttentionBackend
 from mesh.engine.config import ModelConfig
+from mesh.engine.kernels import PLAIN, Kernels, torch_rmsnorm
 from mesh.engine.moe import SparseMoE
 from mesh.engine.tp import Shard
 
 
 class RMSNorm(nn.Module):
+    kernels: Kernels = PLAIN
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers does it: normalize in fp32, cast back, then scale.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``RMSNorm(x)``; with ``residual``, ``(RMSNorm(residual + x), residual + x)``."""
+        if residual is None:
+            return torch_rmsnorm(x, self.weight, self.eps)
+        return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -51,14 +57,14 @@ class Rotary(nn.Module):
         """cos and sin ``[T, 1, head_dim]`` of the step's positions: once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def cos_sin_cache(self) -> torch.Tensor:
+        """float32 ``[max_positions, head_dim]``: cos of the half-dimension frequencies, then sin
+        (the table FlashInfer's rope kernel reads); built once."""
+        cache = getattr(self, "_cos_sin", None)
+        if cache is None:
+            half = self.cos.shape[1] // 2
+            cache = self._cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=1).float().contiguous()
+        return cache
 
 
 class Attention(nn.Module):
@@ -76,22 +82,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend):
+    def forward(self, x: torch.Tensor, rope, attn: AttentionBackend):
+        """``rope``: the step's rotary embedding (``Kernels.rope``), shared by every layer."""
         T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
         v = qkv[:, hq + hkv :]
         if self.q_norm is None:
             # q and k are adjacent heads of the fused projection: one rotation for both
-            qk = apply_rotary(qkv[:, : hq + hkv], *rope)
-            q, k = qk[:, :hq], qk[:, hq:]
+            q, k = rope.rotate_fused(qkv[:, : hq + hkv], hq)
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :hq]), *rope)
-            k = apply_rotary(self.k_norm(qkv[:, hq : hq + hkv]), *rope)
+            q, k = rope.rotate_qk(self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv]))
         o = attn.forward(self.layer, q, k, v)
         return self.shard.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class MLP(nn.Module):
+    kernels: Kernels = PLAIN
+
     def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.shard = shard
@@ -100,8 +107,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.shard.all_reduce(self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -112,12 +118,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, shard) if cfg.is_sparse(layer) else MLP(cfg, shard)
 
-    def forward(self, x, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, attn):
+        """``(mlp output, residual stream)``: the stream is the sum of the embeddings and every
+        block's output before this one's MLP; ``residual`` None at the first layer."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
+    kernels: Kernels = PLAIN
+
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None):
         super().__init__()
         self.cfg = cfg
@@ -133,13 +149,21 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` before the final norm."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.kernels.rope(self.rotary, positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, attn)
-        return x
+            x, residual = layer(x, residual, rope, attn)
+        return residual + x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+
+def use_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Run the model's fusable operations on ``kernels`` (``Kernels.select``)."""
+    for m in model.modules():
+        if isinstance(m, (CausalLM, RMSNorm, MLP)):
+            m.kernels = kernels
 
 
 # -- CPU: linear layers on oneDNN with pre-packed weights ------------------------------------

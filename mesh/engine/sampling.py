@@ -22,6 +22,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     constraint: Constraint | None = None  # the output must match it (JSON schema, grammar); see constraints/
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from kvstore.manager import KVCacheManager
 from mesh.engine.sequence import SampledToken, SeqStatus, Sequence
 
+FINISHED = SeqStatus.FINISHED_STOPPED  # status >= FINISHED: finished
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -39,20 +41,24 @@ class SchedulerConfig:
     max_loras: int = 0  # distinct LoRA adapters the running set may hold (one step runs them all); 0: off
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen: one per row per step (a frozen __init__ is slower)
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    # The chunk reaches the end of the sequence's tokens (in-flight ones included), so its last
+    # row yields the next token. Fixed when scheduled: the sequence moves on before the step resolves.
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last row yields the next token."""
-        return self.end == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """The next ``num_tokens`` positions of ``seq``."""
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens + seq.num_placeholders)
 
 
 @dataclass
@@ -69,7 +75,7 @@ class SchedulerOutput:
         return [c for c in self.chunks if c.samples]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen: one per request per step
 class StepOutput:
     """What one step produced for one request."""
 
@@ -153,13 +159,22 @@ class Scheduler:
                   self.running[0].priority if self.running else -(1 << 62))
         i = 0
         pressure = False
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        chunks = out.chunks
+        running = self.running
+        bs = self.kv.block_size
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.priority < top:
                 break  # paused while higher-priority work exists (the rest rank lower still)
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self._grow_or_preempt(seq, n, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            if seq.num_placeholders and self._stops_by_length(seq):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
+            start = seq.num_computed_tokens
+            end = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_placeholders
+            n = min(end - start, budget)
+            # most rows: one decode token inside the last block (no growth, no pool call)
+            if start + n <= len(seq.block_table) * bs or self._grow_or_preempt(seq, n, out):
+                chunks.append(ScheduledChunk(seq, start, n, start + n == end))
                 budget -= n
                 i += 1
             else:
@@ -207,6 +222,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.priority < top:
                 break  # lower-priority work waits until the higher-priority work is done
+            if seq.num_placeholders:
+                break  # preempted this step while its last token was in flight: back once it is known
             if not self._lora_fits(seq):
                 break  # its adapter needs a slot: it waits until a running adapter's requests finish
             n = self._take_blocks(seq, budget)
@@ -217,7 +234,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _lora_fits(self, seq: Sequence) -> bool:
@@ -282,37 +299,98 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
         """Advance the scheduled sequences; ``sampled`` aligns with ``out.sampling_chunks``."""
-        results: list[StepOutput] = []
-        finished: list[Sequence] = []
-        samples = iter(sampled)
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    # Overlapped scheduling splits ``update`` in two: ``advance`` right after a step is launched
+    # (its tokens are placeholders until then), ``resolve`` once its sampled tokens reach the host,
+    # which is after the next step was scheduled and launched.
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step's positions are computed (or being computed); its samples are in flight."""
+        bs = self.kv.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed(seq)
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block filled up: name it
+                self.kv.cache_computed(seq)
+            if chunk.samples:
+                seq.num_placeholders += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[StepOutput]:
+        """The step's sampled tokens replace its placeholders: stops, finishes, outputs.
+
+        A sequence that finished meanwhile (aborted, or stopped by the token before) drops its
+        token; one preempted while its token was in flight keeps it, as it would have without
+        overlap (it was sampled from the full context).
+        """
+        # The per-row work of every step: take_token, check_stop and output_of written out, so a
+        # row costs a few attribute reads rather than a dozen calls (bench/host_overhead.py).
+        results: list[StepOutput] = []
+        finished: list[Sequence] = []
+        samples = iter(sampled)
+        eos, max_len, bs = self.config.eos_token_ids, self.config.max_model_len, self.kv.block_size
+        for chunk in out.chunks:
             if not chunk.samples:
                 continue
             tok = next(samples)
-            self.take_token(seq, tok)
-            if seq.is_finished:
+            seq = chunk.seq
+            seq.num_placeholders -= 1
+            if seq.status >= FINISHED:
+                continue
+            tid, lp = tok.token_id, tok.logprob
+            outs = seq.output_token_ids
+            outs.append(tid)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            n_out = len(outs)
+            p = seq.params
+            if seq.grammar is not None:
+                self._after_grammar_token(seq, tid)
+            elif ((tid in eos and not p.ignore_eos) or tid in p.stop_token_ids) and n_out >= p.min_tokens:
+                seq.status = SeqStatus.FINISHED_STOPPED
+            elif n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
+                seq.status = SeqStatus.FINISHED_LENGTH
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
+            reason = None
+            if seq.status >= FINISHED:
                 finished.append(seq)
-            results.append(self.output_of(seq, [tok]))
+                reason = seq.status.finish_reason
+            results.append(StepOutput(seq.request_id, [tid], [] if lp is None else [lp], reason,
+                                      len(seq.prompt_token_ids), seq.num_cached_tokens, n_out))
         for seq in finished:
-            self.running.remove(seq)
+            if seq in self.running:
+                self.running.remove(seq)
+            else:  # preempted while its last token was in flight
+                self.waiting.remove(seq)
             self.retire(seq)
         return results
+
+    def _stops_by_length(self, seq: Sequence) -> bool:
+        """Its in-flight tokens take it to ``max_tokens`` or the context limit."""
+        return (seq.num_output_tokens_scheduled >= seq.params.max_tokens
+                or seq.num_tokens + seq.num_placeholders >= self.config.max_model_len)
 
     def take_token(self, seq: Sequence, tok: SampledToken) -> None:
         """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
         seq.append_token(tok.token_id, tok.logprob)
-        if seq.grammar is not None and not seq.grammar.advance(tok.token_id):
+        if seq.grammar is not None:
+            self._after_grammar_token(seq, tok.token_id)
+        else:
+            self.check_stop(seq)
+
+    def _after_grammar_token(self, seq: Sequence, token_id: int) -> None:
+        if not seq.grammar.advance(token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
-            return
-        self.check_stop(seq)
+        else:
+            self.check_stop(seq)
 
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
         last = seq.last_token_id
-        if (not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids:
+        if ((not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids) \
+                and seq.num_output_tokens >= p.min_tokens:
             seq.status = SeqStatus.FINISHED_STOPPED
         elif seq.grammar is not None and seq.grammar.is_done:
             seq.status = SeqStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow

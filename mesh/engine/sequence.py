@@ -1,6 +1,13 @@
 """One request's state inside an engine: tokens, progress, blocks, status.
 
 Counters are stored (``num_computed_tokens``); everything else is derived.
+
+Overlapped scheduling (``mesh.engine.overlap``) schedules a step before the
+previous one's tokens are known: ``num_placeholders`` counts the output tokens
+that in-flight steps are sampling. They take positions (the scheduler computes
+them next, from the token on the device) but are not in ``output_token_ids``
+until the step resolves, so everything the rest of the worker reads (tokens,
+counts, hashes) holds only real tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per row per step, and a frozen __init__ costs twice as much
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
@@ -73,6 +80,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_placeholders: int = 0  # output tokens in-flight steps are sampling (overlapped scheduling)
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already named in the cache
@@ -112,7 +120,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Positions still to compute, the in-flight tokens' included (the scheduler's view)."""
+        return self.num_tokens + self.num_placeholders - self.num_computed_tokens
+
+    @property
+    def num_output_tokens_scheduled(self) -> int:
+        """Output tokens once every in-flight step resolved (the sampler's index of the next one)."""
+        return len(self.output_token_ids) + self.num_placeholders
 
     @property
     def is_prefilling(self) -> bool:

@@ -235,7 +235,9 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], paths: list[st
 def _serve(conn: Connection) -> int:
     from mesh.engine.attention import create_backend
     from mesh.engine.config import ModelConfig
+    from mesh.engine.kernels import Kernels
     from mesh.engine.loader import load_model
+    from mesh.engine.model import use_kernels
     from mesh.engine.runner import ModelRunner
 
     setup: RankSetup = conn.recv()
@@ -246,6 +248,7 @@ def _serve(conn: Connection) -> int:
     device = rank_device(cfg.torch_device, setup.rank)
     shard = Shard(setup.rank, setup.size)
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard)
+    use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
     spec = shard_spec(mc, cfg, setup.num_blocks, cfg.torch_dtype)
     kv = KVCache(spec, device, shm_path=setup.kv_path)
     attention = create_backend(cfg.attention_backend, kv, mc.head_dim**-0.5)

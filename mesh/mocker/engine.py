@@ -91,7 +91,15 @@ class MockEngine(EngineCore):
         self.simulated_seconds += seconds
         if seconds > 0:
             time.sleep(seconds)
-        return [SampledToken(self.token_for(c.seq)) for c in out.sampling_chunks]
+        vocab = self.vocab_size
+        tokens = []
+        for c in out.chunks:
+            if c.samples:  # token_for, written out (one per row per step)
+                seq = c.seq
+                n_out = len(seq.output_token_ids)
+                last = seq.output_token_ids[-1] if n_out else seq.prompt_token_ids[-1]
+                tokens.append(SampledToken((last * 31 + (len(seq.prompt_token_ids) + n_out) * 17 + 7) % vocab))
+        return tokens
 
     def token_for(self, seq: Sequence) -> int:
         """The next token: a fixed function of the last token and the length."""

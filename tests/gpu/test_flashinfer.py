@@ -1,4 +1,5 @@
-"""The FlashInfer backend against the PyTorch reference backend, on CUDA.
+"""The FlashInfer backends (``flashinfer``, ``flashinfer-ragged``) against the PyTorch reference
+backend, on CUDA.
 
 Backend level: one step of random q/k/v over a paged cache holding random
 earlier context (decodes, chunks after a cached prefix, fresh prefills), every
@@ -27,9 +28,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from kvstore.cache import KVCache, KVCacheSpec
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from mesh.engine import Engine, EngineConfig
 from mesh.engine.attention import AttentionBatch, create_backend, default_backend
 from mesh.engine.tiny import write_tiny_model
+from tests.gpu.greedy_checks import assert_greedy_agree, greedy, step_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -66,10 +68,14 @@ def run_step(backend_name, kv, batch, qkv):
     return [backend.forward(layer, q, k, v) for layer, (q, k, v) in enumerate(qkv)]
 
 
+FLASH_BACKENDS = ["flashinfer", "flashinfer-ragged"]
+
+
+@pytest.mark.parametrize("backend", FLASH_BACKENDS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
-def test_backend_matches_torch_reference(layout, dtype, heads):
+def test_backend_matches_torch_reference(layout, dtype, heads, backend):
     dt = DTYPES[dtype]
     num_q, num_kv = heads
     spec = KVCacheSpec(num_layers=2, num_blocks=256, block_size=16, num_kv_heads=num_kv, head_dim=64, dtype=dt)
@@ -86,7 +92,7 @@ def test_backend_matches_torch_reference(layout, dtype, heads):
         kv = KVCache(replace(spec, dtype=cache_dtype), CUDA)
         kv.tensor.copy_(earlier)
         step = [tuple(t.to(cache_dtype) for t in layer) for layer in qkv]
-        caches[name] = (kv, run_step("torch" if name == "reference" else name, kv, batch, step))
+        caches[name] = (kv, run_step({"reference": "torch", "flashinfer": backend}.get(name, name), kv, batch, step))
 
     (kv_f, out_f), (kv_t, out_t), (_, out_r) = caches["flashinfer"], caches["torch"], caches["reference"]
     tol = TOL[dt]
@@ -128,23 +134,6 @@ def make_engine(model, dtype, backend, **kw) -> Engine:
     return Engine(EngineConfig(model, device="cuda", dtype=dtype, attention_backend=backend, num_kv_blocks=512, **kw))
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def step_logits(engine: Engine, prompts, steps: int) -> tuple[list[torch.Tensor], list]:
-    """Logits of every row of the first ``steps`` steps (prefill, then decodes), and the sequences."""
-    engine.runner.capture_logits = True
-    seqs = [engine.new_sequence(p, greedy(steps)) for p in prompts]
-    for s in seqs:
-        engine.add(s)
-    out = []
-    for _ in range(steps):
-        engine.step()
-        out.append(engine.runner.last_logits.clone())
-    return out, seqs
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_engine_logits_match_a_float32_engine_as_closely_as_torch_does(small_model, prompts, dtype):
     ref, ref_seqs = step_logits(make_engine(small_model, "float32", "torch"), prompts, 2)
@@ -166,35 +155,17 @@ def test_engine_logits_match_a_float32_engine_as_closely_as_torch_does(small_mod
     assert err_f.max() <= 2 * err_t.max() + 0.05, (err_f.max().item(), err_t.max().item())
 
 
-def last_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
-    engine.runner.capture_logits = True
-    engine.generate([tokens], greedy(1))
-    return engine.runner.last_logits[-1]
-
-
-def assert_greedy_agree(flash_seqs, torch_seqs, ref: Engine, margin: float) -> None:
-    """Identical greedy outputs, except a first divergence where the float32 logits call it a near tie."""
-    for f, t in zip(flash_seqs, torch_seqs, strict=True):
-        a, b = f.output_token_ids, t.output_token_ids
-        j = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        if j is None:
-            continue
-        logits = last_logits(ref, f.prompt_token_ids + a[:j])
-        best = logits.max()
-        assert best - logits[a[j]] <= margin and best - logits[b[j]] <= margin, (
-            f"diverged at output {j}: flashinfer {a[j]} ({logits[a[j]]:.3f}), torch {b[j]} "
-            f"({logits[b[j]]:.3f}), float32 best {best:.3f}; margin {margin:.3f}"
-        )
-
-
+@pytest.mark.parametrize("backend", FLASH_BACKENDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_engine_greedy_matches_torch_with_chunked_prefill_and_prefix_cache(small_model, prompts, dtype):
+def test_engine_greedy_matches_torch_with_chunked_prefill_and_prefix_cache(small_model, prompts, dtype, backend):
     # a 64-token budget splits the long prompts into chunks that run beside other sequences' decodes
     ref = make_engine(small_model, "float32", "torch")
     ref_logits, _ = step_logits(ref, prompts, 1)
     same_logits, _ = step_logits(make_engine(small_model, dtype, "torch"), prompts, 1)
     margin = 2 * (same_logits[0] - ref_logits[0]).abs().max().item()  # this dtype's noise on the logits
     engines = {b: make_engine(small_model, dtype, b, max_num_batched_tokens=64) for b in ("flashinfer", "torch")}
+    engines["flashinfer"] = make_engine(small_model, dtype, backend, max_num_batched_tokens=64)
+    assert engines["flashinfer"].attention.name == backend
     runs = {b: e.generate(prompts, greedy(24)) for b, e in engines.items()}
     assert engines["flashinfer"].num_steps > 24 + 250 // 64
     assert_greedy_agree(runs["flashinfer"], runs["torch"], ref, margin)

@@ -365,6 +365,18 @@ async def test_stop_token_ids(client, engine):
     assert extra(r.choices[0], "token_ids") == want[: want.index(stop_at) + 1]
 
 
+async def test_min_tokens_holds_back_stop_ids(client, engine):
+    """vLLM's ``min_tokens`` (load generators send it with ``ignore_eos``): a stop id the model
+    would draw first cannot be drawn, nor end the output, before it."""
+    prompt = random_ids(10, 7)
+    (want,) = reference(engine, [prompt], max_tokens=8, ignore_eos=True)
+    body = {"ignore_eos": True, "stop_token_ids": [want[0]], "return_token_ids": True}
+    r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={**body, "min_tokens": 8})
+    ids = extra(r.choices[0], "token_ids")
+    assert r.choices[0].finish_reason == "length" and len(ids) == 8 and want[0] not in ids
+
+
 # -- logprobs ----------------------------------------------------------------------------------
 
 
@@ -511,6 +523,7 @@ BAD_VALUES = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "n": True}, "n"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),

@@ -1,11 +1,11 @@
-"""A step's metrics in one update: ``observe_many`` exposes exactly what ``observe`` n times does."""
+"""A window of steps' metrics in one update: ``observe_counts`` exposes exactly what ``observe`` n times does."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from mesh.metrics import observe_many
+from mesh.metrics import observe_counts
 from mesh.telemetry import LATENCY_BUCKETS
 
 
@@ -23,11 +23,21 @@ def _samples(reg, name):
 
 @pytest.mark.parametrize("amount", [0.0, 0.001, 0.0011, 0.0025, 0.7, 60.0, 61.0])
 @pytest.mark.parametrize("count", [1, 2, 37])
-def test_observe_many_equals_repeated_observe(amount, count):
+def test_observe_counts_of_one_amount_equals_repeated_observe(amount, count):
     reg, one, many = _pair()
     for _ in range(count):
         one.observe(amount)
-    observe_many(many, amount, count)
+    observe_counts(many, {amount: count})
     assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)
     text = generate_latest(reg).decode()
     assert f'in_one_go_count{{model="m"}} {float(count)}' in text
+
+
+def test_observe_counts_equals_repeated_observe():
+    reg, one, many = _pair()
+    counts = {0.0: 2, 0.001: 1, 0.0011: 5, 0.0025: 1, 0.7: 3, 60.0: 1, 61.0: 4}
+    for amount, count in counts.items():
+        for _ in range(count):
+            one.observe(amount)
+    observe_counts(many, counts)
+    assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)

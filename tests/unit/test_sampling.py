@@ -51,6 +51,25 @@ def test_eos_stops_unless_ignored(tiny_model):
     assert s.output_token_ids == greedy.output_token_ids
 
 
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny_model):
+    """Before ``min_tokens``, EOS and stop ids are neither drawn nor an end (vLLM's rule); after it
+    they stop the output as usual."""
+    eng = Engine(EngineConfig(tiny_model, num_kv_blocks=64))
+    greedy = eng.generate([PROMPTS[2]], SamplingParams(max_tokens=12, temperature=0.0))[0].output_token_ids
+    stop_at = greedy[0]  # the first greedy token: without min_tokens the output is just it
+    p = dict(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,))
+    assert eng.generate([PROMPTS[2]], SamplingParams(**p))[0].output_token_ids == [stop_at]
+    held = eng.generate([PROMPTS[2]] * 2, [SamplingParams(**p, min_tokens=4),
+                                       SamplingParams(**{**p, "temperature": 1.0, "seed": 7}, min_tokens=12)])
+    assert stop_at not in held[0].output_token_ids[:4] and held[0].num_output_tokens >= 4
+    assert held[0].status == SeqStatus.FINISHED_STOPPED or held[0].num_output_tokens == 12
+    assert stop_at not in held[1].output_token_ids and held[1].status == SeqStatus.FINISHED_LENGTH
+    eng.scheduler.config = type(eng.scheduler.config)(**{**eng.scheduler.config.__dict__, "eos_token_ids": (stop_at,)})
+    eng.sampler.eos_token_ids = (stop_at,)
+    (eos,) = eng.generate([PROMPTS[2]], SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5))
+    assert stop_at not in eos.output_token_ids[:5] and eos.num_output_tokens >= 5
+
+
 def test_logprobs_are_consistent_with_the_tokens(engine):
     s = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
     assert len(s.output_logprobs) == 8
@@ -94,6 +113,7 @@ def test_penalties_change_the_choice():
 @pytest.mark.parametrize("bad", [
     dict(max_tokens=0), dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2),
     dict(min_p=1.5), dict(logprobs=21), dict(presence_penalty=3), dict(repetition_penalty=0),
+    dict(max_tokens=4, min_tokens=5), dict(min_tokens=-1),
 ])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):

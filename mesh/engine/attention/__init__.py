@@ -42,6 +42,9 @@ class AttentionBackend(Protocol):
 
     def plan(self, batch: AttentionBatch) -> None: ...
 
+    # Optional: ``configure(num_qo_heads, q_dtype)``, called once by the runner, lets a backend do
+    # all of a step's host work in ``plan`` (so none is left for the first layer's ``forward``).
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -55,6 +58,11 @@ def register(name: str) -> Callable[[BackendFactory], BackendFactory]:
         return factory
 
     return deco
+
+
+def backend_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
 
 
 def create_backend(name: str, kv: KVCache, scale: float) -> AttentionBackend:
@@ -79,4 +87,4 @@ def default_backend(device: torch.device, head_dim: int, dtype: torch.dtype) -> 
 
 def _load_builtin() -> None:
     # Importing registers them; flashinfer itself is imported lazily on first use.
-    from mesh.engine.attention import flashinfer_backend, torch_paged  # noqa: F401
+    from mesh.engine.attention import flashinfer_backend, flashinfer_ragged, torch_paged  # noqa: F401

@@ -7,8 +7,9 @@ Why it is built this way:
   go to the kernels as a tuple: no copy, no layout change.
 * One plan per step, shared by every layer. ``plan()`` turns the block tables
   into FlashInfer's CSR page table (``indptr``, ``indices``, last-page lengths)
-  on the host, because FlashInfer's own plan reads them on the host anyway and
-  copies them to the device once. The wrapper itself is planned at the step's
+  on the host, because FlashInfer's own plan reads ``indptr`` and the last-page
+  lengths on the host anyway; the page indices go to the device at once, by a
+  non-blocking copy (nothing in a step may wait for the step before it). The wrapper itself is planned at the step's
   first ``forward``, where the query heads and dtype are known (the factory
   gets only the cache and the scale).
 * Two wrappers. A step of decodes only (one query token per sequence) goes to
@@ -38,6 +39,7 @@ import torch
 
 from kvstore.cache import KVCache
 from mesh.engine.attention import AttentionBatch, register
+from mesh.engine.hostcopy import to_device
 
 # FA2 needs head_dim >= 64 (four 16-wide MMA tiles); these are the sizes FlashInfer ships and tests.
 HEAD_DIMS = (64, 128, 256)
@@ -82,13 +84,21 @@ class FlashInferAttention:
             self._workspace, "NHD", use_tensor_cores=True, backend=kernels
         )
         self._planned_for: tuple[int, torch.dtype] | None = None
+        self._q_layout: tuple[int, torch.dtype] | None = None  # configure(): plan in plan(), not at layer 0
         self._graph_wrappers: dict[int, tuple] = {}  # padded batch size -> (CUDA-graph decode wrapper, pages)
         self._active = None  # the wrapper this step runs on, when it was planned by plan_graph
 
+    def configure(self, num_qo_heads: int, q_dtype: torch.dtype) -> None:
+        """The model's query heads and dtype: ``plan`` then plans the wrapper itself, so that a
+        step's host work (and its copies out of pinned buffers) is done before its first layer."""
+        self._q_layout = (num_qo_heads, q_dtype)
+
     def plan(self, batch: AttentionBatch) -> None:
         self._set_layout(batch)
-        self._planned_for = None  # the wrapper is planned at this step's first forward
+        self._planned_for = None  # unless configured, the wrapper is planned at this step's first forward
         self._active = None
+        if self._q_layout is not None:
+            self._plan_wrapper(*self._q_layout)
 
     def plan_graph(self, batch: AttentionBatch, num_qo_heads: int, dtype: torch.dtype) -> bool:
         """Plan a pure decode step on the CUDA-graph wrapper of its (padded) batch size.
@@ -127,7 +137,9 @@ class FlashInferAttention:
             last_page_len.append(ctx - (nblk - 1) * bs)
         self._qo_indptr = _int32(qo_indptr)
         self._kv_indptr = _int32(kv_indptr)
-        self._indices = _int32(indices)
+        # On the device already: FlashInfer's plan copies host page indices into its CUDA-graph
+        # buffer with a blocking copy (a stream sync, which would wait for the step in flight).
+        self._indices = to_device(indices, torch.int32, self.kv.device)
         self._last_page_len = _int32(last_page_len)
         self._pure_decode = batch.is_pure_decode
         self._slots = batch.slot_mapping

@@ -1,0 +1,53 @@
+"""``bench/engine.py --gpu``'s plumbing, on the CPU: ``--dry-run`` runs the GPU benchmark's code
+with a tiny shape, so its arguments, mode switching, measurements and tables are exercised
+without a GPU (the figures themselves mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import engine as bench_engine
+from bench import engine_gpu
+
+
+def test_dry_run_prints_every_table_and_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    rc = bench_engine.main(["--gpu", "--dry-run", "--gpu-batches", "1,4", "--gpu-profile", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {(r["mode"], r["batch"]) for r in result["decode"]}
+    assert rows == {("eager", 1), ("eager", 4), ("overlap", 1), ("overlap", 4)}
+    for r in result["decode"]:
+        assert r["step_ms"] > 0 and abs(r["tok_s"] - r["batch"] / r["step_ms"] * 1e3) < 1e-6 * r["tok_s"]
+        assert r["roofline_ms"] > 0 and r["of_roofline"] == r["roofline_ms"] / r["step_ms"]
+    assert [p["prompt"] for p in result["prefill"]] == [64, 128] and all(p["tok_s"] > 0 for p in result["prefill"])
+    # modes this CPU cannot run are named, not silently dropped
+    assert any(s.startswith("graphs:") for s in result["skipped"])
+    assert "| batch | prompt | figure | eager | best mode | target |" in printed
+    assert "prefill tok/s and TTFT (torch)" in printed and "DRY RUN" in printed
+
+
+def test_decode_gaps_take_only_whole_batch_decode_steps():
+    log = engine_gpu.StepLog.__new__(engine_gpu.StepLog)
+    # (tokens scheduled, time): two prefill chunks, a mixed step, then decodes of a batch of 4
+    log.entries = [(16, 1.0), (16, 2.0), (7, 3.0), (4, 3.5), (4, 4.0), (4, 4.6), (0, 4.7)]
+    assert log.decode_gaps(4) == pytest.approx([0.5, 0.6])
+
+
+def test_gpu_settings_parse_and_refuse_unknown_modes():
+    p = bench_engine.argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--reps", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    engine_gpu.add_arguments(p)
+    s = engine_gpu.gpu_settings(p.parse_args(["--gpu", "--gpu-modes", "eager,graphs+overlap", "--gpu-batches", "64,1"]))
+    assert s.modes == ["eager", "graphs+overlap"] and s.batches == [64, 1] and s.prefill_lens == [2048, 8192]
+    try:
+        engine_gpu.gpu_settings(p.parse_args(["--gpu", "--gpu-modes", "warp"]))
+    except SystemExit as e:
+        assert "unknown --gpu-modes warp" in str(e)
+    else:
+        raise AssertionError("an unknown mode was accepted")
