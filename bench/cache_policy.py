@@ -13,6 +13,12 @@ Policies: ``lru`` (one queue, least recently freed first), ``slru`` (the pool's
 default: blocks that served a hit are protected, up to half the pool; generated
 blocks go first), and Belady's optimal eviction per worker (knows each block's next
 use on that worker; same routing decisions) as the ceiling.
+
+``--host-blocks N`` adds the KV fabric's bounds (issue 20), through the real block
+manager, host tier and peer stage of every worker: ``+host`` (a host tier of N blocks
+behind each pool, the same longest-prefix routing), and two placements that ignore
+the caches (round-robin, perfectly balanced): ``rr+host`` and ``rr+host+peer`` (the
+worker fetches the prefix from whichever worker holds the longest run of it, any tier).
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ from pathlib import Path
 
 import trace_replay as tr
 
+from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
+from kvstore.tiers import HostTier, TieredCache
+from mesh.engine.sampling import SamplingParams
+from mesh.engine.sequence import Sequence
 from mesh.hashing import block_hashes, model_seed
 
 
@@ -108,6 +118,55 @@ def belady(requests, workers: int, blocks: int, block_size: int = 16, seed: int 
     return hit_tokens / prompt_tokens
 
 
+def tiered(requests, workers: int, blocks: int, host_blocks: int, placement: str = "prefix", peer: bool = False,
+           block_size: int = 16, seed: int = 0) -> dict[str, float]:
+    """Reuse (cached / prompt tokens) with a host tier behind every pool, in total and by source.
+
+    ``placement``: ``prefix`` (the worker holding the longest run, any tier; ties: fewest
+    tokens prefilled) or ``rr`` (round-robin). ``peer``: blocks past the chosen worker's own run
+    that another worker holds (any tier) are fetched instead of computed."""
+    hseed = model_seed(tr.MODEL)
+    pools = [BlockPool(blocks) for _ in range(workers)]
+    kvs = []
+    for pool in pools:
+        tiers = TieredCache(HostTier(host_blocks, pool.events))
+        pool.on_evict = tiers.offload
+        pool.events.enabled = False
+        kvs.append(KVCacheManager(pool, block_size, tiers))
+    prefilled = [0] * workers
+    rng = random.Random(seed)
+    cached = prompt = 0
+    for i, r in enumerate(requests):
+        out = min(r.max_tokens, max(blocks * block_size - len(r.prompt) - block_size, 1))
+        s = Sequence(str(i), list(r.prompt), SamplingParams(max_tokens=out), block_size=block_size, hash_seed=hseed)
+        runs = [len(kv.match_prefix(s)) for kv in kvs]
+        if placement == "rr":
+            w = i % workers
+        else:
+            best = max(runs)
+            w = min((j for j, n in enumerate(runs) if n == best), key=lambda j: (prefilled[j], rng.random()))
+        kv = kvs[w]
+        if peer and max(runs) > runs[w]:
+            kv.tiers.stage_peer(s.block_hashes(max(runs))[runs[w]:])
+        hit = kv.match_prefix(s)
+        kv.admit(s, hit)
+        s.output_token_ids.extend(rng.randrange(1, tr.VOCAB) for _ in range(out))
+        if not kv.grow(s, s.num_tokens - s.num_computed_tokens):
+            raise RuntimeError("a request does not fit the pool")
+        s.num_computed_tokens = s.num_tokens
+        kv.cache_computed(s)
+        kv.free(s)
+        cached += len(hit) * block_size
+        prompt += len(r.prompt)
+        prefilled[w] += len(r.prompt) - len(hit) * block_size
+    out = {"reuse": cached / prompt}
+    device = sum(kv.device_hit_blocks for kv in kvs)
+    out["device"] = device * block_size / prompt
+    for src in ("host", "peer"):
+        out[src] = sum(kv.tiers.hit_blocks[src] for kv in kvs) * block_size / prompt
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, required=True)
@@ -116,6 +175,8 @@ def main() -> int:
                    help="blocks per worker (3,600: what 4,096 leave free beside running requests)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--belady", action="store_true", help="also the optimal-eviction ceiling (slow)")
+    p.add_argument("--host-blocks", type=int, default=0,
+                   help="also the bounds with a host tier of this many blocks per worker (and peer fetch)")
     args = p.parse_args()
     if not args.trace.is_file():
         sys.exit(f"bench/cache_policy.py: no trace at {args.trace}")
@@ -137,6 +198,14 @@ def main() -> int:
         print(f"{blocks:>14} {lru:>8.1%} {slru:>8.1%} {slru / lru:>8.2f}x {med:>18.0f} {med / no_cache:>10.2f}"
               f"{extra}", flush=True)
     print(f"median prompt: {no_cache:.0f} tokens")
+    if args.host_blocks:
+        print(f"with a host tier of {args.host_blocks} blocks per worker (reuse: total = device + host + peer):")
+        for blocks in args.blocks:
+            for label, placement, peer in (("+host", "prefix", False), ("rr+host", "rr", False),
+                                           ("rr+host+peer", "rr", True)):
+                t = tiered(requests, args.workers, blocks, args.host_blocks, placement, peer)
+                print(f"{blocks:>14} {label:>13} {t['reuse']:>7.1%} = {t['device']:.1%} + {t['host']:.1%} "
+                      f"+ {t['peer']:.1%}", flush=True)
     return 0
 
 

@@ -71,26 +71,28 @@ def main() -> None:
     churn = time.perf_counter() - t0
 
     # -- decisions: prompts sharing the system prompt, some continuing a worker's conversation ---
-    cfg = RouterConfig()
     loads = [WorkerLoad(w, active_blocks=rng.randrange(0, 2000), total_blocks=args.blocks) for w in workers]
-    lat = []
-    for i in range(args.decisions):
-        body = [rng.randrange(50_000) for _ in range(args.prompt_tokens - len(system))]
-        tokens = system + body
-        t0 = time.perf_counter()
-        hashes = block_hashes(tokens, BS, seed)
-        overlaps = idx.overlap(hashes)
-        d = pick_worker(RouteRequest(len(tokens), BS, tuple(hashes)), loads, overlaps, cfg, rng, i)
-        lat.append(time.perf_counter() - t0)
-        assert overlaps and d.overlap_blocks >= len(shared)
-    lat.sort()
+    lats = {}
+    for label, cfg in (("kv", RouterConfig()), ("kv + peer fetch", RouterConfig(peer_fetch=True))):
+        lat = lats[label] = []
+        for i in range(args.decisions):
+            body = [rng.randrange(50_000) for _ in range(args.prompt_tokens - len(system))]
+            tokens = system + body
+            t0 = time.perf_counter()
+            hashes = block_hashes(tokens, BS, seed)
+            matches = idx.match(hashes)
+            d = pick_worker(RouteRequest(len(tokens), BS, tuple(hashes)), loads, matches, cfg, rng, i)
+            lat.append(time.perf_counter() - t0)
+            assert matches and d.hit_blocks + d.fetch_blocks >= len(shared)
+        lat.sort()
     print(f"router index: {args.workers} workers x {args.blocks:,} blocks = {total_events:,} indexed blocks")
     print(f"ingest: {total_events / ingest:,.0f} block events/s ({ingest:.2f}s, decode + apply, "
           f"64-block stored runs)")
     print(f"churn:  {n_moves / churn:,.0f} block events/s (removed + stored again, 10% of each worker)")
-    print(f"decision ({args.prompt_tokens}-token prompt, all {args.workers} workers share a 64-block prefix): "
-          f"p50 {statistics.median(lat) * 1e3:.3f} ms, p99 {lat[int(0.99 * len(lat))] * 1e3:.3f} ms, "
-          f"max {lat[-1] * 1e3:.3f} ms")
+    for label, lat in lats.items():
+        print(f"decision, {label} ({args.prompt_tokens}-token prompt, all {args.workers} workers share a 64-block "
+              f"prefix): p50 {statistics.median(lat) * 1e3:.3f} ms, p99 {lat[int(0.99 * len(lat))] * 1e3:.3f} ms, "
+              f"max {lat[-1] * 1e3:.3f} ms")
     t0 = time.perf_counter()
     for _ in range(200):
         block_hashes(tokens, BS, seed)

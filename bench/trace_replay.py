@@ -1,12 +1,16 @@
-"""Replay a Mooncake trace through the gateway, once per router mode, and compare prefix hit rates and TTFT.
+"""Replay a Mooncake trace through the gateway, once per mode, and compare prefix reuse, TTFT and TPOT.
 
-    python bench/trace_replay.py --trace ../shared/data/traces/mooncake_synthetic_trace.jsonl
+    python bench/trace_replay.py --trace ../shared/data/traces/mooncake_synthetic_trace.jsonl \
+        --free-speedup 10 --loaded-speedup 3
     python bench/trace_replay.py --trace T --limit 400 --modes kv,round-robin --phases loaded   # a quick look
 
 For each phase (``free``: the mocker nearly free; ``loaded``: its timing model at a speed where
-prefill time dominates) and each router mode, the script starts a fresh
-``mesh up --mock --prefill 0 --decode 8 --device-kv-blocks 4096 --block-size 16 --router MODE``,
-replays the trace into it, and stops it. Definitions:
+prefill time dominates) and each mode, the script starts a fresh
+``mesh up --mock --prefill 0 --decode 8 --device-kv-blocks 4096 --block-size 16 --router ROUTER ...``,
+replays the trace into it, and stops it. Modes (``VARIANTS``): ``kv`` (device pools only),
+``kv-host`` (+ a host tier of ``--host-blocks``, 4x the device pool), ``kv-host-peer`` (+ peer
+fetch: the router plans fetches, the workers fetch), ``kv-peer``, ``round-robin``, ``random``,
+``least-loaded``. Definitions:
 
 * trace: JSONL of ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` (one per
   512-token block; a shared hash id means a shared prefix block). Request ``i`` is sent at
@@ -26,6 +30,9 @@ replays the trace into it, and stops it. Definitions:
   always computed) that any earlier request's prompt had;
 * send lag: actual send time - scheduled time, to show when the load generator itself falls behind;
   client CPU: this process's CPU time over the replay, in cores.
+
+* TPOT: (E2E - TTFT) / (output tokens - 1); reuse attribution (available, captured by routing,
+  delivered, by source): ``bench/replay_report.py``.
 
 Per-request results land in ``--out`` (JSON); ``--plot`` writes the TTFT CDFs per mode.
 """
@@ -48,6 +55,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from replay_report import (
+    _ms,
+    attribution,
+    balance,
+    issue_table,
+    plot,
+    reuse_table,
+    summarize,
+    table,
+)
 
 from mesh.bus import Bus
 from mesh.hashing import block_hashes, model_seed
@@ -60,8 +77,20 @@ TRACE_BLOCK = 512
 VOCAB = 32000  # the mocker's
 MODEL = "mock"
 BLOCK_SIZE = 16
-ALL_MODES = ("kv", "round-robin", "random", "least-loaded")
 ROOT = Path(__file__).resolve().parent.parent
+HOST = "{host}"  # in VARIANTS: the host tier's blocks (--host-blocks)
+# mode -> (the gateway's --router, what else mesh up gets)
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kv": ("kv", ()),
+    "kv-host": ("kv", ("--host-kv-blocks", HOST)),
+    "kv-host-peer": ("kv", ("--host-kv-blocks", HOST, "--peer-fetch")),
+    "kv-peer": ("kv", ("--peer-fetch",)),
+    "round-robin": ("round-robin", ()),
+    "random": ("random", ()),
+    "least-loaded": ("least-loaded", ()),
+}
+ALL_MODES = tuple(VARIANTS)
+DEFAULT_MODES = ("kv", "kv-host", "kv-host-peer", "round-robin")
 
 # Dynamo 1.6.1 (frontend + KV router + 8 mocker workers), same trace, mapping and pool, 2-core machine.
 DYNAMO = {
@@ -235,7 +264,7 @@ def wait_idle(max_wait: float, quiet_for: int = 6, threshold: float = 0.05) -> f
 class Mesh:
     """``mesh up --mock ...`` as a child process: up when it prints "pdmesh is up", stopped with SIGINT."""
 
-    def __init__(self, mode: str | None, mock_speedup: float, decode: int, kv_blocks: int, log_path: Path,
+    def __init__(self, router: str | None, mock_speedup: float, decode: int, kv_blocks: int, log_path: Path,
                  extra: list[str], root: Path = ROOT):
         self.root = root
         self.port = free_port()
@@ -244,8 +273,8 @@ class Mesh:
         self.argv = [sys.executable, "-m", "mesh.cli", "up", "--mock", "--prefill", "0", "--decode", str(decode),
                      "--device-kv-blocks", str(kv_blocks), "--block-size", str(BLOCK_SIZE),
                      "--mock-speedup", str(mock_speedup), "--port", str(self.port), *extra]
-        if mode is not None:
-            self.argv += ["--router", mode]
+        if router is not None:
+            self.argv += ["--router", router]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -304,6 +333,8 @@ class Result:
     request_id: str = ""
     worker: str = ""  # from the router's published decision, when it publishes one
     overlap_blocks: float = 0.0  # the cached blocks the router credited on that worker
+    hit_blocks: int = 0  # the chosen worker's own run of the prompt (any tier), as the router saw it
+    fetch_blocks: int = 0  # blocks the router planned it to fetch from a peer
     routed_after: float | None = None  # send -> the router's decision in the gateway (HTTP ingress)
     error: str | None = None
 
@@ -438,6 +469,7 @@ class Observer:
         self.decisions: dict[str, dict] = {}  # request id -> decision
         # (t, worker, waiting, running, pending prefill tokens, kv blocks used, its recent mean TTFT in ms)
         self.loads: list[tuple] = []
+        self.counters: dict[str, dict[str, int]] = {}  # worker -> its latest load report's counters
 
     async def start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, name="trace-replay")
@@ -452,12 +484,15 @@ class Observer:
     async def _on_decision(self, d: RouterDecision, raw) -> None:
         self.decisions[d.request_id] = {"worker": d.worker_id, "overlap_blocks": d.overlap_blocks,
                                         "at": d.timestamp - self.t0,
-                                        "new_blocks": d.new_blocks, "prompt_blocks": d.prompt_blocks}
+                                        "new_blocks": d.new_blocks, "prompt_blocks": d.prompt_blocks,
+                                        "hit_blocks": getattr(d, "hit_blocks", 0),
+                                        "fetch_blocks": getattr(d, "fetch_blocks", 0)}
 
     async def _on_load(self, r: LoadReport, raw) -> None:
         if r.role == "decode":
             self.loads.append((r.timestamp - self.t0, r.worker_id, r.waiting, r.running, r.pending_prefill_tokens,
                                r.kv_blocks_used, r.ttft_ms))
+            self.counters[r.worker_id] = dict(r.counters)
 
 
 async def wait_workers(client: httpx.AsyncClient, url: str, n: int, timeout: float = 120.0) -> None:
@@ -518,11 +553,12 @@ async def replay(url: str, requests: list[TraceRequest], oracle: list[int], time
         mesh1 = tree_cpu(mesh_pid)
         busy1, _ = machine_busy()
         if observer is not None:
-            await asyncio.sleep(0.5)  # the last decisions and reports
+            await asyncio.sleep(1.5)  # the last decisions, and a load report after the last request
             await observer.stop()
             for r in results:
                 if d := observer.decisions.get(r.request_id + "-0"):
                     r.worker, r.overlap_blocks = d["worker"], d["overlap_blocks"]
+                    r.hit_blocks, r.fetch_blocks = d["hit_blocks"], d["fetch_blocks"]
                     r.routed_after = d["at"] - r.scheduled - r.lag
     run = {"wall_s": wall, "client_cpu_cores": cpu / wall, "machine_cpu_cores": (busy1 - busy0) / wall}
     for role, seconds in mesh1.items():  # a process that exited during the run is not counted
@@ -531,106 +567,6 @@ async def replay(url: str, requests: list[TraceRequest], oracle: list[int], time
     ours = sum(mesh1.values()) - sum(mesh0.values()) + cpu
     run["other_cpu_cores"] = max(0.0, (busy1 - busy0 - ours) / wall)
     return results, run
-
-
-# -- figures -----------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
-
-
-def summarize(results: list[Result], run: dict) -> dict:
-    ok = [r for r in results if r.error is None and r.e2e is not None]
-    prompt = sum(r.prompt_tokens for r in ok)
-    lags = [r.lag for r in results]
-    return {
-        "requests": len(results),
-        "ok": len(ok),
-        "errors": len(results) - len(ok),
-        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "oracle_hit_rate": sum(r.oracle_cached for r in ok) / prompt if prompt else 0.0,
-        "ttft_p50": pct([r.ttft for r in ok], 0.5),
-        "ttft_p90": pct([r.ttft for r in ok], 0.9),
-        "ttft_p99": pct([r.ttft for r in ok], 0.99),
-        "e2e_p50": pct([r.e2e for r in ok], 0.5),
-        "e2e_p99": pct([r.e2e for r in ok], 0.99),
-        "lag_p50": pct(lags, 0.5),
-        "lag_p99": pct(lags, 0.99),
-        "lag_max": max(lags, default=0.0),
-        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / run["wall_s"],
-        **run,
-    }
-
-
-def balance(results: list[Result], loads: list[tuple]) -> dict:
-    """How evenly the work spread: request shares per worker, and pending prefill on the busiest worker."""
-    out: dict = {}
-    per_worker: dict[str, int] = {}
-    for r in results:
-        if r.worker:
-            per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
-    if per_worker:
-        out["busiest_worker_share"] = max(per_worker.values()) / sum(per_worker.values())
-        out["credited_overlap_tokens"] = sum(r.overlap_blocks for r in results) * BLOCK_SIZE
-    latest: dict[int, dict[str, int]] = {}  # second -> worker -> pending prefill tokens
-    for t, worker, _waiting, _running, pending, *_ in loads:
-        latest.setdefault(int(t), {})[worker] = pending
-    peaks = [max(v.values()) for v in latest.values() if v]
-    means = [sum(v.values()) / len(v) for v in latest.values() if v]
-    if peaks:
-        out["pending_prefill_peak_p50"] = pct(peaks, 0.5)
-        out["pending_prefill_peak_max"] = max(peaks)
-        out["pending_prefill_mean"] = sum(means) / len(means)
-    return out
-
-
-def _ms(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1000:,.0f} ms" if v < 10 else f"{v:,.1f} s"
-
-
-def table(phase: str, speedup: float, summaries: dict[str, dict]) -> str:
-    rows = [f"{phase} (mock speedup {speedup:g}):",
-            "| mode | hit rate | oracle | TTFT p50 | TTFT p99 | E2E p50 | errors | send lag p99 | CPU client / others |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for mode, s in summaries.items():
-        rows.append(f"| {mode} | {s['hit_rate'] * 100:.1f}% | {s['oracle_hit_rate'] * 100:.1f}% | "
-                    f"{_ms(s['ttft_p50'])} | {_ms(s['ttft_p99'])} | {_ms(s['e2e_p50'])} | "
-                    f"{s['errors']}/{s['requests']} | {_ms(s['lag_p99'])} | "
-                    f"{s['client_cpu_cores']:.2f} / {s['other_cpu_cores']:.2f} |")
-    return "\n".join(rows)
-
-
-def plot(all_results: dict[str, dict[str, list[Result]]], speedups: dict[str, float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    phases = list(all_results)
-    fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.5), squeeze=False)
-    for ax, phase in zip(axes[0], phases, strict=True):
-        for mode, results in all_results[phase].items():
-            ttft = sorted(r.ttft * 1000 for r in results if r.error is None and r.ttft is not None)
-            if not ttft:
-                continue
-            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-            ax.step(ttft, ys, where="post", label=f"{mode} (p50 {pct(ttft, 0.5):,.0f} ms)")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, log scale)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{phase}: mock speedup {speedups[phase]:g}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle("Mooncake trace (20x compressed), 8 mock decode workers: TTFT CDF per router mode")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -652,8 +588,10 @@ def run_one(args, ph: Phase, mode: str | None, requests: list[TraceRequest],
         if waited > 8:
             print(f"  (waited {waited:.0f}s for the machine to be idle)", flush=True)
     label = mode or "default"
-    mesh = Mesh(mode, ph.speedup, args.decode, args.kv_blocks, args.out / f"mesh_{ph.name}_{label}.log",
-                args.mesh_arg, args.mesh_root)
+    router, extra = VARIANTS[mode] if mode else (None, ())
+    extra = [str(args.host_blocks) if a == HOST else a for a in extra]
+    mesh = Mesh(router, ph.speedup, args.decode, args.kv_blocks, args.out / f"mesh_{ph.name}_{label}.log",
+                [*extra, *args.mesh_arg], args.mesh_root)
     mesh.start()
     observer = Observer(mesh.nats_url) if args.observe else None
     try:
@@ -663,9 +601,11 @@ def run_one(args, ph: Phase, mode: str | None, requests: list[TraceRequest],
         mesh.stop()
     if observer is not None:
         run.update(balance(results, observer.loads))
+        run.update(attribution(results, observer.counters))
     s = summarize(results, run)
     print(f"  {ph.name} {label}: hit {s['hit_rate'] * 100:.1f}% (oracle {s['oracle_hit_rate'] * 100:.1f}%), "
-          f"TTFT p50 {_ms(s['ttft_p50'])} p99 {_ms(s['ttft_p99'])}, E2E p50 {_ms(s['e2e_p50'])}, "
+          f"TTFT p50 {_ms(s['ttft_p50'])} p99 {_ms(s['ttft_p99'])}, TPOT p50 {_ms(s['tpot_p50'])}, "
+          f"E2E p50 {_ms(s['e2e_p50'])}, "
           f"errors {s['errors']}, send lag p99 {_ms(s['lag_p99'])}, wall {run['wall_s']:.1f}s; CPU cores: "
           f"client {run['client_cpu_cores']:.2f}, gateway {run.get('gateway_cpu_cores', 0):.2f}, "
           f"workers {run.get('workers_cpu_cores', 0):.2f}, nats {run.get('nats_cpu_cores', 0):.2f}, "
@@ -679,12 +619,15 @@ def main() -> None:
     p.add_argument("--speedup-trace", type=float, default=20.0, help="compress the trace's timestamps this much")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--duration-cap", type=float, default=None, help="replay only requests due in the first S seconds")
-    p.add_argument("--modes", default=None, help=f"comma-separated router modes (default: {','.join(ALL_MODES)})")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated modes of {', '.join(ALL_MODES)} (default: {','.join(DEFAULT_MODES)})")
     p.add_argument("--phases", default="free,loaded", help="free, loaded, or both")
     p.add_argument("--free-speedup", type=float, default=50.0, help="mocker speedup of the nearly-free phase")
     p.add_argument("--loaded-speedup", type=float, default=1.0, help="mocker speedup of the loaded phase")
     p.add_argument("--decode", type=int, default=8, help="mock decode workers")
     p.add_argument("--kv-blocks", type=int, default=4096, help="device KV blocks per worker")
+    p.add_argument("--host-blocks", type=int, default=None,
+                   help="host-tier KV blocks per worker in the *-host modes (default: 4x --kv-blocks)")
     p.add_argument("--mesh-arg", action="append", default=[], help="extra argument for mesh up (repeatable)")
     p.add_argument("--settle", type=float, default=3.0, help="seconds between all workers up and the replay")
     p.add_argument("--no-observe", dest="observe", action="store_false",
@@ -710,7 +653,8 @@ def main() -> None:
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
-    modes = args.modes.split(",") if args.modes else list(ALL_MODES)
+    modes = args.modes.split(",") if args.modes else list(DEFAULT_MODES)
+    args.host_blocks = args.host_blocks or 4 * args.kv_blocks
     if bad := [m for m in modes if m not in ALL_MODES]:
         p.error(f"unknown modes {bad}")
     has_router, has_planner = mesh_features(args.mesh_root)
@@ -752,6 +696,10 @@ def main() -> None:
     for ph in phases:
         print(table(ph.name, ph.speedup, ph.summaries))
         print()
+        print(reuse_table(ph.name, ph.summaries))
+        print()
+    print(issue_table({ph.name: ph.summaries for ph in phases}))
+    print()
     summary = {ph.name: {"mock_speedup": ph.speedup, "modes": ph.summaries} for ph in phases}
     summary["config"] = {k: str(v) for k, v in vars(args).items()}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

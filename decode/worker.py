@@ -139,6 +139,7 @@ class DecodeWorker(WorkerBase):
         self.jobs: PrefillQueue | None = None
         self.ttft = Window()
         self.itl = Window()
+        self.peer_fetch = None  # decode.peerfetch.PeerFetch with --peer-fetch (issue 20)
         self._unflushed: list[_StepStats] = []  # steps whose figures Prometheus has not had yet
         self._flushed_at = 0.0
 
@@ -176,6 +177,11 @@ class DecodeWorker(WorkerBase):
         ]
         for sub in subs:
             stack.push_async_callback(_unsubscribe, sub)
+        if self.settings.peer_fetch:
+            from decode.peerfetch import PeerFetch
+
+            self.peer_fetch = PeerFetch(self, self.settings.peer_fetch_timeout)
+            await self.peer_fetch.start(stack)
 
     def card(self):
         card = super().card()
@@ -184,9 +190,13 @@ class DecodeWorker(WorkerBase):
         kv = self.engine.kv_cache
         if "shm" in card.transports:
             card.transports["shm"] = {"path": kv.shm_path, "host": host_id()}
+        if self.peer_fetch is not None:
+            self.peer_fetch.fill_card(card)
         return card
 
     def load(self, engine):
+        if self.peer_fetch is not None:
+            engine.pins.expire()  # between steps: a fetch whose requester vanished frees its pins here
         report = super().load(engine)
         report.capacity = engine.scheduler.config.max_num_seqs
         report.ttft_ms = self.ttft.mean() * 1000
@@ -243,6 +253,11 @@ class DecodeWorker(WorkerBase):
                         "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
         )
         self.active[req.request_id] = rec
+        if self.peer_fetch is not None and req.peer_fetch is not None:
+            span = rec.enter("peer.fetch", **{"pdmesh.fetch_source": req.peer_fetch.fetch_source})
+            span.set_attribute("pdmesh.fetched_blocks", await self.peer_fetch.fetch_for(req))  # staged for admission
+            if rec.state is not ReqState.ADMITTING:
+                return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
         want_remote = seq.num_prompt_tokens >= threshold and self._prefill_free(req.adapter)
 

@@ -29,6 +29,7 @@ from mesh.bus import Bus
 from mesh.client import StreamError
 from mesh.protocol import (
     GenerateRequest,
+    PeerFetchPlan,
     PlannerDecision,
     SamplingOptions,
     TokenChunk,
@@ -37,7 +38,7 @@ from mesh.protocol import (
     WorkerCard,
 )
 from mesh.registry import Membership
-from mesh.router.policy import RouterConfig
+from mesh.router.policy import Decision, RouterConfig
 from mesh.router.router import KvRouter
 from mesh.telemetry import setup_tracing, tracer
 from mesh.tokenizer import Tokenizer
@@ -178,8 +179,9 @@ class Gateway:
         return min(lens) if lens else 0
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
-                    parent: trace.Span | None = None, adapter: str = "") -> str:
-        """The router decides which ready decode worker serves the request; the gateway sends."""
+                    parent: trace.Span | None = None, adapter: str = "") -> Decision:
+        """The router decides which ready decode worker serves the request (and whether it fetches
+        prefix blocks from a peer first); the gateway sends."""
         with TRACER.start_as_current_span("route", context=child_context(parent)) as span:
             try:
                 d = self.router.route(model, token_ids, request_id, exclude, adapter=adapter)
@@ -192,7 +194,7 @@ class Gateway:
         metrics.ROUTER_DECISIONS.labels(model, mode).inc()
         blocks = d.overlap_blocks + d.new_blocks
         metrics.ROUTER_OVERLAP.labels(model, mode).observe(d.overlap_blocks / blocks if blocks else 0.0)
-        return d.worker_id
+        return d
 
     # -- admission ----------------------------------------------------------------------
     def acquire(self, n: int) -> None:
@@ -289,13 +291,16 @@ class Gateway:
         """Pick a worker for the choice (after the tokens it already has) and send it the request."""
         generated = run.generated
         try:
-            worker_id = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span, adapter)
+            d = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span, adapter)
         except APIError as e:
             run.no_worker(e)
             raise
+        worker_id = d.worker_id
         stream = self.replies.open(worker_id)
         req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
                               batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter)
+        if d.fetch_source:  # the worker fetches these prefix blocks from a peer before prefilling
+            req.peer_fetch = PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks)
         if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs
             left = sampling.max_tokens - len(generated)
             req.token_ids = prompt_ids + generated

@@ -21,6 +21,10 @@ index is rebuilt from the headers at start, oldest file first in the LRU order
 Workers that share a directory see each other's files only after a restart, and
 each caps what it indexes itself; a file another worker removed is a plain miss.
 
+``VirtualDiskTier`` is the same bookkeeping without files (the mocker: hit rates,
+KV events and eviction order of a disk tier, no bytes). Both tiers can pin blocks
+for a peer fetch (``pin``/``unpin``): a pinned block is never the one evicted.
+
 Torch-free: payloads are bytes-like; the caller converts.
 """
 
@@ -79,6 +83,7 @@ class DiskTier:
     """Block files under ``root/<fingerprint>/``, an LRU index of them, and a byte cap."""
 
     tier = "disk"
+    stores_bytes = True
 
     def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: int, payload_bytes: int,
                  events: KvEventLog | None = None):
@@ -92,6 +97,7 @@ class DiskTier:
         self.file_bytes = HEADER.size + payload_bytes
         self.events = events if events is not None else KvEventLog(enabled=False)
         self._files: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent; front = coldest
+        self._pins = PinCounts()
         # counters
         self.written = 0
         self.evicted = 0
@@ -122,15 +128,12 @@ class DiskTier:
         (then forgotten)."""
         if block_hash not in self._files:
             return None
-        buf = bytearray(self.file_bytes + 1)  # one byte more: a longer file shows
         try:
-            with open(self.path(block_hash), "rb") as f:
-                n = f.readinto(buf)
+            raw = self._read(block_hash)
         except OSError:  # removed behind our back (another worker's eviction): a plain miss
             self._forget(block_hash)
             return None
-        raw = memoryview(buf)[:n]
-        if not self._valid(raw, block_hash):
+        if raw is None:
             log.warning("disk KV block %016x failed verification: dropped", block_hash)
             self.corrupt += 1
             self._drop(block_hash)
@@ -139,6 +142,23 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(self.path(block_hash))  # the LRU order a restarted engine rebuilds from mtimes
         return raw[HEADER.size :]
+
+    def read(self, block_hash: int) -> memoryview | None:
+        """The verified payload, or None, with no bookkeeping (no LRU move, nothing forgotten): what a
+        peer fetch reads off the engine thread while the block is pinned (its file stays)."""
+        try:
+            raw = self._read(block_hash)
+        except OSError:
+            return None
+        return None if raw is None else raw[HEADER.size :]
+
+    def _read(self, block_hash: int) -> memoryview | None:
+        """The whole verified file (OSError if it cannot be read; None if it fails its check)."""
+        buf = bytearray(self.file_bytes + 1)  # one byte more: a longer file shows
+        with open(self.path(block_hash), "rb") as f:
+            n = f.readinto(buf)
+        raw = memoryview(buf)[:n]
+        return raw if self._valid(raw, block_hash) else None
 
     def _valid(self, raw: memoryview, block_hash: int) -> bool:
         if raw.nbytes != self.file_bytes:
@@ -164,7 +184,8 @@ class DiskTier:
         if self.file_bytes > self.capacity_bytes:
             return False
         while self.used_bytes + self.file_bytes > self.capacity_bytes:
-            self._evict_coldest()
+            if not self._evict_coldest():
+                return False  # every file is pinned by a peer fetch: this block is not kept
         header = HEADER.pack(MAGIC, VERSION, HAS_PARENT if parent is not None else 0, self.fingerprint,
                              block_hash, parent or 0, data.nbytes, xxhash.xxh3_64_intdigest(data))
         final = self.path(block_hash)
@@ -184,10 +205,21 @@ class DiskTier:
         self.events.append(BlockStored(block_hash, parent, self.tier))
         return True
 
-    def _evict_coldest(self) -> None:
-        h = next(iter(self._files))
+    def _evict_coldest(self) -> bool:
+        h = self._pins.coldest_unpinned(self._files)
+        if h is None:
+            return False
         self.evicted += 1
         self._drop(h)
+        return True
+
+    # -- pins (a peer fetch reads these blocks) -------------------------------------------
+    def pin(self, block_hash: int) -> bool:
+        """Keep a held block from eviction until ``unpin``; False if not held."""
+        return block_hash in self._files and self._pins.add(block_hash)
+
+    def unpin(self, block_hash: int) -> None:
+        self._pins.remove(block_hash)
 
     def _drop(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
@@ -223,8 +255,8 @@ class DiskTier:
         # No events for what was found: a router learns a new worker's blocks from its snapshot.
         for _, h, parent in sorted(found, key=lambda x: x[0]):
             self._files[h] = parent
-        while self._files and self.used_bytes > self.capacity_bytes:
-            self._evict_coldest()
+        while self._files and self.used_bytes > self.capacity_bytes and self._evict_coldest():
+            pass
 
     def _read_header(self, p: Path, size: int) -> tuple[int, int | None] | None:
         if size != self.file_bytes:
@@ -245,4 +277,107 @@ class DiskTier:
             "disk_blocks": len(self._files), "disk_bytes": self.used_bytes,
             "disk_written_blocks": self.written, "disk_evicted_blocks": self.evicted,
             "disk_corrupt_blocks": self.corrupt, "disk_write_errors": self.write_errors,
+            "disk_capacity_blocks": self.capacity_bytes // self.file_bytes,
         }
+
+
+class PinCounts:
+    """Block hashes pinned by peer fetches, with a count each (two fetches may pin one block)."""
+
+    def __init__(self) -> None:
+        self._n: dict[int, int] = {}
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._n
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def add(self, block_hash: int) -> bool:
+        self._n[block_hash] = self._n.get(block_hash, 0) + 1
+        return True
+
+    def remove(self, block_hash: int) -> None:
+        n = self._n.get(block_hash, 0)
+        if n > 1:
+            self._n[block_hash] = n - 1
+        else:
+            self._n.pop(block_hash, None)
+
+    def coldest_unpinned(self, lru: OrderedDict) -> int | None:
+        """The front-most key of ``lru`` that is not pinned (pinned ones are skipped, not moved)."""
+        if not self._n:
+            return next(iter(lru), None)
+        return next((h for h in lru if h not in self._n), None)
+
+
+EMPTY = memoryview(b"")  # what a virtual tier returns for a block it holds: no bytes
+
+
+class VirtualDiskTier:
+    """A disk tier of ``capacity_blocks`` blocks that stores no bytes (the mocker).
+
+    The same LRU, cap, pins and KV events as ``DiskTier``; ``get`` returns ``EMPTY`` for a
+    held block. Nothing survives a restart.
+    """
+
+    tier = "disk"
+    stores_bytes = False
+
+    def __init__(self, capacity_blocks: int, events: KvEventLog | None = None):
+        if capacity_blocks <= 0:
+            raise ValueError(f"a disk tier needs at least one block, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.events = events if events is not None else KvEventLog(enabled=False)
+        self._blocks: OrderedDict[int, int | None] = OrderedDict()  # hash -> parent; front = coldest
+        self._pins = PinCounts()
+        self.written = 0
+        self.evicted = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hashes(self) -> list[int]:
+        return list(self._blocks)
+
+    def touch(self, block_hash: int) -> None:
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+
+    def get(self, block_hash: int) -> memoryview | None:
+        if block_hash not in self._blocks:
+            return None
+        self._blocks.move_to_end(block_hash)
+        return EMPTY
+
+    def read(self, block_hash: int) -> memoryview | None:
+        return EMPTY if block_hash in self._blocks else None
+
+    def put(self, block_hash: int, parent: int | None, payload=None) -> bool:
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+            return False
+        if len(self._blocks) >= self.capacity_blocks:
+            victim = self._pins.coldest_unpinned(self._blocks)
+            if victim is None:
+                return False
+            del self._blocks[victim]
+            self.evicted += 1
+            self.events.append(BlockRemoved(victim, self.tier))
+        self._blocks[block_hash] = parent
+        self.written += 1
+        self.events.append(BlockStored(block_hash, parent, self.tier))
+        return True
+
+    def pin(self, block_hash: int) -> bool:
+        return block_hash in self._blocks and self._pins.add(block_hash)
+
+    def unpin(self, block_hash: int) -> None:
+        self._pins.remove(block_hash)
+
+    def counters(self) -> dict[str, int]:
+        return {"disk_blocks": len(self._blocks), "disk_capacity_blocks": self.capacity_blocks,
+                "disk_written_blocks": self.written, "disk_evicted_blocks": self.evicted}

@@ -24,13 +24,19 @@ staging before. Disk files: only ``DiskTier`` (its cap, or a failed check).
 The tiers are inclusive: onboarding copies a block up and leaves the lower copy in
 place, so a block that goes back and forth between device and host is copied down once.
 
+Peer fetch: blocks a worker fetched from a peer wait in ``PeerStage`` (not a cache
+tier: no events, no snapshot) until the admission they were fetched for onboards
+them like any hit below the device; each entry is used once, or dropped after a
+TTL. On the holder, ``kvstore.pins`` pins the blocks it sends (``HostTier.pin``,
+the disk tiers' ``pin``): a pinned block is never the one a tier evicts.
+
 Events: device -> host is BlockRemoved(device) (the pool) + BlockStored(host); a host
 eviction is BlockRemoved(host) (+ BlockStored(disk) when written); onboarding is
 BlockStored(device). All go to the pool's event log, drained once per step.
 
 ``HostTier`` and ``TieredCache`` are bookkeeping, torch-free: the mocker runs them with
-no bytes at all (a "virtual" host tier that still models hit rates). ``BlockCopier``
-moves the bytes (torch, imported when one is built).
+no bytes at all (a "virtual" host tier, and ``kvstore.disk.VirtualDiskTier``, that still
+model hit rates). ``BlockCopier`` moves the bytes (torch, imported when one is built).
 """
 
 from __future__ import annotations
@@ -39,18 +45,21 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from kvstore.disk import PinCounts
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+from kvstore.peer import PeerStage
 from kvstore.pool import EvictedBlock
 
 if TYPE_CHECKING:
     import torch
 
     from kvstore.cache import KVCache
-    from kvstore.disk import DiskTier
+    from kvstore.disk import DiskTier, VirtualDiskTier
 
 TIERS = ("device", "host", "disk")
+HIT_SOURCES = ("device", "host", "disk", "peer")  # where a prefix hit's blocks came from
 
 
 class LowerTier(Protocol):
@@ -77,6 +86,12 @@ class LowerTier(Protocol):
     def counters(self) -> dict[str, int]: ...
 
 
+class DeviceBlock(NamedTuple):
+    """A device block to read (``BlockCopier.stage``): what a peer fetch sends from the device pool."""
+
+    block_id: int
+
+
 @dataclass(slots=True)
 class HostEntry:
     slot: int
@@ -96,6 +111,7 @@ class HostTier:
         self.events = events if events is not None else KvEventLog(enabled=False)
         self._entries: OrderedDict[int, HostEntry] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
+        self._pins = PinCounts()
         self.stored = 0
         self.evicted = 0
 
@@ -119,13 +135,21 @@ class HostTier:
         return {"host_blocks": len(self._entries), "host_capacity_blocks": self.num_slots,
                 "host_stored_blocks": self.stored, "host_evicted_blocks": self.evicted}
 
+    def pin(self, block_hash: int) -> bool:
+        """Keep a held block (and its slot) until ``unpin``: a peer fetch is reading it. False if not held."""
+        return block_hash in self._entries and self._pins.add(block_hash)
+
+    def unpin(self, block_hash: int) -> None:
+        self._pins.remove(block_hash)
+
     def store(self, blocks: Sequence[EvictedBlock]) -> tuple[list[tuple[EvictedBlock, int]], list[tuple[int, HostEntry]]]:
         """Give each block not held yet a slot, evicting the coldest entries when full.
 
         Returns ``(stored, dropped)``: the new blocks with their slots, and the evicted
         ``(hash, entry)`` whose slots they take (read a dropped slot before writing it).
         Blocks already held are only marked recently used. ``blocks`` come coldest first;
-        of a batch larger than the tier, the hottest end is kept.
+        of a batch larger than the tier, the hottest end is kept. Pinned entries are never
+        evicted: when only pinned ones are left, the remaining new blocks are not kept.
         """
         new: list[EvictedBlock] = []
         for b in blocks:
@@ -141,7 +165,10 @@ class HostTier:
             if self._free:
                 slot = self._free.pop()
             else:
-                h, old = self._entries.popitem(last=False)
+                h = self._pins.coldest_unpinned(self._entries)
+                if h is None:
+                    break
+                old = self._entries.pop(h)
                 dropped.append((h, old))
                 slot = old.slot
                 self.evicted += 1
@@ -167,21 +194,31 @@ class Staged:
 
 
 class TieredCache:
-    """The policy over the lower tiers: offload what the device evicts, find and onboard prefix hits."""
+    """The policy over the lower tiers: offload what the device evicts, find and onboard prefix hits.
 
-    def __init__(self, host: HostTier, disk: DiskTier | None = None, copier: BlockCopier | None = None,
-                 disk_min_hits: int = 2):
-        if disk is not None and copier is None:
-            raise ValueError("a disk tier stores bytes: it needs a block copier")
+    ``host`` may be None (no offload: the cache then only onboards what a peer fetch staged).
+    """
+
+    def __init__(self, host: HostTier | None, disk: DiskTier | VirtualDiskTier | None = None,
+                 copier: BlockCopier | None = None, disk_min_hits: int = 2):
+        if disk is not None and disk.stores_bytes and copier is None:
+            raise ValueError("a disk tier that stores bytes needs a block copier")
+        if disk is not None and host is None:
+            raise ValueError("the disk tier is fed by the host tier")
+        if disk is not None and not disk.stores_bytes and copier is not None:
+            raise ValueError("a virtual disk tier holds no bytes: it cannot back an engine with a block copier")
         self.host = host
         self.disk = disk
-        self.lower: list[LowerTier] = [host] if disk is None else [host, disk]  # walk order
+        self.lower: list[LowerTier] = [t for t in (host, disk) if t is not None]  # walk order
+        self.peer = PeerStage()
         self.copier = copier
         self.disk_min_hits = disk_min_hits
-        self.hit_blocks = dict.fromkeys(TIERS[1:], 0)  # blocks onboarded from each tier
+        self.hit_blocks = dict.fromkeys(HIT_SOURCES[1:], 0)  # blocks onboarded from each tier
 
     # -- device evictions (the pool's on_evict hook) -----------------------------------------
     def offload(self, evicted: list[EvictedBlock]) -> None:
+        if self.host is None:
+            return
         stored, dropped = self.host.store(evicted)
         if dropped and self.disk is not None:
             self._spill(dropped)  # before the new blocks overwrite the dropped slots
@@ -197,6 +234,10 @@ class TieredCache:
                 disk.touch(h)
             elif e.hits >= self.disk_min_hits:
                 keep.append((h, e))
+        if not disk.stores_bytes:
+            for h, e in keep:
+                disk.put(h, e.parent)
+            return
         if keep:
             copier.sync()  # CUDA: an earlier offload may still be writing these slots
         for h, e in keep:
@@ -204,28 +245,41 @@ class TieredCache:
 
     # -- prefix hits --------------------------------------------------------------------------
     def holds(self, block_hash: int) -> bool:
-        return any(block_hash in t for t in self.lower)
+        return any(block_hash in t for t in self.lower) or block_hash in self.peer
+
+    def stage_peer(self, hashes: Sequence[int], payloads: Sequence[Any] | None = None) -> None:
+        """Blocks a peer sent for an admission about to happen (bytes-like payloads, in order)."""
+        if payloads is None and self.copier is not None:
+            raise ValueError("this engine holds KV bytes: peer blocks need their payloads")
+        self.peer.put(hashes, payloads)
 
     def load(self, hashes: Sequence[int]) -> Staged:
-        """Copy the blocks of ``hashes`` to staging, host first, then disk; stops at the first
-        block it cannot read (a bad disk file ends the hit there)."""
+        """Copy the blocks of ``hashes`` to staging: host first, then disk, then blocks a peer
+        sent; stops at the first block it cannot read (a bad disk file ends the hit there)."""
         sources: list[int | memoryview] = []
         tiers: list[str] = []
         hits: list[int] = []
+        host, disk, peer = self.host, self.disk, self.peer
         for h in hashes:
-            entry = self.host.get(h)
+            entry = host.get(h) if host is not None else None
             if entry is not None:
-                self.host.touch(h)
+                host.touch(h)
                 sources.append(entry.slot)
                 tiers.append("host")
                 hits.append(entry.hits)
                 continue
-            payload = self.disk.get(h) if self.disk is not None else None
+            payload = disk.get(h) if disk is not None else None
+            if payload is not None:
+                sources.append(payload)
+                tiers.append("disk")
+                hits.append(self.disk_min_hits)
+                continue
+            payload = peer.take(h)
             if payload is None:
                 break
             sources.append(payload)
-            tiers.append("disk")
-            hits.append(self.disk_min_hits)
+            tiers.append("peer")
+            hits.append(1)  # it served a hit on the peer
         data = self.copier.stage(sources) if self.copier is not None and sources else None
         return Staged(list(hashes[: len(sources)]), tiers, hits, data)
 
@@ -252,6 +306,8 @@ class TieredCache:
         out = {f"hit_blocks_{t}": n for t, n in self.hit_blocks.items()}
         for t in self.lower:
             out.update(t.counters())
+        out["peer_staged_blocks"] = self.peer.staged
+        out["peer_expired_blocks"] = self.peer.expired
         return out
 
 
@@ -292,13 +348,17 @@ class BlockCopier:
                     blocks = blocks.contiguous()  # gathered on the GPU: the copy to pinned memory is one DMA
                 self.slots[s0 : s0 + n].copy_(blocks, non_blocking=True)
 
-    def stage(self, sources: list) -> torch.Tensor:
-        """Host slots (ints) and disk payloads (bytes-like) -> one host tensor, in order."""
+    def stage(self, sources: list, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Host slots (ints), device blocks (``DeviceBlock``) and disk or peer payloads (bytes-like)
+        -> one host tensor, in order (``out``: into its leading rows, e.g. a peer's mapped buffer)."""
         torch = self._torch
-        out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        if out is None:
+            out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.sync()
         for i, src in enumerate(sources):
-            if isinstance(src, int):
+            if isinstance(src, DeviceBlock):
+                out[i].copy_(self.kv.tensor[:, :, src.block_id])
+            elif isinstance(src, int):
                 out[i].copy_(self.slots[src])
             else:
                 out[i].copy_(torch.frombuffer(src, dtype=torch.uint8).view(self.dtype).view(self.block_shape))

@@ -85,6 +85,10 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
     p.add_argument("--host-kv-gb", type=float, default=None, help="host KV tier: offload cold blocks to this much RAM (pinned on GPU)")
     p.add_argument("--disk-kv-dir", default=None, help="disk KV tier: keep reused blocks evicted from the host tier here")
     p.add_argument("--disk-kv-gb", type=float, default=None, help="cap of the disk KV tier (default 8)")
+    p.add_argument("--host-kv-blocks", type=int, default=None,
+                   help="host KV tier in blocks (instead of --host-kv-gb; the mocker's virtual host tier)")
+    p.add_argument("--disk-kv-blocks", type=int, default=None,
+                   help="cap of the disk KV tier in blocks (instead of --disk-kv-gb; the mocker's virtual disk tier)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
@@ -98,6 +102,8 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
     add_lora_flags(p)
+    p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
+                   help="mocker: set a timing-model field, e.g. network_gb_per_s=50 (repeatable)")
 
 
 def add_gpu_execution_flags(p: argparse.ArgumentParser) -> None:
@@ -161,6 +167,11 @@ def _add_worker(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
+    p.add_argument("--peer-fetch", action="store_true",
+                   help="decode: serve prefix blocks to peers and fetch those a router's decision names "
+                        "(model workers need a host KV tier; the mocker simulates the transfer)")
+    p.add_argument("--peer-fetch-timeout", type=float, default=5.0,
+                   help="decode: seconds a peer fetch may take before the request prefills instead")
     p.set_defaults(func=cmd_worker)
 
 
@@ -180,6 +191,8 @@ def _add_gateway(sub) -> None:
                    help="kv router: weight of a block to prefill (default 1.0)")
     p.add_argument("--router-decode-weight", type=float, default=None,
                    help="kv router: weight of a block held by running requests (default 0.1)")
+    p.add_argument("--router-peer-fetch", action="store_true",
+                   help="kv router: plan fetches of prefix blocks from peers where cheaper than prefill")
     p.add_argument("--first-token-timeout", type=float, default=120.0,
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
@@ -206,6 +219,8 @@ def _add_up(sub) -> None:
     p.add_argument("--router-temperature", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-prefill-weight", type=float, default=None, help="passed to the gateway")
     p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--peer-fetch", action="store_true",
+                   help="decode workers fetch prefix blocks from peers, the router plans it (model workers need a host KV tier)")
     p.add_argument("--gateway-workers", type=int, default=None,
                    help="gateway processes on the port (default: one per two cores, at most 4)")
     add_planner_flags(p)
@@ -333,8 +348,9 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     if mock:
         from mesh.mocker.engine import MockConfig
 
-        if args.host_kv_gb or args.disk_kv_dir:
-            raise CliError("the mocker has no KV bytes: --host-kv-gb and --disk-kv-dir are for model workers")
+        if args.host_kv_gb or args.disk_kv_dir or args.disk_kv_gb:
+            raise CliError("the mocker has no KV bytes: give its tiers in blocks (--host-kv-blocks, "
+                           "--disk-kv-blocks); --host-kv-gb, --disk-kv-gb and --disk-kv-dir are for model workers")
         if args.tp != 1:
             raise CliError("the mocker has no model to shard: --tp is for model workers")
         if args.lora or args.max_loras:
@@ -342,7 +358,10 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         if any(gpu_execution_flags(args)):
             raise CliError("the mocker runs no model: --attention-backend, --cuda-graphs, --enforce-eager, "
                            "--async-scheduling and --fused-kernels are for model workers")
-        kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs}
+        kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs,
+              "timing": mock_timing(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False)}
+        if getattr(args, "peer_fetch_timeout", None) is not None:
+            kw["fetch_timeout"] = args.peer_fetch_timeout
         if args.device_kv_blocks:
             kw["num_blocks"] = args.device_kv_blocks
         if args.model:  # simulate this model: its name, vocabulary and context (the gateway brings its tokenizer)
@@ -352,7 +371,19 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
             kw.update(model_name=Path(args.model).name, vocab_size=mc.vocab_size, max_model_len=mc.max_position)
         if args.served_name:
             kw["model_name"] = args.served_name
-        return MockConfig(**kw)
+        if args.host_kv_blocks:
+            kw["host_kv_blocks"] = args.host_kv_blocks
+        if args.disk_kv_blocks:
+            kw["disk_kv_blocks"] = args.disk_kv_blocks
+        try:
+            return MockConfig(**kw)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+    if getattr(args, "peer_fetch", False) and not (args.host_kv_gb or args.host_kv_blocks):
+        raise CliError("--peer-fetch needs a host KV tier (--host-kv-gb or --host-kv-blocks): "
+                       "fetched blocks are staged and sent through it")
+    if args.mock_timing:
+        raise CliError("--mock-timing is for the mocker")
     from mesh.engine.config import EngineConfig, ModelConfig
 
     model = args.model or settings().model
@@ -360,7 +391,8 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         raise CliError("--model DIR is required (or MESH_MODEL)")
     mc = ModelConfig.from_dir(model)
     mc.check_tp(args.tp)
-    tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb}
+    tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb,
+             "host_kv_blocks": args.host_kv_blocks, "disk_kv_blocks": args.disk_kv_blocks}
     config = EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -382,6 +414,29 @@ def check_loras(config, mc) -> None:
         read_adapter(name, path, mc, config.model_name, config.max_lora_rank)
 
 
+def mock_timing(settings: list[str]):
+    """``FIELD=VALUE`` overrides of the mocker's ``TimingModel`` (numbers only)."""
+    from dataclasses import fields, replace
+
+    from mesh.mocker.engine import TimingModel
+
+    base = TimingModel()
+    types = {f.name: type(getattr(base, f.name)) for f in fields(TimingModel)}
+    over = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        if not sep or name not in types:
+            raise CliError(f"--mock-timing {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(types)}")
+        try:
+            over[name] = types[name](value)
+        except ValueError:
+            raise CliError(f"--mock-timing {item!r}: {value!r} is not a number") from None
+    try:
+        return replace(base, **over)
+    except ValueError as e:
+        raise CliError(f"--mock-timing: {e}") from None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -399,10 +454,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         stream_interval_ms=args.stream_interval_ms,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
+        peer_fetch=args.peer_fetch and not mock and args.role == "decode", peer_fetch_timeout=args.peer_fetch_timeout,
     )
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as cls
+    elif mock:
+        from mesh.mocker.worker import MockWorker as cls
     else:
         from decode.worker import DecodeWorker as cls
     worker = cls(ws)
@@ -441,7 +499,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
-        router=RouterConfig(mode=args.router, temperature=args.router_temperature,
+        router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             **{k: v for k, v in (("prefill_weight", args.router_prefill_weight),
                                                  ("decode_weight", args.router_decode_weight)) if v is not None}),
     ))
@@ -488,19 +546,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         flags += ["--max-lora-rank", str(args.max_lora_rank)]
     if args.grammar_backend != "llguidance" or args.grammar_threads:
         flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
-    for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "dtype", "device", "served_name",
-                 "transports", "disagg_threshold"):
+    for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "host_kv_blocks", "disk_kv_blocks",
+                 "dtype", "device", "served_name", "transports", "disagg_threshold"):
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.mock:
+        engine_config(args, mock=True)  # a bad mocker flag is one line here, not a crash-looping worker
         flags += ["--mock-speedup", str(args.mock_speedup)]
+        flags += [f for t in args.mock_timing for f in ("--mock-timing", t)]
+    flags += ["--peer-fetch"] if args.peer_fetch else []
     gateway_flags = ["--served-name", args.served_name] if args.served_name and models else []
     if args.router:
         gateway_flags += ["--router", args.router]
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.peer_fetch:
+        gateway_flags += ["--router-peer-fetch"]
     if args.gateway_workers is not None:
         if args.gateway_workers < 1:
             raise CliError("--gateway-workers must be >= 1")

@@ -52,6 +52,10 @@ GATEWAY_E2E = Histogram("pdmesh_gateway_e2e_seconds", "Request arrival to its la
 ROUTER_DECISIONS = Counter("pdmesh_router_decisions", "Routing decisions", ["model", "mode"], registry=REGISTRY)
 ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt cached on the chosen worker",
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
+ROUTER_FETCHES = Counter("pdmesh_router_fetches", "Decisions naming a peer to fetch prefix blocks from",
+                         ["model"], registry=REGISTRY)
+ROUTER_FETCH_BLOCKS = Counter("pdmesh_router_fetch_blocks", "Prefix blocks the router planned to fetch from peers",
+                              ["model"], registry=REGISTRY)
 PLANNER_REPLICAS = Gauge("pdmesh_planner_replicas", "The planner's pools: current and target size",
                          ["model", "pool", "kind"], registry=REGISTRY)
 
@@ -114,9 +118,10 @@ class LoadCollector:
         for tier in ("host", "disk"):
             if f"{tier}_blocks" in r.counters:
                 blocks.add_metric([*labels, tier, "cached"], r.counters[f"{tier}_blocks"])
-        hits = GaugeMetricFamily("pdmesh_kv_prefix_hit_blocks", "Prefix-cache hits by tier (since start)",
+        hits = GaugeMetricFamily("pdmesh_kv_prefix_hit_blocks",
+                                 "Prefix-cache hits by where the blocks came from (since start)",
                                  labels=["model", "role", "tier"])
-        for tier in ("device", "host", "disk"):
+        for tier in ("device", "host", "disk", "peer"):
             key = f"hit_blocks_{tier}"
             if key in r.counters:
                 hits.add_metric([*labels, tier], r.counters[key])
@@ -129,4 +134,15 @@ class LoadCollector:
         waiting = GaugeMetricFamily("pdmesh_worker_waiting", "Sequences waiting to be scheduled",
                                     labels=["model", "role"])
         waiting.add_metric(labels, r.waiting)
-        yield from (blocks, hits, queue, running, waiting)
+        fetch = GaugeMetricFamily("pdmesh_kv_peer_fetch", "Peer fetches (since start): requested and served, "
+                                  "in fetches and blocks", labels=["model", "role", "counter"])
+        for key in PEER_FETCH_COUNTERS:
+            if key in r.counters:
+                fetch.add_metric([*labels, key], r.counters[key])
+        yield from (blocks, hits, queue, running, waiting, fetch)
+
+
+# load-report counters of peer fetch (decode/peerfetch.py, mesh/mocker/worker.py)
+PEER_FETCH_COUNTERS = ("peer_fetch_requests", "peer_fetch_ok", "peer_fetch_empty", "peer_fetch_failed",
+                       "peer_fetch_blocks", "peer_serve_requests", "peer_serve_blocks", "peer_serve_refused",
+                       "peer_serve_failed")

@@ -111,6 +111,14 @@ class Subjects:
     def workers_bucket(self) -> str:
         return f"{subject_token(self.ns)}_workers"
 
+    def kv_fetch(self, model: str, worker: str) -> str:
+        """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"
+
+    def kv_fetch_data(self, model: str, worker: str, fetch_id: str) -> str:
+        """A peer fetch's bytes over nats (``KvChunk``s) to the requester ``worker``."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_data.{subject_token(fetch_id)}"
+
 
 # -- codec ----------------------------------------------------------------------
 
@@ -203,6 +211,17 @@ class GenerateRequest(Message):
     stream: str = ""
     # The LoRA adapter the request runs (a name the worker's card lists in ``adapters``); "": the base model
     adapter: str = ""
+    # The router's plan (issue 20): fetch ``fetch_blocks`` blocks after the first ``hit_blocks``
+    # of the prompt from the peer ``fetch_source`` before prefilling (None: no fetch planned).
+    peer_fetch: PeerFetchPlan | None = None
+
+
+class PeerFetchPlan(Part):
+    """In ``GenerateRequest``: the router's fetch-vs-prefill decision for the chosen worker."""
+
+    fetch_source: str  # the worker holding the blocks
+    fetch_blocks: int  # how many
+    hit_blocks: int = 0  # the chosen worker's own leading run, as the router saw it
 
 
 class TokenLogprobs(Part):
@@ -311,6 +330,10 @@ class WorkerCard(Message):
     engine: str = "model"  # model | mock
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded here (requests may name them)
     max_loras: int = 0  # LoRA adapters one engine step can run (device slots); 0: LoRA off
+    # issue 20: per-block costs in ms (mesh.router.costs.KvCosts fields); {} = the reference hardware
+    kv_costs: dict[str, float] = field(default_factory=dict)
+    serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
+    fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
 
 
 class LoadReport(Message):
@@ -390,6 +413,10 @@ class RouterDecision(Message):
     overlap_blocks: float
     mode: str
     timestamp: float
+    # issue 20: the chosen worker's own leading run, and a peer to fetch the next blocks from
+    hit_blocks: int = 0
+    fetch_source: str = ""
+    fetch_blocks: int = 0
 
 
 class PlannerDecision(Message):
@@ -448,3 +475,39 @@ class NcclBegin(Message):
 class NcclReply(Message):
     ok: bool
     error: str = ""
+
+
+# -- peer fetch (issue 20): a worker asks a peer for prefix blocks it lacks ---------------
+
+
+class KvFetchRequest(Message):
+    """Requester -> holder, request on ``kv_fetch.{holder}``: send me the leading run of these
+    blocks that you hold (any tier). The holder pins them until it has sent them or the deadline
+    passes, writes their bytes through the first of ``transports`` it can use, and replies
+    ``KvFetchDone`` once they are all written (the mocker sends no bytes: it waits out the
+    transfer time its timing model gives)."""
+
+    request_id: str
+    model: str
+    requester: str
+    hashes: list[int]  # chained block hashes, consecutive, the first one's parent the requester holds
+    deadline: float  # unix seconds: past it the holder sends nothing more and unpins
+    # transports the requester accepts, best first: name -> where to write (a buffer of this fetch's
+    # own: shm {"path", "host", "bytes"}, nats {"subject", "bytes"}); "bytes" is for every hash
+    transports: dict[str, dict] = field(default_factory=dict)
+    fetch_id: str = ""  # names this fetch's buffers (several fetches may serve one request)
+    block_bytes: int = 0  # the requester's bytes per block: a holder with another layout refuses
+
+
+class KvFetchDone(Message):
+    """Holder -> requester, the reply: how many leading blocks of the request were written."""
+
+    request_id: str
+    holder: str
+    ok: bool
+    num_blocks: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)  # of those, how many the holder read from each tier
+    transfer_ms: float = 0.0  # holder side: pin to sent
+    error: str = ""
+    transport: str = ""  # the one the bytes took ("" : none moved)
+    transfer_bytes: int = 0

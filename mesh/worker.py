@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from mesh.adapters import adapter_names, hot_adapters, lora_slots, serve_lora_requests
 from mesh.bus import Bus
 from mesh.engine.core import EngineCore
-from mesh.engine.loop import EngineLoop
+from mesh.engine.loop import EngineLoop, InlineEngineLoop
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import TokenLogprob
 from mesh.kvevents import KvEventPublisher
@@ -63,6 +63,8 @@ class WorkerSettings:
     stream_interval_ms: float = 0.0
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
+    peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
+    peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
 
     @property
     def is_mock(self) -> bool:
@@ -260,7 +262,9 @@ class WorkerBase:
                 self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
             else:
                 self.engine.pool.events.enabled = False
-            self.loop = EngineLoop(self.engine, asyncio.get_running_loop(),
+            # the mocker steps on the event loop itself (its step is a pause, never a block)
+            loop_type = InlineEngineLoop if getattr(self.engine, "steps_inline", False) else EngineLoop
+            self.loop = loop_type(self.engine, asyncio.get_running_loop(),
                                    after_work=self.kv_events.flush if self.kv_events else None,
                                    name=f"engine-{self.role}", on_failure=lambda e: self._engine_died(stop))
             self.loop.start()

@@ -109,6 +109,12 @@ class NatsSender:
         t0 = time.perf_counter()
         blocks = await asyncio.to_thread(lambda: src.read_block_major(src_blocks).cpu())
         payload = memoryview(blocks.view(-1).view(torch.uint8).numpy())
+        return await self.send_bytes(job.request_id, params, payload, t0)
+
+    async def send_bytes(self, request_id: str, params: dict, payload: memoryview,
+                         t0: float | None = None) -> TransferResult:
+        """``payload`` to the receiver's subject in ``params`` (a peer fetch sends staged bytes)."""
+        t0 = time.perf_counter() if t0 is None else t0
         total = len(payload)
         if total != params.get("bytes", total):
             raise ValueError(f"the decode worker expects {params['bytes']} bytes, we have {total}")
@@ -118,7 +124,7 @@ class NatsSender:
         index = 0
         for offset in range(0, total, chunk):
             piece = payload[offset : offset + chunk]
-            data = encode(KvChunk(job.request_id, index, offset, total, piece))
+            data = encode(KvChunk(request_id, index, offset, total, piece))
             sent_since_ack += len(piece)
             index += 1
             if sent_since_ack >= WINDOW_BYTES or offset + chunk >= total:

@@ -303,6 +303,7 @@ class EngineConfig:
     host_kv_blocks: int | None = None  # the host tier in blocks (overrides host_kv_gb)
     disk_kv_dir: str | None = None  # disk tier under this directory (needs a host tier)
     disk_kv_gb: float = 8.0  # cap of the disk tier
+    disk_kv_blocks: int | None = None  # the disk tier's cap in blocks (overrides disk_kv_gb)
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     seed: int = 0
@@ -332,6 +333,10 @@ class EngineConfig:
             raise ValueError("the host KV tier cannot be negative")
         if self.disk_kv_gb <= 0 or self.disk_min_hits < 0:
             raise ValueError("disk_kv_gb must be > 0 and disk_min_hits >= 0")
+        if self.disk_kv_blocks is not None and self.disk_kv_blocks <= 0:
+            raise ValueError(f"disk_kv_blocks must be > 0, got {self.disk_kv_blocks}")
+        if self.disk_kv_blocks is not None and not self.disk_kv_dir:
+            raise ValueError("the disk KV tier needs a directory: give --disk-kv-dir too")
         if self.disk_kv_dir and not self.has_host_tier:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:

@@ -12,6 +12,9 @@ admission. The real engine passes a ``BlockCopier`` that moves the bytes; the
 mocker may run a host tier without one (bookkeeping only, so hit rates are
 still modelled). ``kv_snapshot`` and ``kv_counters`` cover every tier.
 
+Peer fetch: ``pins`` pins the blocks this engine sends to a peer (``kvstore.pins``);
+``stage_peer_blocks`` takes the blocks a peer sent for an admission about to happen.
+
 Overlapped scheduling (``async_scheduling``, ``mesh.engine.overlap``): ``step()``
 launches the next step before resolving the previous one, so its outputs are
 one step behind. The subclass then provides ``launch()`` as well.
@@ -24,6 +27,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvstore.manager import KVCacheManager
+from kvstore.pins import KvPins
 from kvstore.pool import BlockPool
 from kvstore.tiers import BlockCopier, HostTier, TieredCache
 from mesh.engine.errors import LoraError, RequestError, UnknownAdapterError
@@ -84,6 +88,7 @@ class EngineCore:
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
         self.tiers: TieredCache | None = None  # enable_tiers()
         self.lora = None  # a LoraManager (mesh.engine.lora) when the engine serves LoRA adapters
+        self.pins = KvPins(self.pool)  # blocks being sent to peers
         self.grammar = None  # a GrammarManager where the engine enforces constraints (the real engine)
         self._ids = itertools.count()
         self.overlap = OverlappedSteps(self) if core.async_scheduling else None
@@ -92,12 +97,23 @@ class EngineCore:
     def enable_tiers(self, host_blocks: int, copier: BlockCopier | None = None, disk=None,
                      disk_min_hits: int = 2) -> TieredCache:
         """Offload evicted device blocks to a host tier of ``host_blocks`` slots (and on to
-        ``disk``, a ``DiskTier`` built on ``self.pool.events``); onboard prefix hits from them."""
-        host = HostTier(host_blocks, self.pool.events)
+        ``disk``, a ``DiskTier`` or ``VirtualDiskTier`` built on ``self.pool.events``); onboard
+        prefix hits from them. ``host_blocks`` 0: no offload, only blocks peers send are onboarded."""
+        host = HostTier(host_blocks, self.pool.events) if host_blocks else None
         self.tiers = TieredCache(host, disk=disk, copier=copier, disk_min_hits=disk_min_hits)
-        self.pool.on_evict = self.tiers.offload
+        if host is not None:
+            self.pool.on_evict = self.tiers.offload
         self.kv_manager.tiers = self.tiers
+        self.pins.tiers = self.tiers
         return self.tiers
+
+    def stage_peer_blocks(self, hashes: Seq[int], payloads: Seq | None = None) -> None:
+        """Blocks a peer sent (a run of a prompt this engine is about to admit): the admission
+        onboards them as a prefix hit from the ``peer`` source. Safe from any thread once the
+        tiers exist (``enable_tiers``: an engine that fetches enables them when it is built)."""
+        if self.tiers is None:
+            raise RuntimeError("this engine takes no blocks from peers (no tiers enabled)")
+        self.tiers.stage_peer(hashes, payloads)
 
     def kv_snapshot(self) -> dict[str, list[int]]:
         """Every cached block by tier (what a router resyncs from)."""
@@ -111,10 +127,11 @@ class EngineCore:
         out = {
             "device_blocks": self.pool.num_cached,
             "hit_blocks_device": self.kv_manager.device_hit_blocks,
-            "hit_blocks_host": 0, "hit_blocks_disk": 0,
+            "hit_blocks_host": 0, "hit_blocks_disk": 0, "hit_blocks_peer": 0,
         }
         if self.tiers is not None:
             out.update(self.tiers.counters())
+        out.update(self.pins.counters())
         return out
 
     # -- the one thing a subclass provides --------------------------------------

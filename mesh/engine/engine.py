@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache
-from kvstore.disk import DiskTier, layout_fingerprint, model_identity
+from kvstore.disk import HEADER, DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
 from mesh.engine.attention import create_backend, default_backend
 from mesh.engine.config import EngineConfig, ModelConfig
@@ -190,12 +190,14 @@ class Engine(EngineCore):
         if cfg.disk_kv_dir:
             identity = model_identity(cfg.model, cfg.model_name)
             layout = {k: v for k, v in spec.to_dict().items() if k != "num_blocks"}
-            disk = DiskTier(cfg.disk_kv_dir, int(cfg.disk_kv_gb * _GIB), layout_fingerprint(identity, layout),
-                            spec.block_bytes, self.pool.events)
+            cap = (cfg.disk_kv_blocks * (HEADER.size + spec.block_bytes) if cfg.disk_kv_blocks is not None
+                   else int(cfg.disk_kv_gb * _GIB))
+            disk = DiskTier(cfg.disk_kv_dir, cap, layout_fingerprint(identity, layout), spec.block_bytes,
+                            self.pool.events)
         self.enable_tiers(slots, copier=BlockCopier(self.kv_cache, slots), disk=disk,
                           disk_min_hits=cfg.disk_min_hits)
         log.info("KV tiers: host %d blocks (%.2f GiB)%s", slots, slots * spec.block_bytes / _GIB,
-                 f", disk {disk.dir} up to {cfg.disk_kv_gb:g} GiB ({len(disk)} blocks found)" if disk else "")
+                 f", disk {disk.dir} up to {cap / _GIB:g} GiB ({len(disk)} blocks found)" if disk else "")
 
     def _auto_num_blocks(self, max_len: int, graphs: bool = False) -> int:
         mc = self.model_config

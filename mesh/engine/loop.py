@@ -167,3 +167,97 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+class InlineEngineLoop(EngineLoop):
+    """``EngineLoop`` without the thread, for engines whose step never blocks: the mocker, whose
+    timing model is a pause this loop awaits (``MockEngine.paced``) rather than a sleep.
+
+    The steps run in a task on the event loop itself, so a step's outputs reach the worker with
+    no GIL hand-over and no wake-up through the loop's self-pipe, and a paused engine costs
+    nothing: per step, the worker spends on scheduling, bookkeeping and emission only, which is
+    what the mocker is there to measure (bench/host_overhead.py, ../shared/peers). Same
+    contract: commands run in order between steps, outputs come in order from ``outputs()``.
+
+    The pace: each step's simulated seconds are added to a due time and awaited, so over many
+    steps the engine runs at its timing model even though the loop's timers are millisecond
+    grained; a host slower than the model (more than 10 ms behind) runs the steps back to back.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._queue: deque = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.engine.paced = True  # execute() owes its pause to us instead of sleeping
+        self._task = self.loop.create_task(self._run_inline(), name="engine-inline")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self._queue.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def emit(self, outs: list) -> None:
+        if outs:
+            self._pending.append(outs)
+            if not self._signalled:
+                self._signalled = True
+                self._ready.set()
+
+    def _run_commands(self) -> None:
+        while self._queue:
+            fn, fut = self._queue.popleft()
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                _set_exception(fut, e)
+            else:
+                _set_result(fut, result)
+        self._after_work()
+
+    async def _run_inline(self) -> None:
+        engine, clock = self.engine, self.loop.time
+        due = clock()
+        try:
+            while not self._stop.is_set():
+                if self._queue:
+                    self._run_commands()
+                if not engine.has_work:
+                    self._wake.clear()
+                    if not self._queue:
+                        await self._wake.wait()
+                    due = clock()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    outs = engine.step()
+                except Exception as e:
+                    log.exception("engine step failed; failing the running requests")
+                    outs = self._fail_running()
+                    if getattr(e, "fatal", False):
+                        self.emit(outs)
+                        raise
+                self.step_seconds = time.perf_counter() - t0
+                self.emit(outs)
+                self._after_work()
+                due += engine.take_owed_seconds()
+                delay = due - clock()
+                if delay < -0.01:
+                    due = clock()
+                await asyncio.sleep(max(delay, 0.0))  # also lets the loop send this step's outputs
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.failure = e
+            log.exception("engine task died")
+            if self.on_failure is not None:
+                self.on_failure(e)
+

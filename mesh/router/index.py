@@ -1,8 +1,10 @@
 """Which workers hold which blocks, per tier: the router's view of every cache.
 
 Built from the workers' KV events (``apply``) and snapshots (``load_snapshot``);
-``overlap`` answers, for a request's chained block hashes, how many leading
-blocks each worker holds, credited by the best tier it holds each in. Blocks of
+``match`` answers, for a request's chained block hashes, how many leading blocks
+each worker holds and which of them it holds only below the device (host, disk,
+or predicted), which is what the router costs; ``overlap`` is the same credited
+by fixed tier weights (one number per worker, for figures). Blocks of
 workers that publish no events are *predicted* from the router's own decisions
 and forgotten after a TTL (approximate mode); so are the blocks a routed request
 will leave on a worker that does publish events, until the events about them
@@ -17,11 +19,40 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from mesh.protocol import KvEventBatch
+from mesh.router.costs import DEVICE, DISK, HOST, PREDICTED, REAL, default_costs
 
-TIERS = {"device": 1, "host": 2, "disk": 4, "predicted": 8}
-DEFAULT_WEIGHTS = {"device": 1.0, "host": 0.75, "disk": 0.25, "predicted": 1.0}
+TIERS = {"device": DEVICE, "host": HOST, "disk": DISK, "predicted": PREDICTED}
+DEFAULT_WEIGHTS = default_costs().credits()  # from the reference costs (mesh/router/costs.py)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A worker's leading run of a request's blocks: ``depth`` blocks held in any tier (or
+    predicted), of which ``below`` lists the ``(position, tier bits)`` of those not on device."""
+
+    depth: int
+    below: tuple[tuple[int, int], ...] = ()
+
+    def fetchable(self) -> int:
+        """The leading blocks it holds for sure (a predicted block is still being computed)."""
+        for pos, bits in self.below:
+            if not bits & REAL:
+                return pos
+        return self.depth
+
+    def tier_counts(self, start: int = 0, end: int | None = None) -> dict[str, int]:
+        """Blocks in ``[start, end)`` of the run by their best tier."""
+        end = self.depth if end is None else min(end, self.depth)
+        out = {"device": max(end - start, 0)}
+        for pos, bits in self.below:
+            if start <= pos < end:
+                tier = "host" if bits & HOST else "disk" if bits & DISK else "predicted"
+                out[tier] = out.get(tier, 0) + 1
+                out["device"] -= 1
+        return out
 
 
 class KvIndex:
@@ -31,7 +62,7 @@ class KvIndex:
         self._blocks: dict[str, set[int]] = {}  # worker -> hashes it holds (any tier)
         self._seq: dict[str, int] = {}  # worker -> last applied batch
         self._predicted: dict[str, OrderedDict[int, float]] = {}  # worker -> hash -> expiry
-        self._partial: set[int] = set()  # hashes some holder keeps below full credit (may be stale)
+        self._partial: set[int] = set()  # hashes some holder keeps off the device (may be stale)
         self.events_applied = 0
         # credit of a tier-bit combination: the best tier's weight
         self._credit = [0.0] * 16
@@ -118,7 +149,7 @@ class KvIndex:
     def _add(self, worker: str, hashes: Iterable[int], bit: int) -> None:
         mine = self._blocks.setdefault(worker, set())
         holders_of = self._holders
-        partial = self._credit[bit] != 1.0
+        partial = bit != DEVICE
         for h in hashes:
             holders = holders_of.get(h)
             if holders is None:
@@ -138,7 +169,7 @@ class KvIndex:
             left = holders[worker] & ~bit
             if left:
                 holders[worker] = left
-                if self._credit[left] != 1.0:
+                if not left & DEVICE:
                     self._partial.add(h)
                 continue
             del holders[worker]
@@ -162,20 +193,19 @@ class KvIndex:
         bits = self._holders.get(block_hash, {}).get(worker, 0)
         return {t for t, b in TIERS.items() if bits & b}
 
-    def overlap(self, hashes: Sequence[int]) -> dict[str, float]:
-        """Per worker: its leading run of ``hashes``, each block credited by its best tier.
+    def match(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
+        """Per worker: its leading run of ``hashes`` and where it holds each block of it.
 
         Walks the blocks while any worker still matches; the work per block is a set test
-        (C speed), plus a per-holder loop only on the few blocks some holder keeps below
-        full credit (host or disk tier).
+        (C speed), plus a per-holder loop only on the few blocks some holder keeps off the
+        device (host or disk tier, or predicted).
         """
         first = self._holders.get(hashes[0]) if hashes else None
         if not first:
             return {}
-        credit_of = self._credit
         alive = set(first)
         depth: dict[str, int] = {}
-        penalty: dict[str, float] = {}
+        below: dict[str, list[tuple[int, int]]] = {}
         n = 0
         for h in hashes:
             holders = self._holders.get(h)
@@ -190,10 +220,16 @@ class KvIndex:
                     break
             if h in self._partial:
                 for w in alive:
-                    c = credit_of[holders[w]]
-                    if c != 1.0:
-                        penalty[w] = penalty.get(w, 0.0) + 1.0 - c
+                    bits = holders[w]
+                    if not bits & DEVICE:
+                        below.setdefault(w, []).append((n, bits))
             n += 1
         for w in alive:
             depth[w] = n
-        return {w: d - penalty.get(w, 0.0) for w, d in depth.items()}
+        return {w: PrefixMatch(d, tuple(below.get(w, ()))) for w, d in depth.items()}
+
+    def overlap(self, hashes: Sequence[int]) -> dict[str, float]:
+        """Per worker: its leading run of ``hashes``, each block credited by its best tier."""
+        credit_of = self._credit
+        return {w: m.depth - sum(1.0 - credit_of[bits] for _, bits in m.below)
+                for w, m in self.match(hashes).items()}

@@ -5,7 +5,10 @@ a gap, for a new worker, or when the router starts), load reports, the
 registry (a worker that leaves is dropped at once), and the decisions of other
 router replicas (their requests count as load here too). ``route()`` is
 synchronous and cheap: hash the prompt, walk the index, call ``pick_worker``.
-A router decides; the gateway sends.
+A router decides; the gateway sends. With ``peer_fetch`` a decision may name a
+peer the chosen worker should fetch prefix blocks from; the decision goes out on
+``router.decisions`` (phase A: mocker workers read it there; the gateway does not
+forward it in the request yet).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from mesh import metrics
 from mesh.bus import Bus
 from mesh.hashing import block_hashes, model_seed
 from mesh.protocol import (
@@ -30,6 +34,7 @@ from mesh.protocol import (
     WorkerCard,
 )
 from mesh.registry import Membership
+from mesh.router.costs import KvCosts
 from mesh.router.index import KvIndex
 from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
 
@@ -64,15 +69,17 @@ class KvRouter:
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
         self._rr = 0
+        self._costs: dict[str, tuple[dict, KvCosts]] = {}  # worker -> (its card's kv_costs, parsed)
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
         self.resyncs = 0
         self.decisions = 0
+        self.fetches = 0
 
     def index(self, model: str) -> KvIndex:
         idx = self.indexes.get(model)
         if idx is None:
-            idx = self.indexes[model] = KvIndex(self.config.tier_weights)
+            idx = self.indexes[model] = KvIndex()
         return idx
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -108,6 +115,7 @@ class KvRouter:
             self._heard.pop(worker_id, None)
             self.inflight.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
+            self._costs.pop(worker_id, None)
             return
         if card.role == "decode" and card.publishes_kv_events and self.index(card.model).seq(worker_id) is None:
             self._spawn(self._resync(card.model, worker_id))
@@ -191,24 +199,30 @@ class KvRouter:
               exclude: set[str] | frozenset[str] = frozenset(), adapter: str = "") -> Decision:
         """``adapter``: a LoRA adapter; only workers that hold it serve it, its prefixes are hashed
         with its seed, and a worker with it in a device slot now is preferred (``adapter_cost``)."""
-        cards = [c for c in self.candidates(model)
-                 if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
+        live = self.candidates(model)
+        cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
         if not cards:
             raise LookupError(f"no live worker for {adapter or model!r}")
         bs = cards[0].block_size
         hashes: list[int] = []
-        overlaps: dict[str, float] = {}
+        matches = {}
         idx = self.index(model)
         if self.config.mode == "kv":
             hashes = block_hashes(token_ids, bs, model_seed(model, lora=adapter or None))
             idx.expire()
-            overlaps = idx.overlap(hashes)
+            matches = idx.match(hashes)
         now = time.time()
-        workers = [self._load_of(c, now, adapter) for c in cards]
+        loads = {c.worker_id: self._load_of(c, now, adapter) for c in live}
+        workers = [loads[c.worker_id] for c in cards]
         req = RouteRequest(len(token_ids), bs, tuple(hashes))
-        decision = pick_worker(req, workers, overlaps, self.config, self.rng, self._rr)
+        # an excluded worker (tried already) may still send blocks: only serving it is ruled out
+        decision = pick_worker(req, workers, matches, self.config, self.rng, self._rr, sources=list(loads.values()))
         self._rr += 1
         self.decisions += 1
+        if decision.fetch_source:
+            self.fetches += 1
+            metrics.ROUTER_FETCHES.labels(model).inc()
+            metrics.ROUTER_FETCH_BLOCKS.labels(model).inc(decision.fetch_blocks)
         self._count(decision.worker_id, request_id or uuid.uuid4().hex,
                     _Inflight(now, req.prompt_blocks, decision.new_blocks))
         card = next(c for c in cards if c.worker_id == decision.worker_id)
@@ -221,7 +235,8 @@ class KvRouter:
             idx.predict(card.worker_id, hashes, ttl)
         self._spawn(self._publish(RouterDecision(
             self.router_id, model, decision.worker_id, request_id, req.prompt_blocks, decision.new_blocks,
-            decision.overlap_blocks, decision.mode, now,
+            decision.overlap_blocks, decision.mode, now, hit_blocks=decision.hit_blocks,
+            fetch_source=decision.fetch_source, fetch_blocks=decision.fetch_blocks,
         )))
         return decision
 
@@ -241,7 +256,17 @@ class KvRouter:
             inflight_blocks=sum(d.prompt_blocks for d in fresh),
             total_blocks=card.kv_blocks,
             adapter_cold=bool(adapter) and (report is None or adapter not in report.hot_adapters),
+            costs=self._costs_of(card),
+            can_fetch=card.fetches_kv,
+            can_serve=card.serves_kv_fetch,
         )
+
+    def _costs_of(self, card: WorkerCard) -> KvCosts:
+        """The per-block costs the worker publishes (the reference hardware's where it does not)."""
+        got = self._costs.get(card.worker_id)
+        if got is None or got[0] != card.kv_costs:
+            got = self._costs[card.worker_id] = (card.kv_costs, KvCosts.from_dict(card.kv_costs, card.block_size))
+        return got[1]
 
     def _count(self, worker: str, request_id: str, d: _Inflight) -> None:
         queue = self.inflight.setdefault(worker, OrderedDict())

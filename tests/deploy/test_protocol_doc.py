@@ -79,7 +79,7 @@ def test_no_message_is_documented_that_does_not_exist():
     assert set(re.findall(r"^### (\w+)$", MESSAGES_PART, re.M)) == set(MESSAGE_TYPES)
 
 
-PLACEHOLDERS = {"model": "MODEL", "worker": "WORKER", "request_id": "REQUESTID", "verb": "VERB"}
+PLACEHOLDERS = {"model": "MODEL", "worker": "WORKER", "request_id": "REQUESTID", "verb": "VERB", "fetch_id": "FETCHID"}
 
 
 def subject_patterns() -> dict[str, str]:

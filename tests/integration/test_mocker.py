@@ -44,3 +44,107 @@ async def test_32_mocker_workers_register_and_serve(cluster):
         await w.close()
         for p in procs:
             p.terminate()
+
+
+# -- peer fetch between mock workers (issue 20, phase A: simulated transfers, real messages) ----------
+
+FETCH_NS = "fetch"
+
+
+async def ask(bus, worker_id, tokens, request_id, router=None, max_tokens=4):
+    """Serve a request on ``worker_id``: (its tokens, its last chunk); tells the router when it ends."""
+    req = GenerateRequest(request_id, "mock", tokens, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+    chunks = [c async for c in generate(bus, worker_id, req)]
+    if router is not None:
+        router.finished(worker_id, request_id)
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster):
+    import random
+
+    from mesh.hashing import block_hashes, model_seed
+    from mesh.router.policy import RouterConfig
+    from mesh.router.router import KvRouter
+
+    flags = ["--ns", FETCH_NS, "--mock-speedup", "10", "--device-kv-blocks", "128", "--host-kv-blocks", "1024",
+             "--peer-fetch"]
+    for wid in ("fetch-a", "fetch-b"):
+        cluster.worker("mock", *flags, "--worker-id", wid)
+    w = await Watcher.open(cluster.nats_url, ns=FETCH_NS)
+    router = KvRouter(w.bus, w.membership, RouterConfig(peer_fetch=True))
+    await router.start()
+    try:
+        await w.wait_workers("decode", 2)
+        rng = random.Random(3)
+        prefix = [rng.randrange(1, 32000) for _ in range(640)]  # 40 blocks
+        hashes = block_hashes(prefix, 16, model_seed("mock"))
+        cold, _ = await ask(w.bus, "fetch-a", prefix + [7], "cold")
+        # other prompts push the prefix out of a's 128-block device pool into its host tier
+        for i in range(4):
+            await ask(w.bus, "fetch-a", [rng.randrange(1, 32000) for _ in range(640)], f"other-{i}")
+        idx = router.index("mock")
+        await w.wait_for(lambda: all(idx.tiers_of("fetch-a", h) == {"host"} for h in hashes), 10,
+                         "the prefix to sit only in a's host tier")
+        before = (await w.fresh_load("fetch-a")).counters
+
+        # a cannot take the request (say it is overloaded): the router sends it to b, which fetches
+        d = router.route("mock", prefix + [7], "moved", exclude={"fetch-a"})
+        assert (d.worker_id, d.fetch_source, d.fetch_blocks, d.hit_blocks) == ("fetch-b", "fetch-a", 40, 0)
+        tokens, last = await ask(w.bus, "fetch-b", prefix + [7], "moved", router)
+        assert tokens == cold  # the same greedy tokens as the cold run
+        assert last.usage.cached_tokens == 640  # all 40 blocks reused, none computed
+
+        b = (await w.fresh_load("fetch-b")).counters
+        a = (await w.fresh_load("fetch-a")).counters
+        assert b["hit_blocks_peer"] == 40 and b["peer_fetch_ok"] == 1 and b["peer_fetch_blocks"] == 40
+        assert b["hit_blocks_device"] == 0 and b["hit_blocks_host"] == 0
+        assert a["peer_serve_blocks"] - before.get("peer_serve_blocks", 0) == 40
+        assert a["fetch_pinned_now"] == 0  # the pins were released
+        # b now holds the prefix itself (its KV events say so): the next request needs no fetch
+        await w.wait_for(lambda: all("device" in idx.tiers_of("fetch-b", h) for h in hashes), 10, "b's events")
+        d = router.route("mock", prefix + [8], "again", exclude={"fetch-a"})
+        assert (d.worker_id, d.fetch_source, d.hit_blocks) == ("fetch-b", "", 40)
+    finally:
+        await router.stop()
+        await w.close()
+
+
+async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster):
+    import os
+    import random
+    import signal
+
+    from mesh.hashing import block_hashes, model_seed
+    from mesh.router.policy import RouterConfig
+    from mesh.router.router import KvRouter
+
+    ns = "fetchkill"
+    base = ["--ns", ns, "--device-kv-blocks", "256", "--peer-fetch"]
+    # the holder's NIC is slow (40 blocks take ~4 s to send); the requester expects the default
+    holder = cluster.worker("mock", *base, "--worker-id", "kill-a", "--mock-timing", "network_gb_per_s=0.02")
+    cluster.worker("mock", *base, "--worker-id", "kill-b")
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    router = KvRouter(w.bus, w.membership, RouterConfig(peer_fetch=True))
+    await router.start()
+    try:
+        await w.wait_workers("decode", 2)
+        rng = random.Random(4)
+        prefix = [rng.randrange(1, 32000) for _ in range(640)]
+        hashes = block_hashes(prefix, 16, model_seed("mock"))
+        cold, _ = await ask(w.bus, "kill-a", prefix + [7], "cold")
+        idx = router.index("mock")
+        await w.wait_for(lambda: all("device" in idx.tiers_of("kill-a", h) for h in hashes), 10, "a's events")
+        d = router.route("mock", prefix + [7], "moved", exclude={"kill-a"})
+        assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("kill-b", "kill-a", 40)
+        served = asyncio.create_task(ask(w.bus, "kill-b", prefix + [7], "moved", router))
+        await w.wait_for(lambda: (r := w.loads.get("kill-a")) and r.counters.get("fetch_pinned_now", 0) == 40, 10,
+                         "a to pin the blocks it sends")
+        os.kill(holder.pid, signal.SIGKILL)
+        tokens, last = await asyncio.wait_for(served, 30)
+        assert tokens == cold and last.usage.cached_tokens == 0  # prefilled instead, same tokens
+        b = (await w.fresh_load("kill-b")).counters
+        assert b["peer_fetch_failed"] == 1 and b.get("peer_fetch_ok", 0) == 0 and b["hit_blocks_peer"] == 0
+    finally:
+        await router.stop()
+        await w.close()

@@ -298,3 +298,19 @@ def test_offload_on_cuda_is_token_identical_through_host_and_disk(tiny_model, tm
     restarted = Engine(config)
     outs = [restarted.generate([p], GREEDY)[0].output_token_ids for p in last_prompts]
     assert outs == expected_last and restarted.kv_counters()["hit_blocks_disk"] > 0
+
+
+def test_model_workers_take_their_tiers_in_blocks_too(tiny_model, tmp_path):
+    from kvstore.disk import HEADER
+    from mesh.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--device-kv-blocks", "64",
+                                      "--host-kv-blocks", "32", "--disk-kv-dir", str(tmp_path),
+                                      "--disk-kv-blocks", "16"])
+    cfg = engine_config(args)
+    assert (cfg.host_kv_blocks, cfg.disk_kv_blocks) == (32, 16)
+    engine = Engine(cfg)
+    assert engine.tiers.host.num_slots == 32
+    assert engine.tiers.disk.capacity_bytes == 16 * (HEADER.size + engine.kv_spec.block_bytes)
+    with pytest.raises(ValueError, match="directory"):
+        EngineConfig(tiny_model, host_kv_blocks=8, disk_kv_blocks=8)

@@ -8,7 +8,8 @@ import pytest
 
 from kvstore.events import BlockRemoved, BlockStored, to_wire
 from mesh.protocol import KvEvent, KvEventBatch
-from mesh.router.index import KvIndex
+from mesh.router.costs import DISK, HOST, KvCosts, default_costs
+from mesh.router.index import DEFAULT_WEIGHTS, KvIndex, PrefixMatch
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, kv_costs, pick_worker
 
 
@@ -41,13 +42,16 @@ def test_insert_remove_and_overlap_walk():
 
 def test_tier_moves_change_the_credit():
     idx = KvIndex()
+    host, disk = DEFAULT_WEIGHTS["host"], DEFAULT_WEIGHTS["disk"]
     idx.load_snapshot("a", 0, {"device": [1, 2, 3]})
-    # block 2 is copied to host, then dropped from device: credited 0.75
+    # block 2 is copied to host, then dropped from device: credited less than a device hit
     assert idx.apply(batch("a", 1, stored([2], 1, "host"), removed([2], "device")))
     assert idx.tiers_of("a", 2) == {"host"}
-    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(2.75)}
+    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(2 + host)}
+    assert idx.match([1, 2, 3]) == {"a": PrefixMatch(3, ((1, HOST),))}
     assert idx.apply(batch("a", 2, stored([3], 2, "disk"), removed([3], "device")))
-    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(2.0)}
+    assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(1 + host + disk)}
+    assert idx.match([1, 2, 3])["a"].tier_counts() == {"device": 1, "host": 1, "disk": 1}
     # back on device (onboarded): full credit again, whatever else it is also on
     assert idx.apply(batch("a", 3, stored([2, 3], 1, "device")))
     assert idx.overlap([1, 2, 3]) == {"a": pytest.approx(3.0)}
@@ -108,22 +112,159 @@ def loads(**active):
     return [WorkerLoad(w, active_blocks=a, total_blocks=1000) for w, a in active.items()]
 
 
+def on_device(n):
+    return PrefixMatch(n)
+
+
 def test_kv_cost_prefers_the_cached_worker_unless_it_is_much_busier():
     req = RouteRequest(num_tokens=160, block_size=16)  # 10 blocks
     cfg = RouterConfig()
     rng = random.Random(0)
-    d = pick_worker(req, loads(a=5, b=5), {"a": 8.0}, cfg, rng)
-    assert d.worker_id == "a" and d.new_blocks == 2 and d.overlap_blocks == 8.0
-    costs = kv_costs(req, loads(a=5, b=5), {"a": 8.0}, cfg)
+    d = pick_worker(req, loads(a=5, b=5), {"a": on_device(8)}, cfg, rng)
+    assert d.worker_id == "a" and d.new_blocks == 2 and d.overlap_blocks == 8.0 and d.hit_blocks == 8
+    costs = kv_costs(req, loads(a=5, b=5), {"a": on_device(8)}, cfg)
     assert costs == {"a": 2 + 0.5, "b": 10 + 0.5}
     # a held block costs a tenth of a block to prefill: 20 more active blocks on a do not outweigh
     # its 8 cached ones, 200 more do
-    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, cfg, rng).worker_id == "a"
-    assert pick_worker(req, loads(a=205, b=5), {"a": 8.0}, cfg, rng).worker_id == "b"
-    assert pick_worker(req, loads(a=25, b=5), {"a": 8.0}, RouterConfig(decode_weight=1.0), rng).worker_id == "b"
+    assert pick_worker(req, loads(a=25, b=5), {"a": on_device(8)}, cfg, rng).worker_id == "a"
+    assert pick_worker(req, loads(a=205, b=5), {"a": on_device(8)}, cfg, rng).worker_id == "b"
+    assert pick_worker(req, loads(a=25, b=5), {"a": on_device(8)}, RouterConfig(decode_weight=1.0),
+                       rng).worker_id == "b"
     # pending prefill counts as prefill work
     busy = [WorkerLoad("a", 5, pending_prefill_blocks=30), WorkerLoad("b", 5)]
-    assert pick_worker(req, busy, {"a": 8.0}, cfg, rng).worker_id == "b"
+    assert pick_worker(req, busy, {"a": on_device(8)}, cfg, rng).worker_id == "b"
+    # the last prompt token is always computed: a full-prompt match reuses one block less
+    assert pick_worker(req, loads(a=0), {"a": on_device(10)}, cfg, rng).new_blocks == 1
+
+
+# -- tier costs ----------------------------------------------------------------------------------
+
+
+def test_tier_costs_come_from_transfer_rates_not_guesses():
+    c = default_costs(16)  # Llama-3-8B KV, 2 MiB per block; prefill 0.06 ms per token
+    block = 2 * 32 * 8 * 128 * 2 * 16
+    assert c.prefill_block_ms == pytest.approx(0.96)
+    assert c.host_block_ms == pytest.approx(block / 25e9 * 1000)  # PCIe host memory, 25 GB/s
+    assert c.disk_block_ms == pytest.approx(block / 5e9 * 1000)  # NVMe, 5 GB/s
+    assert c.peer_block_ms == pytest.approx(block / 12.5e9 * 1000)  # 100 Gb/s NIC
+    # cheaper than prefill, dearer than a device hit, in that order
+    assert 0.0 == c.block_cost(1) < c.block_cost(HOST) < c.block_cost(DISK) < 1.0
+    assert c.block_cost(HOST) == pytest.approx(c.host_block_ms / 0.96)
+    assert DEFAULT_WEIGHTS["host"] == pytest.approx(1 - c.host_block_ms / 0.96)
+    # a tier slower than recompute is worth nothing, never less
+    slow = KvCosts.from_rates(16, disk_gb_per_s=0.5)
+    assert slow.block_cost(DISK) == 1.0
+    # the card's form
+    assert KvCosts.from_dict(c.to_dict(), 16) == c
+    assert KvCosts.from_dict({}, 32) == default_costs(32)
+    assert KvCosts.from_dict({"prefill_block_ms": -1.0}, 16) == default_costs(16)  # garbled: the reference
+    assert KvCosts.from_dict({"host_block_ms": 0.5, "unknown": 3.0}, 16).host_block_ms == 0.5
+
+
+def test_a_host_or_disk_block_costs_its_onboarding():
+    idx = KvIndex()
+    idx.load_snapshot("dev", 0, {"device": list(range(1, 41))})
+    idx.load_snapshot("host", 0, {"host": list(range(1, 41))})
+    idx.load_snapshot("disk", 0, {"disk": list(range(1, 41))})
+    req = RouteRequest(num_tokens=41 * 16, block_size=16, hashes=tuple(range(1, 42)))
+    m = idx.match(req.hashes)
+    assert [m[w].depth for w in ("dev", "host", "disk")] == [40, 40, 40]
+    c = default_costs(16)
+    costs = kv_costs(req, loads(dev=0, host=0, disk=0, cold=0), m, RouterConfig())
+    assert costs["dev"] == pytest.approx(1)
+    assert costs["host"] == pytest.approx(1 + 40 * c.host_block_ms / c.prefill_block_ms)
+    assert costs["disk"] == pytest.approx(1 + 40 * c.disk_block_ms / c.prefill_block_ms)
+    assert costs["cold"] == 41
+    rng = random.Random(0)
+    pick = [WorkerLoad("host"), WorkerLoad("cold")]
+    assert pick_worker(req, pick, m, RouterConfig(), rng).worker_id == "host"
+    # onboarding 40 host blocks costs ~3.5 prefill blocks: 3 queued blocks on "dev" do not outweigh it, 4 do
+    assert pick_worker(req, [WorkerLoad("dev", pending_prefill_blocks=3), WorkerLoad("host")], m,
+                       RouterConfig(), rng).worker_id == "dev"
+    assert pick_worker(req, [WorkerLoad("dev", pending_prefill_blocks=4), WorkerLoad("host")], m,
+                       RouterConfig(), rng).worker_id == "host"
+    # a worker whose host tier is slow (its card says so) gets less credit for it
+    slow = KvCosts.from_rates(16, host_gb_per_s=2.5)
+    d = pick_worker(req, [WorkerLoad("host", costs=slow), WorkerLoad("disk")], m, RouterConfig(), rng)
+    assert d.worker_id == "disk" and d.hit_blocks == 40
+
+
+# -- peer fetch: the fetch-vs-prefill decision --------------------------------------------------------
+
+
+def fetch_cfg(**kw):
+    return RouterConfig(peer_fetch=True, **kw)
+
+
+def test_a_busy_holder_lends_its_prefix_to_an_idle_worker():
+    req = RouteRequest(num_tokens=64 * 16 + 5, block_size=16)  # 65 blocks, 64 reusable
+    m = {"a": on_device(64)}
+    busy = [WorkerLoad("a", pending_prefill_blocks=40), WorkerLoad("b")]
+    rng = random.Random(0)
+    d = pick_worker(req, busy, m, fetch_cfg(), rng)
+    # b fetches a's 64 blocks (~11 ms of network and round trips, plus half of a's ~46 ms step
+    # against ~61 ms to prefill them) and prefills one
+    c = default_costs(16)
+    fetch = c.fetch_cost(64, 0, 40)
+    assert fetch == pytest.approx((1.0 + 0.5 * (8.0 + 40 * 0.96) + 64 * c.peer_block_ms) / 0.96)
+    assert (d.worker_id, d.fetch_source, d.fetch_blocks, d.hit_blocks, d.new_blocks) == ("b", "a", 64, 0, 1)
+    assert d.cost == pytest.approx(fetch + 1)
+    # without peer fetch b would prefill all 65: a keeps it despite its queue
+    d = pick_worker(req, busy, m, RouterConfig(), rng)
+    assert (d.worker_id, d.fetch_source, d.new_blocks) == ("a", "", 1)
+    # when the holder is idle, its own device hit is cheaper than any fetch
+    d = pick_worker(req, [WorkerLoad("a"), WorkerLoad("b")], m, fetch_cfg(), rng)
+    assert (d.worker_id, d.fetch_source) == ("a", "")
+
+
+def test_a_fetch_is_planned_only_where_it_beats_prefill():
+    rng = random.Random(0)
+    c = default_costs(16)
+    req = RouteRequest(num_tokens=100 * 16, block_size=16)
+    # b holds 10 blocks, a 10 + n: b fetches the n more if that is cheaper than prefilling them
+    for n, fetched in ((1, 0), (4, 0), (8, 8), (60, 60)):
+        m = {"a": on_device(10 + n), "b": on_device(10)}
+        d = pick_worker(req, [WorkerLoad("b")], m, fetch_cfg(), rng, sources=[WorkerLoad("a"), WorkerLoad("b")])
+        assert (d.fetch_blocks > 0) == (c.fetch_cost(n) < n), n  # 1 ms + half a decode step: ~5.3 blocks
+        assert d.fetch_blocks == fetched and d.hit_blocks == 10 and d.new_blocks == 100 - 10 - fetched
+        assert d.fetch_source == ("a" if fetched else "")
+    # a holder in the middle of a long prefill answers after its step: not worth it for 60 blocks
+    m = {"a": on_device(70), "b": on_device(10)}
+    d = pick_worker(req, [WorkerLoad("b")], m, fetch_cfg(), rng,
+                    sources=[WorkerLoad("a", pending_prefill_blocks=600), WorkerLoad("b")])
+    assert d.fetch_blocks == 0 and c.fetch_cost(60, 0, 600) > 60
+    # holders busy decoding (no prefill queue) answer fast: the deepest one is the source, and
+    # sources default to the candidates
+    m = {"a": on_device(40), "c": on_device(60)}
+    d = pick_worker(req, [WorkerLoad("a", active_blocks=2000), WorkerLoad("b"), WorkerLoad("c", active_blocks=2000)],
+                    m, fetch_cfg(), rng)
+    assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("b", "c", 60)
+
+
+def test_only_blocks_a_peer_surely_holds_are_fetched_and_its_disk_is_slower():
+    rng = random.Random(0)
+    c = default_costs(16)
+    idx = KvIndex()
+    idx.load_snapshot("a", 0, {"device": list(range(1, 21)), "disk": list(range(21, 41))})
+    idx.predict("a", list(range(41, 61)), ttl=10.0, now=0.0)  # routed there: still being prefilled
+    idx.load_snapshot("b", 0, {"host": list(range(1, 6))})
+    req = RouteRequest(num_tokens=80 * 16, block_size=16, hashes=tuple(range(1, 81)))
+    m = idx.match(req.hashes)
+    assert m["a"].depth == 60 and m["a"].fetchable() == 40 and m["b"].depth == 5
+    busy_a = [WorkerLoad("a", active_blocks=1000), WorkerLoad("b")]
+    d = pick_worker(req, busy_a, m, fetch_cfg(), rng)
+    assert (d.worker_id, d.fetch_source, d.hit_blocks, d.fetch_blocks) == ("b", "a", 5, 35)
+    own = 5 * c.block_cost(HOST)
+    fetch = c.fetch_cost(35, 20)  # 15 from a's device, 20 from its disk (at disk speed)
+    assert fetch > c.fetch_cost(35, 0)
+    assert d.cost == pytest.approx(own + fetch + 80 - 40)
+    assert d.overlap_blocks == pytest.approx(5 - own)
+
+
+def test_decisions_of_other_modes_report_the_chosen_workers_run():
+    req = RouteRequest(num_tokens=16 * 10, block_size=16)
+    d = pick_worker(req, loads(a=0, b=0), {"b": on_device(6)}, RouterConfig(mode="round-robin"), random.Random(0), 1)
+    assert (d.worker_id, d.hit_blocks, d.new_blocks, d.fetch_source) == ("b", 6, 4, "")
 
 
 def test_ties_break_at_random_and_softmax_spreads():
@@ -144,7 +285,7 @@ def test_other_modes():
     ws = loads(b=3, a=9, c=1)
     rr = [pick_worker(req, ws, {}, RouterConfig(mode="round-robin"), rng, i).worker_id for i in range(6)]
     assert rr == ["a", "b", "c", "a", "b", "c"]
-    assert pick_worker(req, ws, {"a": 1}, RouterConfig(mode="least-loaded"), rng).worker_id == "c"
+    assert pick_worker(req, ws, {"a": on_device(1)}, RouterConfig(mode="least-loaded"), rng).worker_id == "c"
     seen = {pick_worker(req, ws, {}, RouterConfig(mode="random"), rng).worker_id for _ in range(50)}
     assert seen == {"a", "b", "c"}
     with pytest.raises(ValueError):
@@ -214,3 +355,37 @@ async def test_lora_requests_go_where_the_adapter_is_hot_and_its_prefix_cached()
     assert router.route("m", two, "r3").worker_id == "c"  # the base model's prefix is c's
     with pytest.raises(LookupError, match="'y'"):
         router.route("m", one, adapter="y")
+
+
+async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
+    from mesh.protocol import LoadReport, WorkerCard
+    from mesh.router.router import KvRouter
+
+    slow_net = KvCosts.from_rates(16, network_gb_per_s=0.1).to_dict()  # 21 ms per block: never worth it
+    def card(w, **kw):
+        return WorkerCard(w, "decode", "m", 16, 1000, 1 << 16, "h", 1, 0.0, 0.0, serves_kv_fetch=True,
+                          fetches_kv=True, **kw)
+
+    cards = [card("a"), card("b"), card("c", kv_costs=slow_net), card("d")]
+    cards[3].fetches_kv = False  # a worker that does not fetch (a model worker, before phase B)
+    router = KvRouter(None, _Cards(cards), RouterConfig(peer_fetch=True))
+    tokens = list(range(1000, 1000 + 16 * 30 + 1))
+    from mesh.hashing import block_hashes, model_seed
+
+    hashes = block_hashes(tokens, 16, model_seed("m"))
+    idx = router.index("m")
+    idx.load_snapshot("a", 0, {"device": hashes})
+    for w in ("b", "c", "d"):
+        idx.load_snapshot(w, 0, {})
+        await router._on_load(LoadReport(w, "m", "decode", 0.0), None)
+    await router._on_load(LoadReport("a", "m", "decode", 0.0), None)
+    d = router.route("m", tokens, "r1", exclude={"a", "c", "d"})  # a failed to serve it; it can still send blocks
+    assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("b", "a", 30)
+    assert router.fetches == 1
+    d = router.route("m", tokens, "r2", exclude={"a", "b", "d"})  # c's own network is too slow to fetch
+    assert (d.worker_id, d.fetch_source, d.new_blocks) == ("c", "", 31)
+    d = router.route("m", tokens, "r3", exclude={"a", "b", "c"})  # d does not fetch
+    assert (d.worker_id, d.fetch_source, d.new_blocks) == ("d", "", 31)
+    cards[0].serves_kv_fetch = False  # nor does anyone fetch from a worker that does not serve
+    d = router.route("m", tokens, "r4", exclude={"a", "c", "d"})
+    assert (d.worker_id, d.fetch_source) == ("b", "")

@@ -332,3 +332,67 @@ def test_mocker_models_host_hits_without_bytes():
     assert counters["hit_blocks_host"] > 0 and counters["host_blocks"] > 0
     snap = engine.kv_snapshot()
     assert set(snap) == {"device", "host"} and snap["host"]
+
+
+# -- the virtual disk tier and pins -----------------------------------------------------------------
+
+
+def test_virtual_disk_tier_is_the_disk_bookkeeping_without_bytes():
+    from kvstore.disk import EMPTY, VirtualDiskTier
+
+    events = KvEventLog()
+    d = VirtualDiskTier(2, events)
+    assert d.put(1, None) and d.put(2, 1) and not d.put(1, None)  # 1 again: only touched (now hottest)
+    assert d.get(3) is None and d.get(2) is EMPTY  # 2 is now the hottest
+    assert d.put(3, 2)  # evicts the coldest: 1
+    assert d.hashes() == [2, 3]
+    assert events.drain() == [BlockStored(1, None, "disk"), BlockStored(2, 1, "disk"), BlockRemoved(1, "disk"),
+                              BlockStored(3, 2, "disk")]
+    assert d.pin(2) and not d.pin(9)
+    assert d.put(4, 3) and d.hashes() == [2, 4]  # 2 is pinned: 3 went instead
+    assert d.pin(4) and not d.put(5, 4)  # everything pinned: the new block is not kept
+    d.unpin(2)
+    assert d.put(5, 4) and d.hashes() == [4, 5]
+    assert d.counters() == {"disk_blocks": 2, "disk_capacity_blocks": 2, "disk_written_blocks": 5,
+                            "disk_evicted_blocks": 3}
+
+
+def test_host_tier_never_evicts_a_pinned_block():
+    host = HostTier(2)
+    host.store([ev(0, 10), ev(1, 11)])
+    assert host.pin(10) and host.pin(10) and not host.pin(99)
+    stored, dropped = host.store([ev(2, 12)])
+    assert [h for h, _ in dropped] == [11] and host.hashes() == [10, 12]  # 10 is colder, but pinned
+    assert host.pin(12)
+    stored, dropped = host.store([ev(3, 13)])
+    assert stored == [] and dropped == [] and 13 not in host  # all pinned: not kept
+    host.unpin(10)
+    assert 10 in host._pins  # pinned twice, released once
+    host.unpin(10)
+    stored, dropped = host.store([ev(3, 13)])
+    assert [h for h, _ in dropped] == [10] and 13 in host
+
+
+def test_disk_tier_skips_pinned_files_when_over_its_cap(tmp_path):
+    d = disk(tmp_path, cap_blocks=2)
+    d.put(1, None, payload(1))
+    d.put(2, 1, payload(2))
+    assert d.pin(1)
+    d.put(3, 2, payload(3))
+    assert d.hashes() == [1, 3] and not d.path(2).exists()
+    assert d.pin(3) and not d.put(4, 3, payload(4))  # every file pinned: not written
+    assert d.get(1) == payload(1)
+
+
+def test_the_mockers_tiers_spill_reused_blocks_to_a_virtual_disk():
+    from kvstore.disk import VirtualDiskTier
+
+    events = KvEventLog()
+    tiers = TieredCache(HostTier(2, events), disk=VirtualDiskTier(4, events), disk_min_hits=2)
+    tiers.offload([ev(1, 11, hits=0), ev(2, 12, hits=3)])
+    tiers.offload([ev(3, 13), ev(4, 14)])  # 11 (never reused) is dropped, 12 goes to disk
+    assert tiers.disk.hashes() == [12] and tiers.holds(12) and not tiers.holds(11)
+    staged = tiers.load([13, 12])
+    assert staged.tiers == ["host", "disk"] and staged.data is None
+    with pytest.raises(ValueError, match="virtual"):
+        TieredCache(HostTier(2), disk=VirtualDiskTier(4), copier=object())

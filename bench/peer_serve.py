@@ -1,0 +1,283 @@
+"""Does serving peer fetches slow a worker's own decoding? One worker, its ITL with and without fetches.
+
+    python bench/peer_serve.py --fetch-rate 4 --fetch-blocks 60      # the replay's per-holder rate (mocker)
+    python bench/peer_serve.py --model tiny-small --streams 4         # a real model worker, real bytes
+
+With ``--model`` (a model directory, or ``tiny`` / ``tiny-small`` for the generated test models) the
+worker is a real ``mesh worker decode --peer-fetch`` with a host tier: every fetch reads the blocks'
+bytes (device, host tier) on the holder's thread and writes them into a buffer of this process's
+(the ``--channel``: a /dev/shm file or a NATS subject), as ``decode/peerfetch.py`` does for a peer.
+
+Without ``--model``: a real nats-server and one real ``mesh worker mock`` process (the mocker engine at ``--speedup``,
+a device pool and a host tier). The bench warms it with ``--prefixes`` prompts (so it holds blocks
+on device and in its host tier to send), then keeps ``--streams`` long decodes running on it and
+alternates phases of ``--seconds``: *off* (decoding only) and *on* (also serving ``KvFetchRequest``s
+for ``--fetch-blocks`` blocks of a random warm prefix, Poisson arrivals at ``--fetch-rate`` per
+second, as the peer-fetch replay sends to one holder). What serving costs the holder, all of it
+real except the bytes: the fetch's bus messages and handler on its event loop, pinning and
+unpinning between its steps, pinned blocks out of its free pool, and the timing model's HBM
+contention while it sends from device memory (``TimingModel.serve_slowdown``).
+
+ITL: the gaps between a stream's token chunks at this client (each gap counts in the phase it
+ended in). Reported per phase kind: p50, p90, p99, and p99 on / off (target: <= 1.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from mesh.bus import Bus
+from mesh.client import generate
+from mesh.hashing import block_hashes, model_seed
+from mesh.natsserver import EmbeddedNats
+from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRequest, SamplingOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = "serve-holder"
+MODEL = "mock"  # the served model's name (run() sets it from --model)
+BS = 16
+VOCAB = 32000
+
+
+def pct(v: list[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+class Phases:
+    """Which phase a moment falls in: ``(start, end, kind)`` windows."""
+
+    def __init__(self):
+        self.windows: list[tuple[float, float, str]] = []
+
+    def kind_at(self, t: float) -> str | None:
+        for start, end, kind in self.windows:
+            if start <= t < end:
+                return kind
+        return None
+
+
+async def stream_forever(bus: Bus, rng: random.Random, gaps: list[tuple[float, float]], stop: asyncio.Event,
+                         max_tokens: int) -> None:
+    while not stop.is_set():
+        prompt = [rng.randrange(1, VOCAB) for _ in range(256)]
+        req = GenerateRequest(uuid.uuid4().hex, MODEL, prompt,
+                              SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        last = None
+        async for chunk in generate(bus, WORKER, req):
+            now = time.monotonic()
+            if last is not None and chunk.token_ids:
+                gaps.append((now, (now - last) / len(chunk.token_ids)))
+            last = now
+            if stop.is_set():
+                break
+
+
+async def fetch_load(bus: Bus, prefixes: list[list[int]], rate: float, blocks: int, on: asyncio.Event,
+                     stop: asyncio.Event, done: list[KvFetchDone], rng: random.Random, channel=None,
+                     block_bytes: int = 0) -> None:
+    subject = bus.subjects.kv_fetch(MODEL, WORKER)
+    tasks: set[asyncio.Task] = set()
+
+    async def one() -> None:
+        hashes = rng.choice(prefixes)[:blocks]
+        fetch_id = uuid.uuid4().hex[:16]
+        req = KvFetchRequest(uuid.uuid4().hex, MODEL, "bench", hashes, deadline=time.time() + 10.0,
+                             fetch_id=fetch_id)
+        try:
+            if channel is not None:  # a real worker writes the bytes into our buffer
+                req.transports = {channel.name: await channel.params(fetch_id, len(hashes) * block_bytes)}
+            d = await bus.request(subject, req, KvFetchDone, 10.0)
+            if channel is not None and d.ok and (
+                    not d.transfer_bytes or await channel.take(fetch_id, d.transfer_bytes) is None):
+                raise RuntimeError(f"{d.num_blocks} blocks said written, bytes missing")
+            done.append(d)
+        except Exception as e:
+            print(f"  fetch failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            if channel is not None:
+                await channel.forget(fetch_id)
+
+    while not stop.is_set():
+        await asyncio.sleep(rng.expovariate(rate))
+        if on.is_set():
+            t = asyncio.create_task(one())
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks)
+
+
+def model_dir(name: str) -> Path:
+    if name in ("tiny", "tiny-small"):
+        from mesh.engine.tiny import write_tiny_model
+        from mesh.up import default_model_dir
+
+        path = default_model_dir().parent / name
+        if not (path / "config.json").is_file():
+            write_tiny_model(path, "small" if name == "tiny-small" else "tiny")
+        return path
+    return Path(name)
+
+
+def worker_command(args, url: str) -> list[str]:
+    base = [sys.executable, "-m", "mesh.cli", "worker"]
+    common = ["--nats", url, "--worker-id", WORKER, "--device-kv-blocks", str(args.device_blocks),
+              "--host-kv-blocks", str(args.host_blocks), "--metrics-port", "-1"]
+    if args.model is None:
+        return [*base, "mock", *common, "--mock-speedup", str(args.speedup)]
+    return [*base, "decode", *common, "--model", str(model_dir(args.model)), "--peer-fetch",
+            "--transports", args.channel, "--max-num-seqs", str(max(8, args.streams))]
+
+
+async def run(args) -> int:
+    global MODEL, VOCAB
+    rng = random.Random(args.seed)
+    if args.model is not None:
+        from mesh.engine.config import ModelConfig
+
+        path = model_dir(args.model)
+        MODEL, VOCAB = path.name, ModelConfig.from_dir(path).vocab_size
+    with EmbeddedNats() as nats:
+        worker = subprocess.Popen(worker_command(args, nats.url), cwd=ROOT, stdout=subprocess.DEVNULL)
+        bus = await Bus.connect(nats.url, "peer-serve-bench")
+        try:
+            return await measure(args, bus, rng)
+        finally:
+            await bus.close()
+            worker.terminate()
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+
+async def wait_ready(bus: Bus, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            req = GenerateRequest(uuid.uuid4().hex, MODEL, [1, 2, 3], SamplingOptions(max_tokens=1))
+            async for _ in generate(bus, WORKER, req, first_timeout=2.0):
+                pass
+            return
+        except Exception:
+            await asyncio.sleep(0.5)
+    raise RuntimeError("the worker did not come up")
+
+
+def real_channel(args, bus: Bus):
+    """The buffer channel for fetches from a real worker; None for the mocker (no bytes move)."""
+    if args.model is None:
+        return None
+    from kvstore.transfer.fetch import make_channels
+
+    (channel,) = make_channels([args.channel], bus=bus, model=MODEL, worker_id="bench").values()
+    return channel
+
+
+async def measure(args, bus: Bus, rng: random.Random) -> int:
+    await wait_ready(bus, 180.0)
+    channel = real_channel(args, bus)
+    seed = model_seed(MODEL)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range((args.fetch_blocks + 1) * BS)] for _ in range(args.prefixes)]
+    for i in range(0, len(prompts), 8):  # warm: the worker holds every prefix (the oldest in its host tier)
+        await asyncio.gather(*(
+            _drain(generate(bus, WORKER, GenerateRequest(uuid.uuid4().hex, MODEL, p, SamplingOptions(max_tokens=1))))
+            for p in prompts[i:i + 8]))
+    prefixes = [block_hashes(p, BS, seed) for p in prompts]
+    block_bytes = 0
+    if channel is not None:  # one probe fetch into a roomy buffer says how big a block is
+        probe: list[KvFetchDone] = []
+        one = asyncio.Event()
+        one.set()
+        await fetch_load(bus, [prefixes[-1][:1]], 1e9, 1, one, _set_after(one), probe, rng, channel, 1 << 24)
+        block_bytes = probe[0].transfer_bytes // probe[0].num_blocks
+    gaps: list[tuple[float, float]] = []
+    done: list[KvFetchDone] = []
+    stop, on = asyncio.Event(), asyncio.Event()
+    streams = [asyncio.create_task(stream_forever(bus, random.Random(rng.random()), gaps, stop, args.max_tokens))
+               for _ in range(args.streams)]
+    load = asyncio.create_task(fetch_load(bus, prefixes, args.fetch_rate, args.fetch_blocks, on, stop, done,
+                                          random.Random(rng.random()), channel, block_bytes))
+    phases = Phases()
+    await asyncio.sleep(args.settle)
+    for _ in range(args.rounds):
+        for kind in ("off", "on"):
+            (on.set if kind == "on" else on.clear)()
+            start = time.monotonic()
+            await asyncio.sleep(args.seconds)
+            phases.windows.append((start, time.monotonic(), kind))
+    stop.set()
+    await load
+    for t in streams:
+        t.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+
+    by_kind: dict[str, list[float]] = {"off": [], "on": []}
+    for t, gap in gaps:
+        if (kind := phases.kind_at(t)) is not None:
+            by_kind[kind].append(gap)
+    served = [d for d in done if d.ok]
+    tiers: dict[str, int] = {}
+    for d in served:
+        for k, n in d.tiers.items():
+            tiers[k] = tiers.get(k, 0) + n
+    on_seconds = args.rounds * args.seconds
+    who = f"mock speedup {args.speedup:g}" if args.model is None else f"model {MODEL} ({args.channel} channel)"
+    print(f"holder: {who}, {args.streams} decoding streams, fetches of {args.fetch_blocks} "
+          f"blocks at {args.fetch_rate:g}/s in the 'on' phases ({args.rounds} x {args.seconds:g} s each)")
+    print(f"fetches served: {len(served)} of {len(done)} ({len(served) / on_seconds:.2f}/s, "
+          f"{sum(d.num_blocks for d in served) / on_seconds:,.0f} blocks/s; by tier {tiers}); "
+          f"holder-side time p50 {pct([d.transfer_ms for d in served], 0.5):.1f} ms")
+    print("| phase | gaps | ITL p50 | ITL p90 | ITL p99 |")
+    print("|---|---|---|---|---|")
+    for kind, v in by_kind.items():
+        print(f"| {kind} | {len(v):,} | {pct(v, 0.5) * 1e3:.2f} ms | {pct(v, 0.9) * 1e3:.2f} ms | "
+              f"{pct(v, 0.99) * 1e3:.2f} ms |")
+    ratio = pct(by_kind["on"], 0.99) / pct(by_kind["off"], 0.99)
+    print(f"ITL p99 serving / not serving: {ratio:.3f}x (target <= 1.10x)")
+    return 0
+
+
+def _set_after(on: asyncio.Event) -> asyncio.Event:
+    """A stop event that is set once ``fetch_load`` has sent its first fetch (it checks stop after each)."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.01, stop.set)
+    return stop
+
+
+async def _drain(agen) -> None:
+    async for _ in agen:
+        pass
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--speedup", type=float, default=3.0, help="mocker speedup (the replay's loaded phase: 3)")
+    p.add_argument("--streams", type=int, default=8, help="concurrent decoding requests on the holder")
+    p.add_argument("--max-tokens", type=int, default=400, help="tokens per decoding request")
+    p.add_argument("--fetch-rate", type=float, default=4.0, help="fetches per second in the 'on' phases")
+    p.add_argument("--fetch-blocks", type=int, default=60, help="blocks per fetch")
+    p.add_argument("--prefixes", type=int, default=48, help="warm prompts the fetches ask for")
+    p.add_argument("--device-blocks", type=int, default=2048)
+    p.add_argument("--host-blocks", type=int, default=8192)
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    p.add_argument("--rounds", type=int, default=3, help="off/on pairs")
+    p.add_argument("--settle", type=float, default=3.0, help="seconds of decoding before the first phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None,
+                   help="a real model worker: a model directory, or tiny / tiny-small (generated); default: the mocker")
+    p.add_argument("--channel", default="shm", choices=("shm", "nats"), help="with --model: where the bytes go")
+    args = p.parse_args()
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

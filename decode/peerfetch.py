@@ -1,0 +1,223 @@
+"""Peer fetch between model decode workers (issue 20): both sides, hooked into ``DecodeWorker``.
+
+The router's decision for a request may name a peer that holds more of the prompt's
+prefix than the chosen worker (``GenerateRequest.peer_fetch``). The chosen worker (the
+requester) asks that peer (the holder) for those blocks before admitting the request:
+
+    requester                                               holder
+    generate (peer_fetch: source, hit, n)
+      a buffer per channel (shm file / nats subject)
+      KvFetchRequest(hashes past our run, transports) --->  pin the leading run it holds, any tier
+                                                            (engine thread, between steps: bookkeeping)
+                                                            read the bytes (a thread: pins.read)
+                                                            write them to the requester's buffer
+                                                            unpin                 (or: lease expiry)
+      <------------------------------------------------------ KvFetchDone(num_blocks, tiers, transport)
+      stage the bytes (PeerStage) -> admit: the engine's prefix walk onboards them as ``peer`` hits
+    no reply within the timeout, a refusal, a dead holder, missing bytes: admit without them
+
+Neither engine thread waits on the transfer: the holder's does two pool operations, the
+requester's none (the stage has its own lock). The holder's event loop only awaits threads
+and the bus.
+
+Who frees what: the holder's pins, ``release`` once the bytes are written (or failed), or
+``KvPins.expire`` past the lease (this worker calls it between steps). The requester's
+buffers, ``FetchChannel.forget`` when the fetch is over however it ended; a holder never
+writes the requester's KV blocks, only the fetch's own buffer, so a timed-out transfer
+that is still writing cannot corrupt blocks that are reused (``kvstore/transfer/fetch.py``).
+Staged blocks not taken by their admission expire with the stage's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
+
+from kvstore.transfer.fetch import FetchChannel, make_channels
+from mesh.hashing import block_hashes
+from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRequest
+
+if TYPE_CHECKING:
+    from decode.worker import DecodeWorker
+
+log = logging.getLogger(__name__)
+
+
+class PeerFetch:
+    """A model decode worker's peer fetch: it serves its blocks to peers and fetches theirs."""
+
+    def __init__(self, worker: DecodeWorker, timeout: float):
+        if worker.engine.tiers is None or worker.engine.tiers.copier is None:
+            raise ValueError("peer fetch needs a host KV tier (--host-kv-gb or --host-kv-blocks)")
+        self.worker = worker
+        self.engine = worker.engine
+        self.timeout = timeout
+        self.block_bytes = worker.engine.kv_cache.spec.block_bytes
+        self.channels: dict[str, FetchChannel] = {}
+        # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
+        # many cores from the engine's own steps at once, and concurrent nats sends would crowd
+        # this event loop (each chunk is encoded and written here); queued fetches wait within
+        # their deadline (measured: docs/benchmarks.md, "KV fabric").
+        self._sending = asyncio.Semaphore(1)
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        w = self.worker
+        self.channels = make_channels(w.transport_names(), bus=w.bus, model=self.engine.model_name,
+                                      worker_id=w.worker_id)
+        sub = await w.bus.subscribe(w.bus.subjects.kv_fetch(self.engine.model_name, w.worker_id), self._on_fetch,
+                                    KvFetchRequest)
+        stack.push_async_callback(_unsubscribe, sub)
+
+    def fill_card(self, card) -> None:
+        card.serves_kv_fetch = True
+        card.fetches_kv = True
+
+    # -- requester -----------------------------------------------------------------------------
+    def _wanted(self, req: GenerateRequest) -> tuple[str, list[int]]:
+        """The peer and the hashes the router's plan says to fetch (past our run as it saw it; if we
+        hold less, the admission's walk stops at the gap and prefills the rest)."""
+        plan, bs = req.peer_fetch, self.engine.block_size
+        if plan is None or plan.fetch_source in ("", self.worker.worker_id) or plan.fetch_blocks <= 0:
+            return "", []
+        end = min((len(req.token_ids) - 1) // bs, plan.hit_blocks + plan.fetch_blocks)
+        if end <= plan.hit_blocks:
+            return "", []
+        return plan.fetch_source, block_hashes(req.token_ids[: end * bs], bs, self.engine.hash_seed)[plan.hit_blocks:]
+
+    async def fetch_for(self, req: GenerateRequest) -> int:
+        """Stage the blocks the router's plan names (the request's tokens are valid ids); returns
+        how many were staged (0 on any failure: the request prefills them)."""
+        source, want = self._wanted(req)
+        if not want:
+            return 0
+        counters = self.worker.counters
+        counters.bump("peer_fetch_requests")
+        fetch_id = uuid.uuid4().hex[:16]
+        try:
+            n = await self._fetch(req, source, want, fetch_id)
+        except Exception as e:  # no responders (the holder is gone), a timeout, a refusal, missing bytes
+            counters.bump("peer_fetch_failed")
+            log.info("peer fetch of %s from %s failed (%s: %s): prefilling", req.request_id, source,
+                     type(e).__name__, e)
+            return 0
+        finally:
+            for ch in self.channels.values():
+                await ch.forget(fetch_id)
+        counters.bump("peer_fetch_ok" if n else "peer_fetch_empty")
+        counters.bump("peer_fetch_blocks", n)
+        return n
+
+    async def _fetch(self, req: GenerateRequest, source: str, want: list[int], fetch_id: str) -> int:
+        bb, bus = self.block_bytes, self.worker.bus
+        transports = {name: await ch.params(fetch_id, len(want) * bb) for name, ch in self.channels.items()}
+        msg = KvFetchRequest(req.request_id, req.model, self.worker.worker_id, want, time.time() + self.timeout,
+                             transports, fetch_id=fetch_id, block_bytes=bb)
+        done = await bus.request(bus.subjects.kv_fetch(req.model, source), msg, KvFetchDone, self.timeout)
+        if not done.ok:
+            raise RuntimeError(f"the holder refused: {done.error}")
+        n = min(done.num_blocks, len(want))
+        if n <= 0:
+            return 0
+        channel = self.channels.get(done.transport)
+        data = None if channel is None else await channel.take(fetch_id, n * bb)
+        if data is None:
+            raise RuntimeError(f"the bytes of {n} blocks are not in the {done.transport or 'unnamed'} buffer")
+        self.engine.stage_peer_blocks(want[:n], [data[i * bb : (i + 1) * bb] for i in range(n)])
+        self.worker.counters.bump(f"peer_fetch_via_{done.transport}")
+        return n
+
+    # -- holder --------------------------------------------------------------------------------
+    async def _on_fetch(self, req: KvFetchRequest, raw) -> None:
+        if not raw.reply:
+            log.warning("kv_fetch %s without a reply subject: dropped", req.request_id)
+            return
+        self.worker._spawn(self._serve(req, raw.reply))
+
+    def _refusal(self, req: KvFetchRequest) -> str:
+        if req.model != self.engine.model_name:
+            return f"model {req.model!r} is not served here"
+        if req.block_bytes and req.block_bytes != self.block_bytes:
+            return f"block layout differs ({req.block_bytes} bytes per block here {self.block_bytes})"
+        if not req.hashes or req.deadline <= time.time():
+            return "nothing to send in time"
+        return ""
+
+    def _channel(self, transports: dict[str, dict]) -> tuple[FetchChannel, dict] | None:
+        for name, params in transports.items():  # the requester's order: best first
+            ch = self.channels.get(name)
+            if ch is not None and isinstance(params, dict) and ch.usable(params):
+                return ch, params
+        return None
+
+    async def _serve(self, req: KvFetchRequest, reply: str) -> None:
+        started = time.monotonic()
+        counters, bus = self.worker.counters, self.worker.bus
+        counters.bump("peer_serve_requests")
+        error = self._refusal(req)
+        picked = None if error else self._channel(req.transports)
+        if not error and picked is None:
+            error = "no transport of the requester's is usable from here"
+        if error:
+            counters.bump("peer_serve_refused")
+            await bus.publish(reply, KvFetchDone(req.request_id, self.worker.worker_id, False, error=error))
+            return
+        channel, params = picked
+        fetch_id = f"{req.requester}:{req.fetch_id or req.request_id}"
+        pins = self.engine.pins
+        try:
+            run = await self.worker.loop.call(lambda e: pins.pin(fetch_id, req.hashes, req.deadline - time.time()))
+        except ValueError as e:  # the same fetch twice, or its deadline passed meanwhile
+            await bus.publish(reply, KvFetchDone(req.request_id, self.worker.worker_id, False, error=str(e)))
+            return
+        done = KvFetchDone(req.request_id, self.worker.worker_id, True)
+        try:
+            if len(run):
+                await asyncio.wait_for(self._send(run, fetch_id, channel, params, done),
+                                       max(0.0, req.deadline - time.time()))
+        except Exception as e:  # a bad buffer, a disk read that failed, past the deadline
+            done = KvFetchDone(req.request_id, self.worker.worker_id, False, error=f"{type(e).__name__}: {e}")
+        finally:
+            self.worker.loop.call(lambda e: e.pins.release(fetch_id))  # not awaited: also runs on cancellation
+        done.transfer_ms = (time.monotonic() - started) * 1000
+        if done.ok:
+            counters.bump("peer_serve_blocks", done.num_blocks)
+            for tier, k in done.tiers.items():
+                counters.bump(f"peer_serve_{tier}_blocks", k)
+        else:
+            counters.bump("peer_serve_failed")
+        await bus.publish(reply, done)
+
+    async def _send(self, run, fetch_id: str, channel: FetchChannel, params: dict, done: KvFetchDone) -> None:
+        """Read the pinned run off the engine thread and write it to the requester's buffer."""
+        import torch
+
+        copier = self.engine.tiers.copier
+
+        def read():  # on a thread: map the requester's buffer when the channel can (shm), copy the run
+            dest = channel.target(params, len(run), copier.block_shape, copier.dtype)
+            data, n = self.engine.pins.read(fetch_id, copier, dest)
+            return dest is not None, data, n
+
+        async with self._sending:
+            direct, data, n = await asyncio.to_thread(read)
+            if n == 0:
+                return
+            if direct:  # already in the requester's buffer
+                done.transfer_bytes = n * copier.block_bytes
+            else:
+                payload = memoryview(data[:n].reshape(-1).view(torch.uint8).numpy())
+                done.transfer_bytes = await channel.send(fetch_id, params, payload)
+        done.transport = channel.name
+        done.num_blocks = n
+        done.tiers = dict(Counter(run.tiers[:n]))
+
+
+async def _unsubscribe(sub) -> None:
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()

@@ -1,0 +1,223 @@
+"""Peer-fetch channels: how the blocks a holder read reach the worker that asked for them.
+
+A peer fetch (``decode/peerfetch.py``) never writes into the requester's KV blocks. The
+holder writes a buffer of the fetch's own; the requester stages those bytes
+(``kvstore.peer.PeerStage``) and the admission copies them into fresh device blocks
+like any hit below the device. Who frees what: the requester drops the buffer once the
+fetch is over, however it ended (``forget``: the shm file unlinked, the nats assembly
+forgotten), and never reuses it. So a transfer that timed out cannot corrupt anything:
+a holder still writing writes into an unlinked file or to a subject nobody listens on.
+
+    requester  params(fetch_id, max_bytes) -> what the holder needs (KvFetchRequest.transports)
+               take(fetch_id, nbytes)     -> the bytes once KvFetchDone said they are written, or None
+               forget(fetch_id)           -> drop the buffer (always)
+    holder     usable(params)             -> can this process write there?
+               send(fetch_id, params, payload) -> bytes written
+
+Both the shm and the nats transports of prefill transfers have a channel here (same
+mechanisms: a file in /dev/shm on one host, ``KvChunk``s with acked windows over NATS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvstore.transfer import host_id
+from kvstore.transfer.shm import PREFIX, SHM_DIR
+from mesh.bus import Bus
+from mesh.protocol import KvChunk
+
+log = logging.getLogger(__name__)
+
+
+class FetchChannel(Protocol):
+    name: str
+
+    async def params(self, fetch_id: str, max_bytes: int) -> dict: ...
+
+    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None: ...
+
+    async def forget(self, fetch_id: str) -> None: ...
+
+    def usable(self, params: dict) -> bool: ...
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
+        """A tensor ``[rows, *block_shape]`` over the requester's buffer that the holder copies the
+        blocks into directly (no staging copy, no ``send``), or None: read, then ``send``."""
+
+    async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int: ...
+
+
+CHANNELS: dict[str, Callable[..., FetchChannel]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        CHANNELS[name] = cls
+        return cls
+
+    return deco
+
+
+def make_channels(names, **kwargs) -> dict[str, FetchChannel]:
+    """The channels of these transport names, in order (names without a channel are skipped)."""
+    return {n: CHANNELS[n](**kwargs) for n in names if n in CHANNELS}
+
+
+@register("shm")
+class ShmChannel:
+    """A file in /dev/shm per fetch, named after this process (``remove_stale_files`` clears the
+    files of a requester that died), written by the holder with one ``pwrite``."""
+
+    name = "shm"
+
+    def __init__(self, worker_id: str, **_):
+        self._prefix = f"{PREFIX}{os.getpid()}-{worker_id}-fetch-"
+        self._paths: dict[str, str] = {}
+
+    async def params(self, fetch_id: str, max_bytes: int) -> dict:
+        path = str(SHM_DIR / f"{self._prefix}{fetch_id}")
+
+        def create() -> None:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max_bytes)  # the pages are ours: the holder only copies into them
+            finally:
+                os.close(fd)
+
+        await asyncio.to_thread(create)
+        self._paths[fetch_id] = path
+        return {"path": path, "host": host_id(), "bytes": max_bytes}
+
+    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None:
+        path = self._paths.get(fetch_id)
+        if path is None:
+            return None
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                return f.read(nbytes)
+
+        data = await asyncio.to_thread(read)
+        return memoryview(data) if len(data) == nbytes else None
+
+    async def forget(self, fetch_id: str) -> None:
+        path = self._paths.pop(fetch_id, None)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # a holder still writing writes into pages nobody will read
+
+    def usable(self, params: dict) -> bool:
+        """Same host, and a buffer file of ours in /dev/shm (a peer names no other file to write)."""
+        path = params.get("path")
+        return params.get("host") == host_id() and isinstance(path, str) and os.path.dirname(path) == str(SHM_DIR) \
+            and os.path.basename(path).startswith(PREFIX) and "-fetch-" in path and os.path.exists(path)
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
+        """The requester's file mapped (shared) as blocks: the holder's one copy lands in it."""
+        import torch
+
+        numel = rows * math.prod(block_shape)
+        if numel * dtype.itemsize > int(params.get("bytes", 0)):
+            raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {rows} blocks")
+        # opened by name: a buffer the requester already dropped is gone (FileNotFoundError)
+        return torch.from_file(params["path"], shared=True, size=numel, dtype=dtype).view(rows, *block_shape)
+
+    async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
+        if len(payload) > int(params.get("bytes", 0)):
+            raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {len(payload)}")
+
+        def write() -> int:
+            fd = os.open(params["path"], os.O_WRONLY)  # no O_CREAT: a buffer already dropped stays gone
+            try:
+                return os.pwrite(fd, payload, 0)
+            finally:
+                os.close(fd)
+
+        return await asyncio.to_thread(write)
+
+
+@dataclass
+class _Assembly:
+    cap: int
+    buf: bytearray | None = None
+    total: int = -1
+    received: int = 0
+    indexes: set[int] | None = None
+
+
+@register("nats")
+class NatsChannel:
+    """``KvChunk``s on a subject of the fetch's own (``kv_fetch_data``), in acked windows
+    (``NatsSender.send_bytes``); one subscription per fetch, closed by ``forget``."""
+
+    name = "nats"
+
+    def __init__(self, bus: Bus, model: str, worker_id: str, **_):
+        self.bus = bus
+        self.model = model
+        self.worker_id = worker_id
+        self._pending: dict[str, tuple[_Assembly, object]] = {}
+
+    async def params(self, fetch_id: str, max_bytes: int) -> dict:
+        asm = _Assembly(max_bytes)
+        subject = self.bus.subjects.kv_fetch_data(self.model, self.worker_id, fetch_id)
+
+        async def on_chunk(chunk: KvChunk, raw) -> None:
+            self._add(asm, chunk)
+            if raw.reply:
+                await raw.respond(b"")
+
+        sub = await self.bus.subscribe(subject, on_chunk, KvChunk, pending_msgs_limit=1 << 16)
+        self._pending[fetch_id] = (asm, sub)
+        return {"subject": subject, "max_bytes": max_bytes}
+
+    @staticmethod
+    def _add(asm: _Assembly, chunk: KvChunk) -> None:
+        end = chunk.offset + len(chunk.data)
+        if (asm.total not in (-1, chunk.total_bytes) or not 0 < chunk.total_bytes <= asm.cap
+                or chunk.offset < 0 or end > chunk.total_bytes):
+            log.warning("dropping a peer-fetch chunk of %s that does not fit its buffer", chunk.request_id)
+            return
+        if asm.buf is None:
+            asm.total, asm.buf, asm.indexes = chunk.total_bytes, bytearray(chunk.total_bytes), set()
+        if chunk.index not in asm.indexes:
+            asm.buf[chunk.offset : end] = chunk.data
+            asm.indexes.add(chunk.index)
+            asm.received += len(chunk.data)
+
+    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None:
+        entry = self._pending.get(fetch_id)
+        if entry is None:
+            return None
+        asm = entry[0]
+        if asm.buf is None or asm.total != nbytes or asm.received != nbytes:
+            return None
+        return memoryview(asm.buf)
+
+    async def forget(self, fetch_id: str) -> None:
+        entry = self._pending.pop(fetch_id, None)
+        if entry is not None:
+            with contextlib.suppress(Exception):
+                await entry[1].unsubscribe()  # late chunks go nowhere
+
+    def usable(self, params: dict) -> bool:
+        return isinstance(params.get("subject"), str) and bool(params["subject"])
+
+    def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> None:
+        return None
+
+    async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
+        from kvstore.transfer.nats_transport import NatsSender
+
+        if len(payload) > int(params.get("max_bytes", 0)):
+            raise ValueError(f"the requester's buffer holds {params.get('max_bytes')} bytes, not {len(payload)}")
+        sent = await NatsSender(self.bus).send_bytes(fetch_id, {"subject": params["subject"]}, payload)
+        return sent.bytes
