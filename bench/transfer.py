@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import multiprocessing as mp
+import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,8 +68,12 @@ def gbps(nbytes: int, seconds: float) -> float:
 async def run(args) -> None:
     max_tokens = max(args.tokens)
     num_blocks = -(-max_tokens // BS) + 8
-    with EmbeddedNats() as nats, tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        shm_path = str(Path(d) / "kv")
+    from kvstore.transfer.shm import segment_name
+    from kvstore.transfer.shm import shm_path as kv_file
+
+    with EmbeddedNats() as nats:
+        shm_path = kv_file(f"bench-{os.getpid()}")  # the shm transport serves files of its own directory only
+        atexit.register(lambda: Path(shm_path).unlink(missing_ok=True))
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
         proc = ctx.Process(target=receiver_main, args=(nats.url, shm_path, num_blocks, ready), daemon=True)
@@ -79,7 +84,7 @@ async def run(args) -> None:
         src.tensor.normal_()
         bus = await Bus.connect(nats.url, "bench-sender")
         senders = {"shm": make_sender("shm", bus=bus), "nats": make_sender("nats", bus=bus)}
-        shm_params = {"path": shm_path, "host": host_id(), "spec": spec(num_blocks).to_dict()}
+        shm_params = {"name": segment_name(shm_path), "host": host_id(), "spec": spec(num_blocks).to_dict()}
         dst_view = KVCache.attach(spec(num_blocks), shm_path)
         rows = []
         for tokens in args.tokens:

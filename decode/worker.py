@@ -16,10 +16,18 @@ Per request:
 
 Who frees the blocks of a remote prefill: the engine, once ``complete_remote``
 (they join the running sequence) or ``fail_remote`` (they are freed and the
-request is requeued) runs. Never before the prefill worker's deadline has
-passed or its PrefillDone has arrived, so a late write cannot land in blocks
-that belong to someone else. A cancel during a remote prefill is deferred the
-same way.
+request is requeued) runs. Never while the prefill worker may still write them:
+after its PrefillDone (sent once its copy has ended), or at the job's deadline
+once every transport has revoked the job (``KvReceiver.revoke``: no write can
+land any more). A copy still running at the deadline does not hold the request
+up (it prefills locally, in other blocks), but its blocks stay out of the pool
+(``_Fence``) until the writer is known to have stopped. A cancel during a
+remote prefill is deferred the same way.
+
+Request-scoped messages count only from the peer the request is bound to: a
+``Cancel`` must name the request's reply subject (only its gateway knows it), a
+``PrefillDone`` must carry its job's token (only the prefill worker that pulled the
+job knows it). Anything else is logged, counted and dropped (``_refuse``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -65,8 +74,7 @@ from mesh.worker import (
 
 log = logging.getLogger(__name__)
 
-# After a job's deadline, how long to wait before reusing its blocks (a copy already started may finish).
-DEADLINE_GRACE = 2.0
+FENCE_POLL = 0.05  # seconds between asking the transports whether a late copy has ended
 TRACER = tracer("pdmesh.decode")
 _EMITTING = (ReqState.PREFILLING, ReqState.DECODING)  # the states whose step outputs go out
 
@@ -98,6 +106,8 @@ class DecodeRequest:
     chunks_sent: int = 0  # the next chunk's index
     last_token_at: float = 0.0
     deadline: asyncio.TimerHandle | None = None  # WAITING_FOR_KV / CANCELLING: the prefill job's deadline
+    job_token: str = ""  # the prefill job's capability: its PrefillDone must carry it
+    dest: list[int] = field(default_factory=list)  # the blocks the prefill worker writes
     span: trace.Span | None = None  # decode.request: arrival to the last token
     phase: trace.Span | None = None  # its current child: prefill.local | prefill.remote | decode
 
@@ -126,6 +136,15 @@ class DecodeRequest:
             self.span = None
 
 
+@dataclass(slots=True)
+class _Fence:
+    """Blocks of a timed-out job that a copy may still be writing: out of the pool until it stops."""
+
+    token: str
+    blocks: list[int]
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # its PrefillDone came
+
+
 class DecodeWorker(WorkerBase):
     role = "decode"
     publishes_kv_events = True
@@ -134,6 +153,7 @@ class DecodeWorker(WorkerBase):
         super().__init__(settings)
         self.active: dict[str, DecodeRequest] = {}
         self.receivers: dict[str, KvReceiver] = {}
+        self.fences: dict[str, _Fence] = {}  # request id -> blocks a late copy may still write
         self.prefill_loads: dict[str, LoadReport] = {}
         self.membership: Membership | None = None
         self.jobs: PrefillQueue | None = None
@@ -162,6 +182,8 @@ class DecodeWorker(WorkerBase):
             rx = make_receiver(name, kv=self.engine.kv_cache, bus=bus, model=model, worker_id=self.worker_id)
             if hasattr(rx, "start"):
                 await rx.start()
+            if hasattr(rx, "close"):
+                stack.push_async_callback(_close, rx)
             self.receivers[name] = rx
         self.step_metrics = metrics.StepMetrics.of(model, self.role)
         self.jobs = PrefillQueue(bus, model)
@@ -259,7 +281,8 @@ class DecodeWorker(WorkerBase):
             if rec.state is not ReqState.ADMITTING:
                 return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
-        want_remote = seq.num_prompt_tokens >= threshold and self._prefill_free(req.adapter)
+        want_remote = (seq.num_prompt_tokens >= threshold and self._prefill_free(req.adapter)
+                       and req.request_id not in self.fences)  # a late copy of its last job may still run
 
         def admit(engine: EngineCore):
             if want_remote and engine.num_uncached_tokens(seq) >= threshold and engine.reserve_remote(seq):
@@ -307,15 +330,16 @@ class DecodeWorker(WorkerBase):
         dest = block_table[num_cached // self.engine.block_size :]
         timeout = self.settings.prefill_timeout
         req = rec.request
+        rec.job_token, rec.dest = secrets.token_hex(16), dest
         job = PrefillJob(
             request_id=rid, model=self.engine.model_name, token_ids=req.token_ids,
             decode_worker=self.worker_id, num_cached_tokens=num_cached, dest_block_ids=dest,
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
             sampling=req.sampling, created=time.time(), output_offset=req.output_offset,
-            priority=req.priority, adapter=req.adapter,
+            priority=req.priority, token=rec.job_token, adapter=req.adapter,
         )
-        rec.deadline = asyncio.get_running_loop().call_later(timeout + DEADLINE_GRACE, self._on_deadline, rid)
+        rec.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, rid)
         span = rec.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})
         try:
             await self.jobs.publish(job, span=span)
@@ -323,7 +347,7 @@ class DecodeWorker(WorkerBase):
         except Exception as e:
             # Nobody took the job, so nobody can write the blocks: prefill locally now.
             log.warning("could not queue prefill job %s: %s", rid, e)
-            await self._remote_ended(rec, ok=False)
+            await self._remote_ended(rec, ok=False, writer_done=False)
 
     def _on_deadline(self, rid: str) -> None:
         rec = self.active.get(rid)
@@ -332,12 +356,20 @@ class DecodeWorker(WorkerBase):
                 log.warning("no prefill result for %s in time: prefilling locally", rid)
                 self.counters.bump("remote_prefill_timeout")
             rec.deadline = None  # this is it firing
-            self._spawn(self._remote_ended(rec, ok=False))
+            self._spawn(self._remote_ended(rec, ok=False, writer_done=False))
 
     async def _on_kv_ready(self, done: PrefillDone, raw) -> None:
+        fence = self.fences.get(done.request_id)
+        if fence is not None and done.token == fence.token:
+            fence.stopped.set()  # the late copy has ended: its blocks can go back to the pool
+            return
         rec = self.active.get(done.request_id)
         if rec is None or rec.state not in (ReqState.WAITING_FOR_KV, ReqState.CANCELLING):
             return  # late: already fell back or cancelled
+        if done.token != rec.job_token:
+            self._refuse("unbound_prefill_done", done.request_id,
+                         f"PrefillDone claiming to be from {done.prefill_worker!r} without the job's token")
+            return
         ok = done.ok and done.transport in self.receivers
         if ok:
             ok = await self.receivers[done.transport].finish(done.request_id)
@@ -353,22 +385,27 @@ class DecodeWorker(WorkerBase):
             self.counters.bump("remote_prefill_failed")
         await self._remote_ended(rec, ok, SampledToken(done.token_id, engine_logprob(done.logprob)))
 
-    async def _remote_ended(self, rec: DecodeRequest, ok: bool, first: SampledToken | None = None) -> None:
-        """The prefill worker is done with the blocks (it finished, failed, or its deadline passed):
-        a cancelled request frees them; otherwise the request goes on here, from its first token
-        (``ok``) or from a local prefill."""
+    async def _remote_ended(self, rec: DecodeRequest, ok: bool, first: SampledToken | None = None,
+                            writer_done: bool = True) -> None:
+        """The prefill worker is done with the blocks (it finished or failed: ``writer_done``), or
+        its deadline passed (a copy may still be running: then the blocks are fenced): a cancelled
+        request frees them; otherwise the request goes on here, from its first token (``ok``) or
+        from a local prefill."""
         if rec.deadline is not None:
             rec.deadline.cancel()
             rec.deadline = None
-        for rx in self.receivers.values():
-            rx.forget(rec.request_id)
         rid = rec.request_id
+        if rec.state not in (ReqState.WAITING_FOR_KV, ReqState.CANCELLING):
+            return  # a PrefillDone and the deadline raced: the first one decided
+        if writer_done or self._writes_revoked(rid):
+            for rx in self.receivers.values():
+                rx.forget(rid)
+        else:
+            await self._fence(rec)
         if rec.state is ReqState.CANCELLING:
             rec.move(Event.RELEASED)
             await self._drop(rec, "cancelled")
             return
-        if rec.state is not ReqState.WAITING_FOR_KV:
-            return  # a PrefillDone and the deadline raced: the first one decided
         if ok:
             rec.move(Event.KV_READY)
 
@@ -387,9 +424,53 @@ class DecodeWorker(WorkerBase):
         rec.enter("prefill.local", **{"pdmesh.fallback": True})
         await self.loop.call(lambda e: e.fail_remote(rid))
 
+    # -- fences: blocks a late copy may still write ----------------------------------
+    def _writes_revoked(self, rid: str) -> bool:
+        """Revoke the job on every transport: True when no write into its blocks can land any more."""
+        return all([rx.revoke(rid) for rx in self.receivers.values()])
+
+    async def _fence(self, rec: DecodeRequest) -> None:
+        """Keep the job's blocks out of the pool (one more reference, taken before the request lets
+        go of them) until its writer has stopped; ``_unfence`` gives them back."""
+        fence = _Fence(rec.job_token, rec.dest)
+        self.fences[rec.request_id] = fence
+        await self.loop.call(lambda e: e.pool.hold(fence.blocks))
+        metrics.FENCED_BLOCKS.labels(self.engine.model_name).inc(len(fence.blocks))
+        self.counters.bump("fenced_jobs")
+        log.warning("prefill of %s is late and its copy may still run: %d blocks fenced until it stops",
+                    rec.request_id, len(fence.blocks))
+        self._spawn(self._unfence(rec.request_id, fence))
+
+    async def _unfence(self, rid: str, fence: _Fence) -> None:
+        """Wait until the writer has stopped (its PrefillDone, or every transport revokes the job:
+        the copy ended, or its process did), then free the blocks. Each wait is bounded: the
+        transports are asked again every ``FENCE_POLL`` seconds."""
+        started = time.monotonic()
+        while not fence.stopped.is_set() and not self._writes_revoked(rid):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fence.stopped.wait(), FENCE_POLL)
+        for rx in self.receivers.values():
+            rx.forget(rid)
+        if self.fences.get(rid) is fence:
+            del self.fences[rid]
+        await self.loop.call(lambda e: e.pool.free(fence.blocks))
+        metrics.FENCED_BLOCKS.labels(self.engine.model_name).dec(len(fence.blocks))
+        self.counters.bump("unfenced_jobs")
+        log.info("the late copy of %s stopped after %.2fs: %d blocks back in the pool",
+                 rid, time.monotonic() - started, len(fence.blocks))
+
+    def _refuse(self, reason: str, rid: str, what: str) -> None:
+        """A request-scoped message from a peer the request is not bound to: logged, counted, dropped."""
+        log.warning("refused a message for %s: %s", rid, what)
+        metrics.REFUSED_MESSAGES.labels(self.role, reason).inc()
+        self.counters.bump("refused_messages")
+
     async def _on_cancel(self, msg: Cancel, raw) -> None:
         rec = self.active.get(msg.request_id)
         if rec is None:
+            return
+        if msg.reply != rec.reply:
+            self._refuse("unbound_cancel", msg.request_id, "Cancel from a sender that did not send the request")
             return
         self.counters.cancelled += 1
         if rec.move(Event.CANCEL) is ReqState.CANCELLED:
@@ -529,8 +610,8 @@ class DecodeWorker(WorkerBase):
                               worker=self.worker_id)
         )
 
-    async def drain(self) -> None:
-        await super().drain()
+    async def drain(self, stop: asyncio.Event | None = None) -> None:
+        await super().drain(stop)
         await self.abort_all("the worker stopped before the request finished", 503)
 
     async def abort_all(self, message: str, status: int) -> None:
@@ -573,6 +654,13 @@ def _per_request(outs: list[StepOutput]) -> list[StepOutput] | dict.values:
             out.request_id, prev.new_token_ids + out.new_token_ids, prev.new_logprobs + out.new_logprobs,
             out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
     return outs if len(merged) == len(outs) else merged.values()
+
+
+async def _close(rx) -> None:
+    with contextlib.suppress(Exception):
+        result = rx.close()
+        if asyncio.iscoroutine(result):
+            await result
 
 
 async def _unsubscribe(sub) -> None:

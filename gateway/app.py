@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
+from gateway.auth import AuthConfig, guard
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_served
@@ -129,9 +130,10 @@ def _install_components(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def asgi_app(gateway: Gateway):
-    """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``."""
-    return CompletionRoutes(create_app(gateway), gateway)
+def asgi_app(gateway: Gateway, auth: AuthConfig | None = None):
+    """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``, behind the
+    API keys (``auth``) and the request body cap."""
+    return guard(CompletionRoutes(create_app(gateway), gateway), gateway, auth)
 
 
 class CompletionRoutes:

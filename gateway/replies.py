@@ -5,7 +5,8 @@ Each request gets a reply subject under the gateway's inbox prefix and asks its 
 engine step with the chunks of all our requests it serves, each tagged with its stream's key,
 and this module hands each chunk to its ``ReplyStream``. A worker that does not batch (a custom
 one) publishes each ``TokenChunk`` on the request's own reply subject, which the same wildcard
-subscription receives. A reader takes *all* the chunks that have arrived (``next_batch``), so
+subscription receives. A chunk is taken only from the worker its stream was sent to (the
+batch's or chunk's ``worker``); any other is logged, counted and dropped. A reader takes *all* the chunks that have arrived (``next_batch``), so
 under load a request's tokens are detokenized and written to the client together rather than
 one event each, and no per-request subscription is made or torn down on the server.
 
@@ -22,8 +23,10 @@ import logging
 from collections import deque
 
 from gateway import metrics
+from gateway.limits import reply_buffer_limits
 from mesh.bus import Bus
 from mesh.client import StreamError
+from mesh.metrics import REFUSED_MESSAGES
 from mesh.protocol import DecodeError, TokenBatch, TokenChunk, decode
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,9 @@ class NoResponders(StreamError):
 class ReplyStreams:
     """The gateway's reply subscription and the streams waiting on it."""
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, max_inflight: int = 1024):
         self.bus = bus
+        self.max_inflight = max_inflight  # bounds the subscription's buffer (gateway.limits)
         self.prefix = bus.nc.new_inbox()
         self.batch_subject = f"{self.prefix}.{BATCH_TOKEN}"
         self._streams: dict[str, ReplyStream] = {}
@@ -63,8 +67,9 @@ class ReplyStreams:
         self.dropped = 0  # undecodable batches (their streams time out; single chunks fail their stream)
 
     async def start(self) -> None:
+        msgs, nbytes = reply_buffer_limits(self.max_inflight)
         self._sub = await self.bus.nc.subscribe(
-            self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30
+            self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=msgs, pending_bytes_limit=nbytes
         )
 
     async def stop(self) -> None:
@@ -97,9 +102,14 @@ class ReplyStreams:
             stream.push(_NO_RESPONDERS)
             return
         try:
-            stream.push(decode(msg.data, TokenChunk))
+            chunk = decode(msg.data, TokenChunk)
         except DecodeError as e:
             stream.push(StreamError(f"worker {stream.worker_id} sent a malformed chunk: {e}", 502))
+            return
+        if chunk.worker != stream.worker_id:
+            _refuse(chunk.worker, stream)
+            return
+        stream.push(chunk)
 
     def _on_batch(self, data: bytes) -> None:
         try:
@@ -115,6 +125,8 @@ class ReplyStreams:
             stream = streams.get(chunk.stream)
             if stream is None:
                 self.stray += 1
+            elif stream.worker_id != batch.worker:
+                _refuse(batch.worker, stream)
             else:
                 stream.push(chunk)
 
@@ -175,6 +187,12 @@ class ReplyStream:
 
     def close(self) -> None:
         self.owner._streams.pop(self.key, None)
+
+
+def _refuse(sender: str, stream: ReplyStream) -> None:
+    """A chunk for a stream from a worker other than the one serving it: logged, counted, dropped."""
+    log.warning("refused a token chunk from %r for a stream served by %s", sender, stream.worker_id)
+    REFUSED_MESSAGES.labels("gateway", "unbound_chunk").inc()
 
 
 def _expire(waiter: asyncio.Future) -> None:

@@ -64,6 +64,7 @@ class GatewayConfig:
     max_migrations: int = 2  # a worker that dies mid-stream: resume elsewhere this many times
     unreachable_wait: float = 5.0  # every worker tried is unreachable: keep trying this long before a 503
     router: RouterConfig = field(default_factory=RouterConfig)
+    nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,9 @@ class Gateway:
     async def start(self) -> None:
         self.tracing = setup_tracing("pdmesh-gateway")
         # no_echo: our own routing decisions would come back to our router, to be decoded and dropped
-        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns, no_echo=True)
-        self.replies = ReplyStreams(self.bus)
+        self.bus = await Bus.connect(self.config.nats_url, name="gateway", ns=self.config.ns,
+                                     config=self.config.nats, no_echo=True)
+        self.replies = ReplyStreams(self.bus, self.config.max_inflight)
         await self.replies.start()
         self.membership = Membership(self.bus)
         self.membership.on_change(self._on_member)
@@ -160,7 +162,7 @@ class Gateway:
         base = self.adapters().get(name)
         if base is not None:
             return Target(base, name)
-        if name in self.tokenizers:
+        if name in self.tokenizers or self.membership.served_recently(name):
             raise APIError(503, f"no live worker serves model {name!r}")
         raise APIError(404, f"the model {name!r} does not exist", "model", "model_not_found")
 
@@ -249,7 +251,7 @@ class Gateway:
                                                     "pdmesh.after_tokens": len(run.generated)})
                         log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e,
                                     len(run.generated))
-                        self._cancel_later(model, run.worker_id, request_id)  # if it is only slow, free it
+                        self._cancel_later(model, stream, request_id)  # if it is only slow, free it
                     stream = self._close(stream, request_id)
                     continue
                 last = chunks[-1]
@@ -284,7 +286,7 @@ class Gateway:
             span.end()
             if stream is not None:  # ended before the worker's last chunk: stop it there
                 self._close(stream, request_id)
-                self._cancel_later(model, stream.worker_id, request_id)
+                self._cancel_later(model, stream, request_id)
 
     async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
                     sampling: SamplingOptions, priority: int, span: trace.Span, adapter: str = "") -> ReplyStream:
@@ -319,10 +321,11 @@ class Gateway:
         return any(c.worker_id not in tried and (not adapter or adapter in c.adapters)
                    for c in self.decode_workers(model))
 
-    def _cancel_later(self, model: str, worker_id: str, request_id: str) -> None:
+    def _cancel_later(self, model: str, stream: ReplyStream, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).
         self.stats.cancel()
-        task = asyncio.get_running_loop().create_task(client.cancel(self.bus, model, worker_id, request_id))
+        task = asyncio.get_running_loop().create_task(
+            client.cancel(self.bus, model, stream.worker_id, request_id, stream.subject))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

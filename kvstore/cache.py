@@ -122,6 +122,18 @@ class KVCache(_BlockIO):
         return self
 
     @classmethod
+    def attach_fd(cls, spec: KVCacheSpec, fd: int, shm_path: str) -> KVCache:
+        """Map an already opened (and checked) KV file; the caller keeps and closes ``fd``."""
+        self = cls.__new__(cls)
+        self.spec = spec
+        self.device = torch.device("cpu")
+        self.shm_path = shm_path
+        self._mmap = mmap.mmap(fd, spec.total_bytes)
+        flat = torch.frombuffer(self._mmap, dtype=spec.dtype, count=spec.total_bytes // _elem(spec.dtype))
+        self.tensor = flat.view(spec.shape)
+        return self
+
+    @classmethod
     def of_tensor(cls, spec: KVCacheSpec, tensor: torch.Tensor) -> KVCache:
         """Wrap a KV tensor that lives elsewhere (another rank's, opened by CUDA IPC)."""
         if tuple(tensor.shape) != spec.shape:
@@ -141,7 +153,8 @@ class KVCache(_BlockIO):
 
     @staticmethod
     def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        # never through a symlink: a file planted in place of ours must not get our KV bytes
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:

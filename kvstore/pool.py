@@ -180,6 +180,14 @@ class BlockPool:
             self._ref_cnt[bid] += 1
             self._hits[bid] += 1
 
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """One more reference on blocks in use, no hit counted: a fence keeps them out of the
+        free queues while a late writer may still write them (``free`` them when it has stopped)."""
+        for bid in block_ids:
+            if self._ref_cnt[bid] <= 0:
+                raise RuntimeError(f"block {bid} is not in use")
+            self._ref_cnt[bid] += 1
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per block; give the ids in the order they should be evicted."""
         first_out: list[int] = []

@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from mesh.natsauth import NatsConfig, check_jetstream, open_connection
 from mesh.protocol import DecodeError, Subjects, decode, encode
 from mesh.tracing import outgoing_headers
 
@@ -37,15 +38,20 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, ns: str = "mesh", timeout: float = 5.0,
-                      no_echo: bool = False) -> Bus:
-        """``no_echo``: the server does not deliver this connection's own messages back to it (a
-        gateway publishes routing decisions on a subject it also listens on for other gateways')."""
+                      config: NatsConfig | None = None, no_echo: bool = False) -> Bus:
+        """Join NATS (``config``: servers, credentials, TLS; default: ``url`` with the credentials
+        of the environment) and check that JetStream answers. ``NatsError`` names the cause and
+        the fix when either fails. ``timeout``: seconds per connection attempt. ``no_echo``: the
+        server does not deliver this connection's own messages back to it (a gateway publishes
+        routing decisions on a subject it also listens on for other gateways')."""
+        config = config or NatsConfig.build(url)
         conn: list[Client] = []
         hooks: list = []
         last_error = [0.0]
+        where = config.display
 
-        def closing() -> bool:
-            return bool(conn) and (conn[0].is_closed or conn[0].is_draining)
+        def closing() -> bool:  # or not connected yet: open_connection reports those errors itself
+            return not conn or conn[0].is_closed or conn[0].is_draining
 
         async def on_error(e: Exception) -> None:
             # while the server is away every reconnect attempt fails: say so every 10 s, not every 0.5 s
@@ -56,32 +62,30 @@ class Bus:
 
         async def on_disconnect() -> None:
             if not closing():
-                log.warning("nats: disconnected from %s", url)
+                log.warning("nats: disconnected from %s", where)
 
         async def on_reconnect() -> None:
-            log.info("nats: reconnected to %s", url)
+            log.info("nats: reconnected to %s", where)
             for fn in list(hooks):
                 try:
                     await fn()
                 except Exception:
                     log.exception("reconnect hook failed")
 
-        nc = await nats.connect(
-            servers=[url],
-            name=name,
-            connect_timeout=timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            ping_interval=5,
-            max_outstanding_pings=3,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+        nc = await open_connection(
+            config, name, error_cb=on_error, connect_timeout=timeout, reconnect_time_wait=0.5, ping_interval=5,
+            max_outstanding_pings=3, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
             no_echo=no_echo,
         )
+        try:
+            await check_jetstream(nc, config)
+        except BaseException:
+            await nc.close()
+            raise
         conn.append(nc)
-        return cls(nc, Subjects(ns), hooks)
+        bus = cls(nc, Subjects(ns), hooks)
+        bus.js_replicas = config.js_replicas  # of the streams and buckets this process creates
+        return bus
 
     def on_reconnect(self, fn) -> None:
         """``await fn()`` after every reconnect (state the server may have lost: watches, streams)."""

@@ -147,8 +147,34 @@ def gpu_execution_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_bus_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats", default=None, help="NATS URL (default: $MESH_NATS_URL, or an embedded server for mesh up)")
+    p.add_argument("--nats", default=None,
+                   help="NATS URL, or several comma-separated (a cluster); user:password@ or a token@ in "
+                        "the URL authenticate (default: $MESH_NATS_URL, or an embedded server for mesh up)")
     p.add_argument("--ns", default=None, help="subject namespace (default: mesh)")
+    p.add_argument("--nats-creds", default=None, metavar="FILE", help="NATS user JWT + nkey seed ($MESH_NATS_CREDS)")
+    p.add_argument("--nats-nkey", default=None, metavar="FILE", help="NATS nkey seed file ($MESH_NATS_NKEY)")
+    p.add_argument("--nats-tls-ca", default=None, metavar="FILE",
+                   help="CA of the NATS servers' certificates; implies TLS ($MESH_NATS_TLS_CA)")
+    p.add_argument("--nats-tls-cert", default=None, metavar="FILE", help="TLS client certificate ($MESH_NATS_TLS_CERT)")
+    p.add_argument("--nats-tls-key", default=None, metavar="FILE", help="its private key ($MESH_NATS_TLS_KEY)")
+    p.add_argument("--nats-connect-timeout", type=float, default=None, metavar="SECONDS",
+                   help="keep trying to reach NATS this long at start (default 10; $MESH_NATS_CONNECT_TIMEOUT)")
+    p.add_argument("--js-replicas", type=int, default=None, metavar="N",
+                   help="replicas of the JetStream bucket and streams this process creates (default 1; "
+                        "3 on a 3-node cluster; $MESH_JS_REPLICAS)")
+
+
+def nats_config(args: argparse.Namespace, role: str, url: str | None = None):
+    """The process's one ``NatsConfig``: ``--nats`` and the ``--nats-*`` flags over ``MESH_NATS_*``."""
+    from mesh.config import settings
+    from mesh.natsauth import NatsConfig
+
+    url = url or args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    return NatsConfig.build(url, role=role, creds=args.nats_creds, nkey=args.nats_nkey, tls_ca=args.nats_tls_ca,
+                            tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
+                            js_replicas=args.js_replicas, connect_timeout=args.nats_connect_timeout)
 
 
 def _add_worker(sub) -> None:
@@ -162,11 +188,15 @@ def _add_worker(sub) -> None:
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
-    p.add_argument("--stream-interval-ms", type=float, default=0.0,
-                   help="decode: at most one token message per gateway per this many ms (0: every step)")
+    p.add_argument("--stream-interval-ms", type=float, default=1.0,
+                   help="decode: at most one token message per gateway per this many ms (0: as soon as the event loop is free)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics listens on (default loopback; 0.0.0.0 or the pod IP to be scraped)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight work may run after SIGTERM (after SIGINT: 2 s; a second signal: none)")
     p.add_argument("--peer-fetch", action="store_true",
                    help="decode: serve prefix blocks to peers and fetch those a router's decision names "
                         "(model workers need a host KV tier; the mocker simulates the transfer)")
@@ -197,10 +227,45 @@ def _add_gateway(sub) -> None:
                    help="seconds to wait for a worker's first chunk before answering 504")
     p.add_argument("--idle-timeout", type=float, default=60.0,
                    help="seconds a started stream may go silent before it ends with a timeout error")
+    p.add_argument("--drain-timeout", type=float, default=3.0,
+                   help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
+    add_api_key_flags(p)
     p.add_argument("--workers", type=int, default=None,
                    help="gateway processes on the port (SO_REUSEPORT; default: one per two cores, at most 4)")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     p.set_defaults(func=cmd_gateway)
+
+
+def add_api_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY); repeatable; also $MESH_API_KEYS "
+                        "(comma-separated). Prefer the file or the variable: a command line is visible to other users")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N]; reread on SIGHUP "
+                        "and when it changes")
+    p.add_argument("--api-key-max-concurrent", type=int, default=0, metavar="N",
+                   help="requests in flight per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--api-key-rpm", type=int, default=0, metavar="N",
+                   help="requests per minute per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
+
+
+def auth_config(args: argparse.Namespace):
+    from gateway.auth import AuthConfig, KeyLimits
+    from mesh.config import settings
+
+    if args.api_key_max_concurrent < 0 or args.api_key_rpm < 0:
+        raise CliError("--api-key-max-concurrent and --api-key-rpm must be >= 0")
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise CliError(f"--api-key-file {args.api_key_file}: no such file")
+    auth = AuthConfig(keys=(*settings().api_keys, *args.api_key), key_file=args.api_key_file,
+                      limits=KeyLimits(args.api_key_max_concurrent, args.api_key_rpm),
+                      metrics_auth=args.metrics_auth)
+    if auth.key_file:
+        from gateway.auth import KeyRing
+
+        KeyRing(auth)  # a file that does not parse: one line now
+    return auth
 
 
 def _add_up(sub) -> None:
@@ -225,6 +290,7 @@ def _add_up(sub) -> None:
                    help="gateway processes on the port (default: one per two cores, at most 4)")
     add_planner_flags(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
+    add_api_key_flags(p)
     p.set_defaults(func=cmd_up)
 
 
@@ -444,18 +510,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from mesh.worker import WorkerSettings
 
     mock = args.mock or args.role == "mock"
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "prefill" if args.role == "prefill" else "decode")
     ws = WorkerSettings(
-        nats_url=url, ns=args.ns or settings().ns, worker_id=args.worker_id,
+        nats_url=nats.url, nats=nats, ns=args.ns or settings().ns, worker_id=args.worker_id,
         engine=engine_config(args, mock=mock),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         stream_interval_ms=args.stream_interval_ms,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
+        drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
         peer_fetch=args.peer_fetch and not mock and args.role == "decode", peer_fetch_timeout=args.peer_fetch_timeout,
     )
+    if args.drain_timeout < 0:
+        raise CliError("--drain-timeout must be >= 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as cls
@@ -477,25 +544,27 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from mesh.config import settings
     from mesh.router.policy import RouterConfig
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "gateway")
+    auth = auth_config(args)
     models = args.model or ([settings().model] if settings().model else [])
     for m in models:
         if not Path(m).is_dir():
             raise CliError(f"model directory {m} does not exist")
-    if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0:
-        raise CliError("--max-inflight must be >= 1 and the timeouts > 0")
+    if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0 or args.drain_timeout < 0:
+        raise CliError("--max-inflight must be >= 1, the timeouts > 0 and --drain-timeout >= 0")
     workers = default_workers() if args.workers is None else args.workers
     if workers < 1:
         raise CliError("--workers must be >= 1")
+    ns = args.ns or settings().ns
+    if not args.reuse_port:  # the supervisor checked for its processes
+        _preflight(nats, ns)  # unreachable, refused, no JetStream: one line here, not a traceback from uvicorn
     if workers > 1:
         try:
             return supervise(workers, child_argv(sys.argv[1:]), args.host, args.port)
         except PortInUse as e:
             raise CliError(str(e)) from None
     gw = Gateway(GatewayConfig(
-        nats_url=url, ns=args.ns or settings().ns, host=args.host, port=args.port,
+        nats_url=nats.url, nats=nats, ns=ns, host=args.host, port=args.port,
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout,
@@ -503,15 +572,34 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                             **{k: v for k, v in (("prefill_weight", args.router_prefill_weight),
                                                  ("decode_weight", args.router_decode_weight)) if v is not None}),
     ))
-    # on SIGTERM, open streams get 5 s; then they are cancelled (which cancels them on the workers)
-    config = uvicorn.Config(asgi_app(gw), host=args.host, port=args.port, loop="uvloop",
-                            http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+    # on SIGTERM or SIGINT, open streams get --drain-timeout; then they are cancelled (which cancels
+    # them on the workers)
+    if not auth.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("mesh.gateway").warning(
+            "no API keys: anyone who reaches %s:%d can use this gateway (--api-key-file, MESH_API_KEYS)",
+            args.host, args.port)
+    config = uvicorn.Config(asgi_app(gw, auth), host=args.host, port=args.port, loop="uvloop",
+                            http="httptools", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=args.drain_timeout,
                             # longer than clients' idle pools keep connections (httpx: 5 s), so the
                             # server never closes one a client is about to reuse
                             timeout_keep_alive=75)
     sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
     uvicorn.Server(config).run(sockets=sockets)
     return 0
+
+
+def _preflight(nats, ns: str) -> None:
+    """Join NATS once and leave: the errors of ``Bus.connect`` before a server starts."""
+    import asyncio
+
+    from mesh.bus import Bus
+
+    async def check() -> None:
+        bus = await Bus.connect(nats.url, "preflight", ns=ns, config=nats)
+        await bus.nc.close()
+
+    asyncio.run(check())
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -562,6 +650,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight"):
         if getattr(args, name) is not None:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    auth = auth_config(args)
+    gateway_env = {"MESH_API_KEYS": ",".join(auth.keys)} if auth.keys else {}  # not on a command line
+    if auth.key_file:
+        gateway_flags += ["--api-key-file", str(Path(auth.key_file).resolve())]
+    for name in ("api_key_max_concurrent", "api_key_rpm"):
+        if getattr(args, name):
+            gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.metrics_auth:
+        gateway_flags.append("--metrics-auth")
     if args.peer_fetch:
         gateway_flags += ["--router-peer-fetch"]
     if args.gateway_workers is not None:
@@ -574,9 +671,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     if planner is not None:  # start inside the planner's bounds
         args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
         args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
+    nats = None
+    if args.nats:
+        nats = nats_config(args, "")
+    elif any(getattr(args, f) for f in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key")):
+        raise CliError("--nats-creds, --nats-nkey and --nats-tls-* are for the servers of --nats; "
+                       "the embedded server takes no credentials")
+    elif args.js_replicas not in (None, 1):
+        raise CliError("the embedded NATS is one server: --js-replicas above 1 needs --nats (a cluster)")
     plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
-                  port=args.port, nats_url=args.nats, ns=args.ns, worker_flags=flags,
-                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name)
+                  port=args.port, nats=nats, ns=args.ns, worker_flags=flags,
+                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name,
+                  gateway_env=gateway_env)
     return asyncio.run(run_up(plan))
 
 
@@ -585,15 +691,13 @@ def cmd_planner(args: argparse.Namespace) -> int:
 
     from mesh.config import settings
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    nats = nats_config(args, "planner")
     config = planner_config(args)
-    asyncio.run(_run_planner(url, args.ns or settings().ns, args, config))
+    asyncio.run(_run_planner(nats, args.ns or settings().ns, args, config))
     return 0
 
 
-async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> None:
+async def _run_planner(nats, ns: str, args: argparse.Namespace, config) -> None:
     from mesh.bus import Bus
     from mesh.planner.connectors import KubernetesConnector, VirtualConnector
     from mesh.planner.planner import Planner
@@ -608,7 +712,7 @@ async def _run_planner(url: str, ns: str, args: argparse.Namespace, config) -> N
         )
     else:
         connector = VirtualConnector({"prefill": config.min_prefill, "decode": config.min_decode})
-    bus = await Bus.connect(url, "planner", ns=ns)
+    bus = await Bus.connect(nats.url, "planner", ns=ns, config=nats)
     membership = Membership(bus)
     await membership.start()
     planner = Planner(bus, membership, connector, config, model=args.model_name)
@@ -628,10 +732,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     from mesh.config import settings
     from mesh.top import run_top
 
-    url = args.nats or settings().nats_url
-    if not url:
-        raise CliError("--nats URL is required (or MESH_NATS_URL)")
-    asyncio.run(run_top(url, args.ns or settings().ns, args.interval, args.once))
+    nats = nats_config(args, "planner")  # it reads what the planner reads
+    asyncio.run(run_top(nats, args.ns or settings().ns, args.interval, args.once))
     return 0
 
 
@@ -654,5 +756,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``mesh`` console script: ``main``, then a quick exit (see ``procutil.exit_now``)."""
+    code = main()
+    from mesh.procutil import exit_now
+
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -23,10 +23,12 @@ class StreamError(RuntimeError):
 
 
 async def generate(
-    bus: Bus, worker_id: str, req: GenerateRequest, first_timeout: float = 120.0, idle_timeout: float = 60.0
+    bus: Bus, worker_id: str, req: GenerateRequest, first_timeout: float = 120.0, idle_timeout: float = 60.0,
+    reply: str | None = None,
 ) -> AsyncIterator[TokenChunk]:
-    """Chunks in order until the one with a finish reason. Raises StreamError on silence or a gap."""
-    inbox = bus.nc.new_inbox()
+    """Chunks in order until the one with a finish reason. Raises StreamError on silence or a gap.
+    ``reply``: the reply subject (default: a new inbox); a ``cancel`` of the request must name it."""
+    inbox = reply or bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox, pending_msgs_limit=1 << 16)
     try:
         await bus.publish(bus.subjects.generate(req.model, worker_id), req, reply=inbox)
@@ -53,5 +55,6 @@ async def generate(
             await sub.unsubscribe()
 
 
-async def cancel(bus: Bus, model: str, worker_id: str, request_id: str) -> None:
-    await bus.publish(bus.subjects.cancel(model, worker_id), Cancel(request_id))
+async def cancel(bus: Bus, model: str, worker_id: str, request_id: str, reply: str) -> None:
+    """``reply``: the subject the request was sent with (the worker refuses a Cancel naming another)."""
+    await bus.publish(bus.subjects.cancel(model, worker_id), Cancel(request_id, reply))

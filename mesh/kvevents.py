@@ -20,6 +20,7 @@ import uuid
 
 from kvstore.events import to_wire
 from mesh.bus import Bus
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import KvEventBatch, KvSnapshot, KvSnapshotRequest, encode
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,7 @@ class KvEventPublisher:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
 
     async def _publish(self) -> None:
         subject = self.bus.subjects.kv_events(self.model, self.worker_id)

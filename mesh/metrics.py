@@ -52,6 +52,13 @@ GATEWAY_E2E = Histogram("pdmesh_gateway_e2e_seconds", "Request arrival to its la
 ROUTER_DECISIONS = Counter("pdmesh_router_decisions", "Routing decisions", ["model", "mode"], registry=REGISTRY)
 ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt cached on the chosen worker",
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
+GATEWAY_REJECTED = Counter("pdmesh_gateway_rejected", "Requests refused before the API: a missing or invalid API "
+                           "key, a key over its limits, a body over the cap", ["reason"], registry=REGISTRY)
+REFUSED_MESSAGES = Counter("pdmesh_refused_messages", "Bus messages refused (logged and dropped): a PrefillJob naming "
+                           "a resource outside the worker's own, or out of bounds; a Cancel, PrefillDone or token "
+                           "chunk from a peer the request is not bound to", ["role", "reason"], registry=REGISTRY)
+FENCED_BLOCKS = Gauge("pdmesh_kv_fenced_blocks", "Decode KV blocks of timed-out prefill jobs kept out of the pool "
+                      "until their writer is known to have stopped", ["model"], registry=REGISTRY)
 ROUTER_FETCHES = Counter("pdmesh_router_fetches", "Decisions naming a peer to fetch prefix blocks from",
                          ["model"], registry=REGISTRY)
 ROUTER_FETCH_BLOCKS = Counter("pdmesh_router_fetch_blocks", "Prefix blocks the router planned to fetch from peers",

@@ -14,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType
 
 from mesh.bus import Bus
 from mesh.protocol import PrefillJob, encode
+from mesh.registry import js_replicas
 from mesh.tracing import outgoing_headers
 
 JOB_MAX_AGE = 60.0  # a job nobody pulled within this is useless anyway (its decode worker fell back)
@@ -36,7 +37,7 @@ class PrefillQueue:
             with contextlib.suppress(Exception):  # another worker may create it at the same moment
                 await self.bus.js.add_stream(
                     name=self.stream, subjects=[self.subject], retention=RetentionPolicy.WORK_QUEUE,
-                    storage=StorageType.MEMORY, max_age=JOB_MAX_AGE,
+                    storage=StorageType.MEMORY, max_age=JOB_MAX_AGE, num_replicas=js_replicas(self.bus),
                 )
             await self.bus.js.stream_info(self.stream)
         self._ensured = True

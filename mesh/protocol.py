@@ -260,7 +260,12 @@ class TokenBatch(Message):
 
 
 class Cancel(Message):
+    """Gateway -> decode worker: stop this request. ``reply`` is the request's reply subject, which
+    only the gateway that sent it (and the worker serving it) knows: a Cancel naming another is
+    refused (logged, counted, dropped), so one gateway cannot cancel another's request."""
+
     request_id: str
+    reply: str = ""
 
 
 class PrefillJob(Message):
@@ -281,6 +286,9 @@ class PrefillJob(Message):
     output_offset: int = 0  # see GenerateRequest.output_offset
     priority: int = 0  # see GenerateRequest.priority
     adapter: str = ""  # see GenerateRequest.adapter: a prefill worker without it leaves the job to others
+    # A random capability for this job: its PrefillDone must echo it (only the prefill worker that
+    # pulled the job knows it), or the decode worker refuses the PrefillDone.
+    token: str = ""
 
 
 class PrefillDone(Message):
@@ -297,6 +305,7 @@ class PrefillDone(Message):
     transfer_ms: float = 0.0
     compute_ms: float = 0.0
     num_chunks: int = 0  # nats transport: data messages sent before this one
+    token: str = ""  # the job's PrefillJob.token
 
 
 class KvChunk(Message):

@@ -18,11 +18,17 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from mesh.bus import Bus
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import DecodeError, WorkerCard, decode, encode, subject_token
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 6.0
+
+
+def js_replicas(bus: Bus) -> int:
+    """Replicas of the JetStream streams and buckets this process creates (``--js-replicas``)."""
+    return getattr(bus, "js_replicas", 1)
 
 
 async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
@@ -32,7 +38,7 @@ async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
     except BucketNotFoundError:
         pass
     try:
-        return await bus.js.create_key_value(bucket=name, ttl=ttl, history=1)
+        return await bus.js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=js_replicas(bus))
     except Exception:
         # Another process created it between our two calls.
         return await bus.js.key_value(name)
@@ -72,9 +78,7 @@ class CardPublisher:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._kv and self._key:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._kv.delete(self._key), 2.0)
@@ -92,6 +96,8 @@ class Membership:
         self._tasks: list[asyncio.Task] = []
         self._watcher = None
         self._watch_task: asyncio.Task | None = None
+        self._rewatching = False  # the watch is being re-opened: no news is not bad news
+        self._models_seen: dict[str, float] = {}  # model -> monotonic time a card of it was last seen
         self.ready = asyncio.Event()
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
@@ -113,15 +119,21 @@ class Membership:
 
     async def _rewatch(self) -> None:
         """After a reconnect the server may have dropped the watch's consumer: start a new one.
-        It replays every live card, so nothing is missed; stale ones still expire by TTL."""
+        It replays every live card, so nothing is missed; stale ones still expire by TTL. While
+        it is re-opened (a NATS cluster electing a new JetStream leader takes seconds) cards do
+        not expire: not hearing from the registry says nothing about the workers."""
         old, task = self._watcher, getattr(self, "_watch_task", None)
-        for attempt in range(10):
-            try:
-                await self._open_watch()
-                break
-            except Exception as e:
-                log.info("registry watch not back yet (%s)", e)
-                await asyncio.sleep(0.5 * (attempt + 1))
+        self._rewatching = True
+        try:
+            for attempt in range(10):
+                try:
+                    await self._open_watch()
+                    break
+                except Exception as e:
+                    log.info("registry watch not back yet (%s)", e)
+                    await asyncio.sleep(0.5 * (attempt + 1))
+        finally:
+            self._rewatching = False
         if task is not None:
             task.cancel()
             if task in self._tasks:
@@ -131,11 +143,7 @@ class Membership:
                 await old.stop()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
@@ -151,6 +159,12 @@ class Membership:
 
     def models(self) -> list[str]:
         return sorted({c.model for c in self._cards.values()})
+
+    def served_recently(self, model: str, within: float = 600.0) -> bool:
+        """A card of ``model`` was seen in the last ``within`` seconds (its workers may be back soon:
+        a request for it is a 503, not a 404)."""
+        seen = self._models_seen.get(model)
+        return seen is not None and time.monotonic() - seen < within
 
     async def _watch(self, watcher) -> None:
         async for entry in watcher:
@@ -170,6 +184,7 @@ class Membership:
             if age >= self.ttl:
                 continue
             self._cards[card.worker_id] = card
+            self._models_seen[card.model] = time.monotonic()
             self._notify(card.worker_id, card)
             self.ready.set()
 
@@ -186,6 +201,10 @@ class Membership:
         while True:
             await asyncio.sleep(min(1.0, self.ttl / 4))
             now = time.monotonic()
+            if self._rewatching:
+                # the replay after the watch is back refreshes every live card: count from then
+                self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
+                continue
             for wid in [w for w, t in self._seen.items() if now - t > self.ttl]:
                 self._seen.pop(wid, None)
                 if wid in self._cards:

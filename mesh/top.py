@@ -66,8 +66,10 @@ def render(state: TopState, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-async def run_top(url: str, ns: str, interval: float = 1.0, once: bool = False) -> None:
-    bus = await Bus.connect(url, "mesh-top", ns=ns)
+async def run_top(nats, ns: str, interval: float = 1.0, once: bool = False) -> None:
+    """``nats``: a URL, or a ``NatsConfig`` (credentials, TLS)."""
+    config = nats if not isinstance(nats, str) else None
+    bus = await Bus.connect(nats if isinstance(nats, str) else nats.url, "mesh-top", ns=ns, config=config)
     membership = Membership(bus)
     await membership.start()
     state = TopState()

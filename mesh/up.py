@@ -4,8 +4,9 @@ Embedded NATS (unless ``--nats``), the tiny model (generated if missing, unless
 ``--model`` or ``--mock``), the gateway, and the prefill and decode pools as
 child processes run by the planner's local connector; the planner sizes the
 pools (unless ``--no-planner``; fixed pools get a dead worker replaced).
-Ctrl-C or SIGTERM stops everything it started: the gateway first, then the
-workers (each drains), then NATS. Children also die with this process if it
+Ctrl-C or SIGTERM stops everything it started within a few seconds: the
+gateway and the workers together (workers drain briefly, the gateway reports how
+their streams ended), then NATS once nobody uses it. Children also die with this process if it
 is killed outright (PR_SET_PDEATHSIG).
 """
 
@@ -25,11 +26,12 @@ from pathlib import Path
 import httpx
 
 from mesh.bus import Bus
+from mesh.natsauth import ENV_NAMES, NatsConfig
 from mesh.natsserver import EmbeddedNats
 from mesh.planner.connectors import LocalConnector
 from mesh.planner.planner import Planner
 from mesh.planner.policy import PlannerConfig
-from mesh.procutil import die_with_parent, stop_event_on_signals
+from mesh.procutil import die_with_parent, stop_event_on_signals, stop_processes
 from mesh.registry import Membership
 
 log = logging.getLogger(__name__)
@@ -58,22 +60,24 @@ class UpPlan:
     decode: int
     host: str
     port: int
-    nats_url: str | None
+    nats: NatsConfig | None  # None: an embedded server
     ns: str | None
     worker_flags: list[str] = field(default_factory=list)  # pool flags passed to every worker
     gateway_flags: list[str] = field(default_factory=list)
     planner: PlannerConfig | None = None  # None: fixed pools
     served_name: str | None = None  # the one model's name when --served-name is given
+    gateway_env: dict[str, str] = field(default_factory=dict)  # secrets for the gateway (API keys)
 
 
 def served_name(model_dir: str) -> str:
     return Path(model_dir).name
 
 
-def worker_argv(plan: UpPlan, nats_url: str, model_dir: str | None) -> dict[str, list[str]]:
-    """The command line of one model's pool workers (the connector adds ``--worker-id``)."""
+def worker_argv(plan: UpPlan, model_dir: str | None) -> dict[str, list[str]]:
+    """The command line of one model's pool workers (the connector adds ``--worker-id``; NATS
+    comes in the environment, ``child_env``)."""
     py = [sys.executable, "-m", "mesh.cli"]
-    bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
+    bus = ["--ns", plan.ns] if plan.ns else []
     model = [] if model_dir is None else ["--model", model_dir]
     decode_role = "mock" if plan.mock else "decode"
     mock = ["--mock"] if plan.mock else []
@@ -89,8 +93,8 @@ def _token(model_dir: str | None) -> str:
     return subject_token(served_name(model_dir) if model_dir else "mock")
 
 
-def gateway_argv(plan: UpPlan, nats_url: str) -> list[str]:
-    bus = ["--nats", nats_url] + (["--ns", plan.ns] if plan.ns else [])
+def gateway_argv(plan: UpPlan) -> list[str]:
+    bus = ["--ns", plan.ns] if plan.ns else []
     model = [arg for m in plan.models for arg in ("--model", m)]
     return [sys.executable, "-m", "mesh.cli", "gateway", *bus, *model, "--host", plan.host,
             "--port", str(plan.port), *plan.gateway_flags]
@@ -104,39 +108,39 @@ async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, ti
             if gateway.poll() is not None:
                 return False
             try:
-                if (await client.get(f"{base}/health")).status_code == 200:
-                    live = {m["id"] for m in (await client.get(f"{base}/v1/models")).json()["data"]}
-                    if models <= live:
-                        return True
+                health = await client.get(f"{base}/health")  # open even with API keys on
+                if health.status_code == 200 and models <= set(health.json().get("models", [])):
+                    return True
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.3)
     return False
 
 
-def _stop_gateway(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("the gateway did not stop in time: killing it")
-        proc.kill()
-        proc.wait()
+STOP_TIMEOUT = 4.0  # seconds every role gets after the signal before it is killed
+
+
+async def _stop_gateway(proc: subprocess.Popen) -> None:
+    if await stop_processes([proc], signal.SIGINT, timeout=STOP_TIMEOUT):
+        log.warning("the gateway did not stop in time: killed it")
 
 
 async def run_up(plan: UpPlan) -> int:
     stop = stop_event_on_signals()
     nats = None
-    url = plan.nats_url
-    if url is None:
+    config = plan.nats
+    if config is None:
         nats = EmbeddedNats().start()
-        url = nats.url
+        config = NatsConfig(servers=(nats.url,))
+    # NATS (URL with any password, credential files) reaches the children in their environment,
+    # which other users cannot read, unlike a command line
+    inherited = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    env = {**inherited, **config.child_env()}
     # one pool pair (and one planner) per model: they scale on their own, on the same bus
     model_dirs: list[str | None] = list(plan.models) or [None]
     pools = {
         (served_name(m) if m else "mock"): LocalConnector(
-            worker_argv(plan, url, m), env=dict(os.environ), prefix=f"{_token(m)}-{os.getpid()}")
+            worker_argv(plan, m), env=env, prefix=f"{_token(m)}-{os.getpid()}")
         for m in model_dirs
     }
     gateway = None
@@ -146,7 +150,8 @@ async def run_up(plan: UpPlan) -> int:
         for connector in pools.values():
             await connector.scale("decode", plan.decode)
             await connector.scale("prefill", plan.prefill)
-        gateway = subprocess.Popen(gateway_argv(plan, url), preexec_fn=die_with_parent)  # noqa: ASYNC220 (returns at once)
+        gateway = subprocess.Popen(gateway_argv(plan), env={**env, **plan.gateway_env},  # noqa: ASYNC220 (returns at once)
+                                   preexec_fn=die_with_parent, process_group=0)  # Ctrl-C reaches us only; we signal it once
         base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
         names = {plan.served_name} if plan.served_name else set(pools)
         if not await _wait_ready(base, names, gateway, timeout=120.0):
@@ -154,7 +159,7 @@ async def run_up(plan: UpPlan) -> int:
                   file=sys.stderr)
             return 1
         if plan.planner is not None:
-            bus = await Bus.connect(url, "planner", ns=plan.ns or "mesh")
+            bus = await Bus.connect(config.url, "planner", ns=plan.ns or "mesh", config=config.for_role("planner"))
             membership = Membership(bus)
             await membership.start()
             for name, connector in pools.items():
@@ -168,7 +173,7 @@ async def run_up(plan: UpPlan) -> int:
         print(
             f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
             f"({plan.prefill} prefill, {plan.decode} decode{' per model' if len(pools) > 1 else ''}, {mode}; "
-            f"NATS {url}). Ctrl-C stops it.",
+            f"NATS {config.display}). Ctrl-C stops it.",
             flush=True,
         )
         while not stop.is_set():
@@ -181,15 +186,22 @@ async def run_up(plan: UpPlan) -> int:
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
     finally:
-        # The gateway first (no new requests), then the workers (they drain), then the bus.
-        for planner in planners:
-            await planner.stop()
-        if membership is not None:
-            await membership.stop()
-        if bus is not None:
-            await bus.close()
-        if gateway is not None:
-            await asyncio.to_thread(_stop_gateway, gateway)
-        await asyncio.gather(*(connector.close() for connector in pools.values()))
-        if nats is not None:
-            nats.stop()
+        await _stop_all(planners, membership, bus, gateway, pools, nats)
+
+
+async def _stop_all(planners, membership, bus, gateway, pools, nats) -> None:
+    """Everything stops together and quickly (SIGINT: in-flight streams get a short drain, then
+    end with an error the gateway reports); the gateway outlives the workers' drain so that it
+    can report how their streams ended; NATS goes last, once nobody uses it."""
+    for planner in planners:
+        await planner.stop()
+    if membership is not None:
+        await membership.stop()
+    if bus is not None:
+        await bus.close(timeout=1.0)
+    stopping = [connector.close(signal.SIGINT, timeout=STOP_TIMEOUT) for connector in pools.values()]
+    if gateway is not None:
+        stopping.append(_stop_gateway(gateway))
+    await asyncio.gather(*stopping)
+    if nats is not None:
+        await asyncio.to_thread(nats.stop)

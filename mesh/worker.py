@@ -32,7 +32,7 @@ from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import TokenLogprob
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
-from mesh.procutil import stop_event_on_signals
+from mesh.procutil import StopEvent, cancel_and_wait, stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
 from mesh.telemetry import REGISTRY, register_gpu_collector, serve_metrics, setup_tracing
@@ -60,9 +60,14 @@ class WorkerSettings:
     metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
     # decode: at most one emission (TokenBatch per gateway) per this many ms; steps that end in
     # between go out together. 0: each emission as soon as the event loop is free.
-    stream_interval_ms: float = 0.0
+    # At most one token message per gateway per interval: a step's tokens wait at most this long
+    # (nothing, when steps are longer than it, as a GPU's are), and the bus carries at most
+    # 1000/interval messages per second per gateway however short the steps (docs/operations.md).
+    stream_interval_ms: float = 1.0
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
+    nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
 
@@ -251,7 +256,7 @@ class WorkerBase:
         s = self.settings
         setup_tracing(f"pdmesh-{self.role}")
         async with AsyncExitStack() as stack:
-            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns)
+            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
             stack.push_async_callback(self.bus.close)
             self.engine = await asyncio.to_thread(self.build)
             stack.callback(self.close_engine)
@@ -283,15 +288,20 @@ class WorkerBase:
             self.ready.set()
             log.info("%s worker %s serving %s", self.role, self.worker_id, self.engine.model_name)
             await stop.wait()
-            await self.drain()
+            await self.drain(stop)
 
-    async def drain(self) -> None:
-        """Stop taking work, let in-flight work finish (bounded), then return to deregister."""
+    async def drain(self, stop: asyncio.Event | None = None) -> None:
+        """Stop taking work, let in-flight work finish (bounded: ``drain_timeout`` after SIGTERM,
+        a few seconds after SIGINT, none after a second signal), then return to deregister."""
         self.status = "draining"
         with contextlib.suppress(Exception):
-            await self.cards.put()
-        deadline = time.monotonic() + self.settings.drain_timeout
-        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.wait_for(self.cards.put(), 2.0)
+        seconds = self.settings.drain_timeout
+        if isinstance(stop, StopEvent):
+            seconds = stop.drain_seconds(seconds)
+        deadline = time.monotonic() + seconds
+        while self.in_flight() and time.monotonic() < deadline and not (
+                isinstance(stop, StopEvent) and stop.hurry.is_set()):
             await asyncio.sleep(0.05)
         if self.in_flight():
             log.warning("%d requests still in flight after the drain timeout", self.in_flight())
@@ -302,7 +312,7 @@ class WorkerBase:
         REGISTRY.register(LoadCollector(lambda: self.last_load))
         if getattr(self.engine, "device", None) is not None and self.engine.device.type == "cuda":
             register_gpu_collector()
-        self.metrics_port = serve_metrics(self.settings.metrics_port)
+        self.metrics_port = serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
 
     def close_engine(self) -> None:
         kv = getattr(self.engine, "kv_cache", None)
@@ -310,11 +320,7 @@ class WorkerBase:
             kv.close(unlink=True)
 
     async def _cancel_tasks(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
 
     async def _deliver_outputs(self) -> None:
         """Steps' outputs to ``handle_outputs``: every step that ended while the last ones were being

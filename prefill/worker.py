@@ -22,7 +22,7 @@ import nats.errors
 from opentelemetry import trace
 
 from kvstore.manager import blocks_for
-from kvstore.transfer import KvSender, make_sender
+from kvstore.transfer import KvSender, Refused, make_sender
 from mesh import metrics
 from mesh.adapters import adapter_names
 from mesh.config import settings
@@ -135,6 +135,12 @@ class PrefillWorker(WorkerBase):
             with contextlib.suppress(Exception):
                 await m.term()
             return
+        refused = self._refused(job)
+        if refused is not None:
+            with contextlib.suppress(Exception):
+                await m.ack()  # consumed: no other worker gets it either
+            await self._refuse(job, refused)
+            return
         misfit = self._misfit(job)
         deliveries = _deliveries(m)
         if misfit is not None and deliveries < MAX_DELIVERIES:
@@ -185,6 +191,32 @@ class PrefillWorker(WorkerBase):
         self.counters.requests += 1
         await self.loop.call(lambda e: e.add(seq))
 
+    def _refused(self, job: PrefillJob) -> str | None:
+        """Why nobody may serve this job: its transport params name something that is not the
+        decode worker's own (a file outside the mesh's KV directory, ...)."""
+        for name, params in job.transports.items():
+            if name in self.senders:
+                try:
+                    self.senders[name].usable(params)
+                except Refused as e:
+                    return f"{name}: {e}"
+                except Exception:
+                    pass  # not usable here; _misfit says so
+        return None
+
+    async def _refuse(self, job: PrefillJob, reason: str) -> None:
+        """Logged, counted, dropped; the decode worker hears ``ok=False`` and prefills locally."""
+        log.warning("refused prefill job %s for %s: %s", job.request_id, job.decode_worker, reason)
+        metrics.REFUSED_MESSAGES.labels(self.role, "unsafe_transport_params").inc()
+        self.counters.bump("refused_jobs")
+        await self._done(job, ok=False, error=f"refused: {reason}")
+
+    def _usable(self, name: str, params: dict) -> bool:
+        try:
+            return name in self.senders and self.senders[name].usable(params)
+        except Exception:
+            return False
+
     def _misfit(self, job: PrefillJob) -> str | None:
         """Why this worker cannot serve the job while another of the pool might."""
         if job.model != self.engine.model_name:
@@ -193,7 +225,7 @@ class PrefillWorker(WorkerBase):
             return f"LoRA adapter {job.adapter!r} is not loaded here"
         if job.block_size != self.engine.block_size:
             return f"block size {job.block_size} differs from ours ({self.engine.block_size})"
-        if not any(n in self.senders and self.senders[n].usable(p) for n, p in job.transports.items()):
+        if not any(self._usable(n, p) for n, p in job.transports.items()):
             return f"no usable transport among {sorted(job.transports)}"
         return None
 
@@ -227,9 +259,7 @@ class PrefillWorker(WorkerBase):
         if settings().fault_prefill_delay_s:
             await asyncio.sleep(settings().fault_prefill_delay_s)
         try:
-            name, params = next(
-                (n, p) for n, p in job.transports.items() if n in self.senders and self.senders[n].usable(p)
-            )
+            name, params = next((n, p) for n, p in job.transports.items() if self._usable(n, p))
             remaining = job.deadline - time.time() - DEADLINE_MARGIN
             if remaining <= 0:
                 raise TimeoutError("past the deadline before the transfer")
@@ -239,6 +269,9 @@ class PrefillWorker(WorkerBase):
                 self.senders[name].send(job, params, self.engine.kv_cache, src), remaining
             )
         except Exception as e:
+            if isinstance(e, Refused):
+                metrics.REFUSED_MESSAGES.labels(self.role, "unsafe_transport_params").inc()
+                self.counters.bump("refused_jobs")
             log.warning("prefill %s: transfer failed: %s", job.request_id, e)
             transfer.set_attribute("pdmesh.error", str(e))
             transfer.end()
@@ -267,7 +300,7 @@ class PrefillWorker(WorkerBase):
         else:
             self.counters.errors += 1
         metrics.WORKER_REQUESTS.labels(job.model, self.role, "finished" if ok else "error").inc()
-        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, **fields)
+        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, token=job.token, **fields)
         try:
             await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg, span=span)
         except Exception as e:  # the decode worker falls back on its own timeout

@@ -4,6 +4,7 @@ Two sides, one name per transport:
 
     decode side  KvReceiver.params(request_id) -> what a sender needs (goes into the PrefillJob)
                  KvReceiver.finish(request_id)  -> True once the bytes are in the destination blocks
+                 KvReceiver.revoke(request_id)  -> True once no late write can land (a timed-out job)
     prefill side KvSender.usable(params)        -> can this process reach the decode worker this way?
                  KvSender.send(job, params, src, src_blocks) -> TransferResult
 
@@ -52,7 +53,15 @@ class TransferResult:
     chunks: int = 0
 
 
+class Refused(ValueError):
+    """The params name a resource this process must not touch (a file outside its transport's own
+    directory, blocks out of range): the job is refused, never passed to another worker."""
+
+
 class KvSender(Protocol):
+    """``usable(params)``: can this process reach the destination (False: another worker of the
+    pool might); raises ``Refused`` when the params are not to be trusted."""
+
     name: str
 
     def usable(self, params: dict) -> bool: ...
@@ -68,6 +77,12 @@ class KvReceiver(Protocol):
     async def finish(self, request_id: str) -> bool: ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def revoke(self, request_id: str) -> bool:
+        """The job is given up (too late): True once no write into its blocks is running or can
+        start, so they may be reused; False while a sender may still be writing them (ask again
+        later, or wait for its PrefillDone)."""
+        ...
 
 
 SENDERS: dict[str, Callable[..., KvSender]] = {}

@@ -161,6 +161,11 @@ class CudaIpcReceiver:
     def forget(self, request_id: str) -> None:
         pass
 
+    def revoke(self, request_id: str) -> bool:
+        # The sender writes our memory and nothing here can tell when it stops: the blocks wait
+        # for its PrefillDone (sent once its copy is synchronized). A fence file as shm's would do.
+        return False
+
 
 # -- import and copy (prefill side) ------------------------------------------------
 

@@ -31,6 +31,9 @@ class MockReceiver:
     def forget(self, request_id: str) -> None:
         pass
 
+    def revoke(self, request_id: str) -> bool:
+        return True  # nothing is ever written
+
 
 @register_sender("mock")
 class MockSender:

@@ -94,6 +94,11 @@ class NatsReceiver:
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
 
+    def revoke(self, request_id: str) -> bool:
+        """Bytes are written here, by ``finish``: once forgotten, late ones go nowhere."""
+        self.forget(request_id)
+        return True
+
 
 @register_sender("nats")
 class NatsSender:

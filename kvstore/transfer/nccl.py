@@ -404,6 +404,10 @@ class NcclReceiver:
             inc.received.cancel()
             self._drop(inc.peer, f"{request_id} forgotten mid-transfer")
 
+    def revoke(self, request_id: str) -> bool:
+        self.forget(request_id)  # its communicator dropped: no byte of it lands any more
+        return True
+
 
 def _retrieve(task: asyncio.Task) -> None:
     if not task.cancelled():

@@ -1,16 +1,30 @@
-"""``shm``: CPU, same host. The decode worker's KV pool is a file in /dev/shm;
+"""``shm``: CPU, same host. The decode worker's KV pool is a file in shared memory;
 the prefill worker maps it and copies its blocks straight into the destination
 blocks (one strided copy per run of consecutive block ids). Nothing to do on
 the receiving side: the bytes are in place when the sender says so.
 
+No message names a path. Every KV file lives in one mesh-owned directory,
+``/dev/shm/pdmesh-{uid}`` (mode 0700, owned by this user: nobody else can put a
+file or a link there), and the receiving (decode) worker creates its own file
+there and advertises only the file's *name*. The sender opens that name inside
+the directory (``openat``, no symlink followed), checks it is a regular file of
+this user as large as the spec says, and that every destination block is in
+range; anything else is ``Refused``: the prefill worker logs, counts and drops
+the job, and the decode worker prefills locally.
+
 Tensor parallelism: a TP decode worker's pool is one file per rank, each with
-that rank's heads; its params list them (``shards``: path and head range,
+that rank's heads; its params list them (``shards``: name and head range,
 ``spec`` for the full head set). The sender maps them all and copies each
 overlap of its own shards' heads with theirs (``copy_blocks``), so a prefill
 worker of any TP degree feeds a decode worker of any other.
 
-    params  {"path", "host", "spec"}                    one file (TP 1, as before)
-            + {"shards": [{"path", "heads": [lo, hi]}]}  one file per rank (TP > 1)
+    params  {"name", "host", "spec"}                    one file (TP 1)
+            + {"shards": [{"name", "heads": [lo, hi]}]}  one file per rank (TP > 1)
+            + {"fence": name, "gen": n}                  the job's write fence (``fence``)
+
+A job that times out: the decode worker revokes its blocks through the fence file
+(``kvstore.transfer.fence``); they are reused only once no copy into them can be running
+or start, so a slow copy never lands in blocks that belong to another request.
 """
 
 from __future__ import annotations
@@ -18,26 +32,59 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import stat
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
-from kvstore.transfer import TransferResult, host_id, register_receiver, register_sender
+from kvstore.transfer import Refused, TransferResult, host_id, register_receiver, register_sender
+from kvstore.transfer.fence import FenceFile, lease
+from mesh.config import settings
 from mesh.protocol import PrefillJob
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "pdmesh-kv-"
+SHM_ROOT = Path("/dev/shm")
+PREFIX = "kv-"
+_NAME = re.compile(r"kv-[A-Za-z0-9_.-]{1,200}")
+
+
+def shm_dir() -> Path:
+    """The mesh's directory for KV files: created 0700 on first use; refused if it is not a
+    private directory of this user (a link, someone else's, or open to others)."""
+    d = SHM_ROOT / f"pdmesh-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(d, 0o700)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{d} must be a directory of this user that nobody else can enter "
+                              "(mode 0700): remove it and start again")
+    return d
 
 
 def shm_path(worker_id: str) -> str:
-    return str(SHM_DIR / f"{PREFIX}{os.getpid()}-{worker_id}")
+    """Where a worker of this process creates its KV file."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id)[:150]
+    return str(shm_dir() / f"{PREFIX}{os.getpid()}-{safe}")
+
+
+def segment_name(path: str) -> str:
+    """The name a receiver advertises for its KV file (only files in ``shm_dir()`` are served)."""
+    p = Path(path)
+    if p.parent != shm_dir() or not _NAME.fullmatch(p.name):
+        raise ValueError(f"the shm transport serves KV files in {shm_dir()} only, not {path}")
+    return p.name
+
+
+def card_params(kv) -> dict:
+    """What a decode worker's registry card may say about its shm pool: no path."""
+    return {"name": segment_name(kv.shm_path), "host": host_id()}
 
 
 def remove_stale_files() -> int:
     """Delete KV files of processes that no longer exist (a killed decode worker leaves one)."""
     removed = 0
-    for f in SHM_DIR.glob(f"{PREFIX}*"):
+    for f in shm_dir().glob(f"{PREFIX}*"):
         try:
             pid = int(f.name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
@@ -57,26 +104,83 @@ class ShmReceiver:
         shards = kv.head_shards()
         if any(shard.shm_path is None for _, _, shard in shards):
             raise ValueError("the shm transport needs a KV cache in shared memory")
-        self._params = {"path": shards[0][2].shm_path, "host": host_id(), "spec": kv.spec.to_dict()}
+        self._params = {"name": segment_name(shards[0][2].shm_path), "host": host_id(), "spec": kv.spec.to_dict()}
         if len(shards) > 1:
-            self._params["shards"] = [{"path": s.shm_path, "heads": [lo, hi]} for lo, hi, s in shards]
+            self._params["shards"] = [{"name": segment_name(s.shm_path), "heads": [lo, hi]} for lo, hi, s in shards]
+        self.fence = FenceFile(shards[0][2].shm_path + ".fence", kv.spec.num_blocks)
+        self._params["fence"] = segment_name(self.fence.path)
+        self._jobs: dict[str, list[int]] = {}  # request id -> its destination blocks, until forgotten
 
     def params(self, request_id: str, dest_blocks: list[int]) -> dict:
-        return self._params
+        self._jobs[request_id] = list(dest_blocks)
+        return {**self._params, "gen": self.fence.arm(dest_blocks)}
 
     async def finish(self, request_id: str) -> bool:
         return True
 
+    def revoke(self, request_id: str) -> bool:
+        """True once no copy into the request's blocks runs or can start (see ``fence``)."""
+        blocks = self._jobs.get(request_id)
+        return blocks is None or self.fence.revoke(blocks)
+
     def forget(self, request_id: str) -> None:
-        pass
+        self._jobs.pop(request_id, None)
+
+    def close(self) -> None:
+        self.fence.close()
+
+
+def _name_of(entry: dict) -> str:
+    """The file a params entry names, checked: a plain ``kv-*`` name. (A ``path`` from an older
+    decode worker is accepted only when it is exactly a file of ``shm_dir()``.)"""
+    if "name" in entry:
+        name = entry["name"]
+    elif "path" in entry:
+        path = str(entry["path"])
+        if os.path.dirname(path) != str(shm_dir()):
+            raise Refused(f"KV file outside {shm_dir()}")
+        name = os.path.basename(path)
+    else:
+        raise Refused("no KV file named")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise Refused("not a KV file name")
+    return name
 
 
 def _shard_files(params: dict) -> list[tuple[str, int, int]]:
-    """(path, first head, end head) of each file of the destination pool."""
-    shards = params.get("shards")
-    if shards is None:
-        return [(params["path"], 0, int(params["spec"]["num_kv_heads"]))]
-    return [(s["path"], int(s["heads"][0]), int(s["heads"][1])) for s in shards]
+    """(file name, first head, end head) of each file of the destination pool; ``Refused`` for
+    anything malformed or outside the mesh's directory."""
+    try:
+        shards = params.get("shards")
+        if shards is None:
+            return [(_name_of(params), 0, int(params["spec"]["num_kv_heads"]))]
+        return [(_name_of(s), int(s["heads"][0]), int(s["heads"][1])) for s in shards]
+    except Refused:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise Refused(f"malformed shm params ({type(e).__name__})") from None
+
+
+def _open_segment(name: str, spec: KVCacheSpec) -> KVCache:
+    """Map the KV file ``name`` of the mesh's directory: opened relative to the directory, no
+    symlink followed, a regular file of this user, at least as large as ``spec``."""
+    dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            raise Refused(f"cannot open KV file {name}: {e.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise Refused(f"{name} is not a KV file of this user")
+        if st.st_size < spec.total_bytes:
+            raise Refused(f"{name} is smaller than its spec says")
+        return KVCache.attach_fd(spec, fd, str(shm_dir() / name))
+    finally:
+        os.close(fd)
 
 
 @register_sender("shm")
@@ -84,37 +188,46 @@ class ShmSender:
     name = "shm"
 
     def __init__(self, **_):
-        # keyed by the files' (path, inode) pairs: a restarted decode worker has new files
+        # keyed by the files' (name, inode) pairs: a restarted decode worker has new files
         self._attached: dict[tuple[tuple[str, int], ...], KVCache | ShardedKVCache] = {}
 
     def usable(self, params: dict) -> bool:
         if params.get("host") != host_id():
             return False
-        try:
-            return all(os.path.exists(path) for path, _, _ in _shard_files(params))
-        except (KeyError, TypeError, ValueError, IndexError):
-            return False
+        d = shm_dir()
+        for name, _, _ in _shard_files(params):
+            try:
+                st = os.lstat(d / name)
+            except FileNotFoundError:
+                return False  # not on this host after all (or the decode worker left)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise Refused(f"{name} is not a KV file of this user (a link, or someone else's)")
+        return True
 
     def _attach(self, params: dict) -> KVCache | ShardedKVCache:
         files = _shard_files(params)
-        key = tuple((path, os.stat(path).st_ino) for path, _, _ in files)
+        try:
+            spec = KVCacheSpec.from_dict(params["spec"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise Refused(f"malformed KV spec ({e})") from None
+        key = tuple((name, os.stat(shm_dir() / name, follow_symlinks=False).st_ino) for name, _, _ in files)
         kv = self._attached.get(key)
         if kv is None:
             self._prune(keep=key)
-            spec = KVCacheSpec.from_dict(params["spec"])
             bounds = [0, *(hi for _, _, hi in files)]
             if [lo for _, lo, _ in files] != bounds[:-1] or bounds[-1] != spec.num_kv_heads or any(
                     hi <= lo for _, lo, hi in files):
-                raise ValueError("the decode worker's KV shards do not tile its heads")
-            shards = [KVCache.attach(replace(spec, num_kv_heads=hi - lo), path) for path, lo, hi in files]
+                raise Refused("the decode worker's KV shards do not tile its heads")
+            shards = [_open_segment(name, replace(spec, num_kv_heads=hi - lo)) for name, lo, hi in files]
             kv = shards[0] if len(shards) == 1 else ShardedKVCache(shards)
             self._attached[key] = kv
         return kv
 
     def _prune(self, keep: tuple[tuple[str, int], ...]) -> None:
         """Unmap files of decode workers that restarted or left (the mapping pins their memory)."""
+        d = shm_dir()
         for key in list(self._attached):
-            if key != keep and (key[0][0] == keep[0][0] or not all(os.path.exists(p) for p, _ in key)):
+            if key != keep and (key[0][0] == keep[0][0] or not all((d / n).exists() for n, _ in key)):
                 self._attached.pop(key).close()
 
     async def send(self, job: PrefillJob, params: dict, src: KVCache | ShardedKVCache,
@@ -122,7 +235,53 @@ class ShmSender:
         dst = self._attach(params)
         if not src.spec.same_layout(dst.spec):
             raise ValueError("the decode worker's KV layout differs from ours")
+        if any(not 0 <= b < dst.spec.num_blocks for b in job.dest_block_ids):
+            raise Refused("destination block out of range")
+        fence_fd = _open_fence(params, dst.spec.num_blocks)
         t0 = time.perf_counter()
-        await asyncio.to_thread(copy_blocks, src, dst, src_blocks, job.dest_block_ids)
+        # The copy runs to its end even if this task is cancelled (a timeout): whoever hears of
+        # this job's end next (PrefillDone) may take it that nothing writes the blocks any more.
+        copy = asyncio.get_running_loop().run_in_executor(
+            None, _fenced_copy, src, dst, src_blocks, job.dest_block_ids, fence_fd, params.get("gen"))
+        try:
+            await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await copy
+            raise
         nbytes = len(src_blocks) * dst.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0)
+
+
+def _open_fence(params: dict, num_blocks: int) -> int | None:
+    """The job's fence file, opened like the KV file (no link followed, a file of this user, large
+    enough); None for a decode worker that names none (then nothing fences a late copy)."""
+    if "fence" not in params:
+        return None
+    name = params["fence"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(params.get("gen"), int):
+        raise Refused("malformed fence params")
+    dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise Refused(f"cannot open fence file {name}: {e.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < 4 * num_blocks:
+        os.close(fd)
+        raise Refused(f"{name} is not a fence file of this user")
+    return fd
+
+
+def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int | None, gen) -> None:
+    """The copy, under the job's write lease when the decode worker gave a fence (in a thread)."""
+    try:
+        with lease(fence_fd, dst_ids, gen) if fence_fd is not None else contextlib.nullcontext():
+            if settings().fault_kv_copy_delay_s:  # fault injection: a copy that ends after the deadline
+                time.sleep(settings().fault_kv_copy_delay_s)
+            copy_blocks(src, dst, src_ids, dst_ids)
+    finally:
+        if fence_fd is not None:
+            os.close(fence_fd)

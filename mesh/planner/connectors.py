@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Protocol
 
 import httpx
 
-from mesh.procutil import die_with_parent
+from mesh.procutil import die_with_parent, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,10 @@ class LocalConnector:
 
     def _spawn(self, pool: str) -> _Proc:
         wid = f"{pool}-{self.prefix}-{next(self._ids)}"  # the prefix keeps ids unique per connector
-        proc = subprocess.Popen([*self.argv[pool], "--worker-id", wid], env=self.env, preexec_fn=die_with_parent)
+        # its own process group: a terminal's Ctrl-C reaches whoever runs the connector, which
+        # then signals each worker exactly once (a second signal would cut the worker's drain)
+        proc = subprocess.Popen([*self.argv[pool], "--worker-id", wid], env=self.env, preexec_fn=die_with_parent,
+                                process_group=0)
         p = _Proc(wid, proc)
         self.procs[pool].append(p)
         log.info("started %s (pid %d)", wid, proc.pid)
@@ -128,20 +130,16 @@ class LocalConnector:
                     log.warning("%s exited unexpectedly (status %s)", p.worker_id, rc)
             self.procs[pool] = keep
 
-    async def close(self) -> None:
+    async def close(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
+        """Stop every worker: SIGTERM drains each (up to its own drain timeout), SIGINT stops them
+        quickly; whoever is still running after ``timeout`` (default ``drain_timeout``) is killed."""
         everyone = [p for pool in POOLS for p in self.procs[pool]]
         for p in everyone:
             p.draining = True
-            if p.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.drain_timeout
-        for p in everyone:
-            try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
+        killed = await stop_processes([p.proc for p in everyone], sig,
+                                      self.drain_timeout if timeout is None else timeout)
+        if killed:
+            log.warning("killed %d workers that did not stop in time", len(killed))
         self.reap()
 
 

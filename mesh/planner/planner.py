@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from mesh.bus import Bus
 from mesh.planner.connectors import POOLS, Connector
 from mesh.planner.policy import PlannerConfig, PoolPlanner, PoolWindow, ScaleDecision
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import LoadReport, PlannerDecision, WorkerCard
 from mesh.registry import Membership
 
@@ -59,9 +60,7 @@ class Planner:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._sub:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

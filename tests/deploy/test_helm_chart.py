@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 from functools import cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate
@@ -27,7 +30,8 @@ import pytest
 import yaml
 
 from mesh.cli import build_parser
-from mesh.natsserver import EmbeddedNats, find_binary
+from mesh.natsperms import ROLES, chart_table, permissions
+from mesh.natsserver import EmbeddedNats, find_binary, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdmesh"
@@ -50,6 +54,16 @@ VARIANTS: dict[str, dict] = {
         "workers": {"dtype": "bfloat16"},
     },
     "external-nats": {"nats": {"external": {"url": "nats://nats.infra.svc:4222"}}, "mesh": {"namespace": "team-a"}},
+    "single-nats": {"nats": {"replicas": 1}},
+    "nats-no-auth": {"nats": {"auth": {"enabled": False}}},
+    "secured": {
+        "nats": {"tls": {"secretName": "nats-tls"}, "auth": {"existingSecret": "nats-passwords"}},
+        "gateway": {"apiKeys": {"existingSecret": "api-keys", "key": "keys.txt", "maxConcurrent": 4, "rpm": 600,
+                                "metricsAuth": True}},
+        "model": {"servedName": "Qwen/Qwen2.5-7B"}, "mesh": {"namespace": "team-b", "jsReplicas": 5},
+    },
+    "external-creds": {"nats": {"external": {"url": "tls://n1.infra:4222,tls://n2.infra:4222", "credsSecret": "creds"},
+                                "tls": {"secretName": "nats-ca"}}},
     "planner-off": {"planner": {"enabled": False}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
     "everything": {
         "workers": {"mock": True}, "nats": {"replicas": 3, "jetstream": {"fileStore": {"enabled": False}}},
@@ -177,17 +191,44 @@ def test_planner_without_a_prefill_pool_is_refused():
 # -- NATS wiring -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["default", "gpu", "planner-off", "everything"])
-def test_every_process_dials_the_charts_nats_service(variant):
+def role_of(doc: dict) -> str:
+    return doc["metadata"]["name"].removeprefix(f"{RELEASE}-pdmesh-")
+
+
+def nats_values(variant: str) -> dict:
+    return VARIANTS[variant].get("nats", {})
+
+
+@pytest.mark.parametrize("variant", ["default", "gpu", "planner-off", "everything", "nats-no-auth", "secured"])
+def test_every_process_dials_the_charts_nats_service_as_its_role(variant):
     docs = render(variant)
     svc = one(docs, "Service", component("nats"))
     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "client")
     sts = one(docs, "StatefulSet", component("nats"))
     assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
-    expect = f"nats://{svc['metadata']['name']}:{port}"
-    urls = {(d["metadata"]["name"], c["name"]): env(c)["MESH_NATS_URL"] for d, c in pdmesh_containers(docs)}
-    assert component("gateway") in {name for name, _ in urls}
-    assert set(urls.values()) == {expect}, urls
+    auth = nats_values(variant).get("auth", {}).get("enabled", True)
+    secret = nats_values(variant).get("auth", {}).get("existingSecret") or component("nats-auth")
+    tls = bool(nats_values(variant).get("tls", {}).get("secretName"))
+    roles = set()
+    for d, c in pdmesh_containers(docs):
+        role = role_of(d)
+        roles.add(role)
+        url = urlsplit(env(c)["MESH_NATS_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("tls" if tls else "nats", svc["metadata"]["name"], port)
+        if auth:  # its role's user; the password from the Secret, expanded by Kubernetes
+            assert (url.username, url.password) == (role, "$(NATS_PASSWORD)")
+            names = [e["name"] for e in c["env"]]
+            assert names.index("NATS_PASSWORD") < names.index("MESH_NATS_URL")  # $(VAR) needs it first
+            ref = next(e for e in c["env"] if e["name"] == "NATS_PASSWORD")["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": secret, "key": role}
+        else:
+            assert url.username is None and "NATS_PASSWORD" not in env(c)
+        if tls:
+            assert env(c)["MESH_NATS_TLS_CA"] == "/etc/pdmesh/nats-ca/ca.crt"
+            assert {"name": "nats-ca", "mountPath": "/etc/pdmesh/nats-ca", "readOnly": True} in c["volumeMounts"]
+            vol = next(v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "nats-ca")
+            assert vol["secret"] == {"secretName": "nats-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert roles >= {"gateway", "decode", "prefill"}
 
 
 def test_external_nats_deploys_no_nats_and_everyone_dials_it():
@@ -205,27 +246,170 @@ def _nats_conf(docs) -> str:
     return one(docs, "ConfigMap", component("nats"))["data"]["nats.conf"]
 
 
-@pytest.mark.parametrize("variant", ["default", "everything"])
+PASSWORDS = {f"PDMESH_{role.upper()}_PASSWORD": f"pw-{role}-{i}" for i, role in enumerate(ROLES)}
+
+
+@pytest.mark.parametrize("variant", ["default", "everything", "single-nats", "nats-no-auth", "secured"])
 def test_nats_config_is_accepted_by_nats_server(variant, tmp_path):
+    text = _nats_conf(render(variant))
+    if "/etc/nats-tls/" in text:  # the Secret's files, as a cert-manager Certificate would give
+        import trustme
+
+        ca = trustme.CA()
+        cert = ca.issue_cert(component("nats"))
+        cert.cert_chain_pems[0].write_to_path(tmp_path / "tls.crt")
+        cert.private_key_pem.write_to_path(tmp_path / "tls.key")
+        ca.cert_pem.write_to_path(tmp_path / "ca.crt")
+        text = text.replace("/etc/nats-tls/", f"{tmp_path}/")
     conf = tmp_path / "nats.conf"
-    conf.write_text(_nats_conf(render(variant)))
+    conf.write_text(text)
     r = subprocess.run([find_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "SERVER_NAME": f"{component('nats')}-0"})
+                       env={**os.environ, "SERVER_NAME": f"{component('nats')}-0", **PASSWORDS})
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_nats_has_jetstream_and_a_route_per_replica():
-    single = _nats_conf(render("default"))
+    single = _nats_conf(render("single-nats"))
     assert "jetstream {" in single and "cluster {" not in single
-    sts = one(render("default"), "StatefulSet", component("nats"))
+    sts = one(render("single-nats"), "StatefulSet", component("nats"))
     assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["data"]
-    clustered = _nats_conf(render("everything"))
-    routes = [line.strip() for line in clustered.splitlines() if line.strip().startswith("nats://")]
-    headless = component("nats-headless")
-    assert routes == [f"nats://{component('nats')}-{i}.{headless}:6222" for i in range(3)]
-    sts = one(render("everything"), "StatefulSet", component("nats"))
-    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == headless
-    assert "volumeClaimTemplates" not in sts["spec"]
+    for variant in ("default", "everything"):  # the chart's default is a 3-node JetStream cluster
+        clustered = _nats_conf(render(variant))
+        routes = [line.strip() for line in clustered.splitlines() if line.strip().startswith("nats://")]
+        headless = component("nats-headless")
+        assert routes == [f"nats://{component('nats')}-{i}.{headless}:6222" for i in range(3)]
+        sts = one(render(variant), "StatefulSet", component("nats"))
+        assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == headless
+    assert "volumeClaimTemplates" not in one(render("everything"), "StatefulSet", component("nats"))["spec"]
+
+
+@pytest.mark.parametrize(("variant", "replicas"), [("default", "3"), ("single-nats", "1"), ("external-nats", "1"),
+                                                   ("secured", "5")])
+def test_jetstream_replicas_follow_the_nats_cluster(variant, replicas):
+    for _, c in pdmesh_containers(render(variant)):
+        assert env(c)["MESH_JS_REPLICAS"] == replicas
+        assert env(c)["MESH_NATS_CONNECT_TIMEOUT"] == "120"  # NATS may still be starting at install
+
+
+def _users(conf: str) -> dict[str, tuple[str, dict]]:
+    """user -> (password variable, permissions) of the rendered authorization block."""
+    found = re.findall(r"\{user: (\w+), password: \$(\w+), permissions: (\{.*\})\}$", conf, re.M)
+    return {user: (var, json.loads(perms)) for user, var, perms in found}
+
+
+@pytest.mark.parametrize(("variant", "ns", "model"), [("default", "mesh", "tiny"), ("everything", "mesh", "mock"),
+                                                      ("secured", "team-b", "Qwen/Qwen2.5-7B")])
+def test_nats_users_have_exactly_their_roles_permissions(variant, ns, model):
+    docs = render(variant)
+    users = _users(_nats_conf(docs))
+    assert set(users) == set(ROLES)
+    for role, (var, perms) in users.items():
+        assert perms == permissions(role, ns, [model]).to_dict(), role
+        assert var == f"PDMESH_{role.upper()}_PASSWORD"
+    secret = nats_values(variant).get("auth", {}).get("existingSecret") or component("nats-auth")
+    (nats,) = containers(one(docs, "StatefulSet", component("nats")))
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in nats["env"] if "valueFrom" in e and
+            "secretKeyRef" in e["valueFrom"]}
+    assert refs == {f"PDMESH_{r.upper()}_PASSWORD": {"name": secret, "key": r} for r in ROLES}
+    created = find(docs, "Secret", component("nats-auth"))
+    if secret == component("nats-auth"):  # the chart's own: four random passwords
+        (doc,) = created
+        assert set(doc["data"]) == set(ROLES) and len(set(doc["data"].values())) == 4
+        assert doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    else:
+        assert not created
+    assert "authorization" not in _nats_conf(render("nats-no-auth")) and not find(render("nats-no-auth"), "Secret")
+
+
+def test_chart_permission_table_is_mesh_natsperms():
+    # regenerate with: python -m mesh.natsperms > helm/pdmesh/files/nats-permissions.json
+    assert json.loads((CHART / "files" / "nats-permissions.json").read_text()) == chart_table()
+
+
+async def test_rendered_nats_users_on_a_real_server(tmp_path):
+    """The chart's NATS config, run: each role logs in with its password and only its subjects."""
+    conf = _nats_conf(render("single-nats"))
+    port, http = free_port(), free_port()
+    conf = (conf.replace("store_dir: /data", f'store_dir: "{tmp_path / "js"}"')
+            .replace("pid_file: /var/run/nats/nats.pid", f'pid_file: "{tmp_path / "nats.pid"}"')
+            .replace("port: 4222", f"port: {port}").replace("http_port: 8222", f"http_port: {http}"))
+    (tmp_path / "nats.conf").write_text(conf)
+    proc = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-c", str(tmp_path / "nats.conf")],  # noqa: ASYNC220
+                            env={**os.environ, "SERVER_NAME": "n0", **PASSWORDS},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def url(role: str) -> str:
+            return f"nats://{role}:{PASSWORDS[f'PDMESH_{role.upper()}_PASSWORD']}@127.0.0.1:{port}"
+
+        from mesh.bus import Bus
+        from mesh.natsauth import NatsConfig, NatsError
+        from mesh.registry import open_bucket
+
+        buses = {}
+        for role in ROLES:  # each joins (JetStream answers), the workers can open the registry
+            buses[role] = await Bus.connect(url(role), role, config=NatsConfig.build(url(role), role=role))
+        await open_bucket(buses["decode"])
+        with pytest.raises(NatsError, match="refused our credentials"):
+            wrong = url("gateway").replace("pw-", "nope-")
+            await Bus.connect(wrong, "x", config=NatsConfig.build(wrong, role="gateway", connect_timeout=2))
+        errors = []
+
+        async def on_error(e):
+            errors.append(str(e).lower())
+
+        decode = buses["decode"].nc
+        decode._error_cb = on_error
+        await decode.publish("mesh.tiny.decode.w.generate", b"forged")
+        await decode.flush()
+        for _ in range(50):
+            if errors:
+                break
+            await asyncio.sleep(0.05)
+        assert any('permissions violation for publish to "mesh.tiny.decode.w.generate"' in e for e in errors), errors
+        # the readiness probe joins as the worker does (its user and inbox) and reads the registry
+        script = tmp_path / "worker_ready.py"
+        script.write_text((CHART / "files" / "worker_ready.py").read_text())
+        r = await asyncio.to_thread(_probe, script, url("decode"), "nobody")
+        assert r.returncode == 1 and "not in the registry" in r.stderr, r.stderr
+        for bus in buses.values():
+            await bus.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_gateway_takes_its_api_keys_from_a_secret():
+    c = containers(one(render("secured"), "Deployment", component("gateway")))[0]
+    for flag in ("--api-key-file=/etc/pdmesh/api-keys/keys.txt", "--api-key-max-concurrent=4", "--api-key-rpm=600",
+                 "--metrics-auth"):
+        assert flag in c["args"]
+    # a directory mount, not subPath: Kubernetes updates the file when the Secret changes
+    assert {"name": "api-keys", "mountPath": "/etc/pdmesh/api-keys", "readOnly": True} in c["volumeMounts"]
+    spec = one(render("secured"), "Deployment", component("gateway"))["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "api-keys"}} in spec["volumes"]
+    c = containers(one(render("default"), "Deployment", component("gateway")))[0]
+    assert not [a for a in c["args"] if a.startswith("--api-key")]
+
+
+def test_worker_metrics_listen_on_the_pod_ip():
+    for pool in ("prefill", "decode"):
+        c = containers(one(render("default"), "Deployment", component(pool)))[0]
+        assert "--metrics-host=$(POD_IP)" in c["args"]
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+
+
+def test_external_nats_with_a_creds_file_per_role():
+    docs = render("external-creds")
+    assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    for d, c in pdmesh_containers(docs):
+        role = role_of(d)
+        e = env(c)
+        assert e["MESH_NATS_URL"] == "tls://n1.infra:4222,tls://n2.infra:4222" and "NATS_PASSWORD" not in e
+        assert e["MESH_NATS_CREDS"] == f"/etc/pdmesh/nats-creds/{role}.creds"
+        assert e["MESH_NATS_TLS_CA"] == "/etc/pdmesh/nats-ca/ca.crt"
+        assert {"name": "nats-creds", "mountPath": "/etc/pdmesh/nats-creds", "readOnly": True} in c["volumeMounts"]
+        vols = d["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "nats-creds", "secret": {"secretName": "creds"}} in vols
 
 
 # -- the planner's permissions -----------------------------------------------------------------------
@@ -375,8 +559,8 @@ def test_workers_are_ready_when_their_card_is_and_drain_in_time():
         d = one(docs, "Deployment", component(pool))
         spec = d["spec"]["template"]["spec"]
         c = containers(d)[0]
-        assert c["readinessProbe"]["exec"]["command"] == ["python", "/etc/pdmesh/worker_ready.py"]
-        assert {"name": "probe", "mountPath": "/etc/pdmesh", "readOnly": True} in c["volumeMounts"]
+        assert c["readinessProbe"]["exec"]["command"] == ["python", "/etc/pdmesh/probe/worker_ready.py", pool]
+        assert {"name": "probe", "mountPath": "/etc/pdmesh/probe", "readOnly": True} in c["volumeMounts"]
         assert {"name": "probe", "configMap": {"name": probe_map["metadata"]["name"]}} in spec["volumes"]
         assert "--worker-id=$(POD_NAME)" in c["args"]
         assert spec["terminationGracePeriodSeconds"] > 30  # the worker's own drain timeout
@@ -446,7 +630,7 @@ def test_image_user_matches_the_pod_security_context():
 
 
 def _probe(script: Path, url: str, pod: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
+    return subprocess.run([sys.executable, str(script), "decode"], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "MESH_NATS_URL": url, "MESH_NS": "mesh", "POD_NAME": pod})
 
 

@@ -113,7 +113,7 @@ async def test_finished_and_cancelled_requests_end_final(nats_server, bus):
         stream = generate(bus, worker.worker_id, long, first_timeout=30, idle_timeout=30)
         await anext(stream)
         await wait_state(worker, long.request_id, ReqState.DECODING)
-        await cancel(bus, MODEL, worker.worker_id, long.request_id)
+        await cancel(bus, MODEL, worker.worker_id, long.request_id, worker.active[long.request_id].reply)
         await wait_state(worker, long.request_id, ReqState.CANCELLED)
         await stream.aclose()
         assert_all_final(worker, ReqState.FINISHED, ReqState.CANCELLED)
@@ -139,7 +139,7 @@ async def test_remote_prefill_cancelled_waits_for_its_blocks_and_a_dead_prefill_
         stream = generate(bus, worker.worker_id, req, first_timeout=30, idle_timeout=30)
         first = asyncio.ensure_future(anext(stream))
         await wait_state(worker, req.request_id, ReqState.WAITING_FOR_KV)
-        await cancel(bus, MODEL, worker.worker_id, req.request_id)
+        await cancel(bus, MODEL, worker.worker_id, req.request_id, worker.active[req.request_id].reply)
         await wait_state(worker, req.request_id, ReqState.CANCELLING)
         await wait_state(worker, req.request_id, ReqState.CANCELLED)  # its PrefillDone or deadline came
         first.cancel()

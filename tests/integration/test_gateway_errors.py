@@ -89,15 +89,15 @@ class ScriptedWorker:
         rid, n_prompt = req.request_id, len(req.token_ids)
         if script == "retry" and self.worker_id.endswith("-a"):
             await self._send(reply, TokenChunk(rid, 0, finish_reason="error", error="worker is draining",
-                                               error_status=503))
+                                               error_status=503, worker=self.worker_id))
             return
         if script == "bad":
             await self._send(reply, TokenChunk(rid, 0, finish_reason="error", error="prompt rejected by the engine",
-                                               error_status=400))
+                                               error_status=400, worker=self.worker_id))
             return
         if script == "crash":
             await self._send(reply, TokenChunk(rid, 0, finish_reason="error", error="engine exploded",
-                                               error_status=500))
+                                               error_status=500, worker=self.worker_id))
             return
         if script == "garbage":
             await self.bus.nc.publish(reply, b"\xc1 not msgpack")

@@ -70,11 +70,12 @@ async def test_overlapped_workers_give_the_engines_tokens_and_cancel_cleanly(clu
         req = GenerateRequest(uuid.uuid4().hex, "tiny", prompts(1)[2],
                               SamplingOptions(max_tokens=2000, temperature=0.0, ignore_eos=True))
         got = 0
-        async for chunk in generate(w.bus, "dec-ovl", req, first_timeout=120, idle_timeout=30):
+        reply = w.bus.nc.new_inbox()
+        async for chunk in generate(w.bus, "dec-ovl", req, first_timeout=120, idle_timeout=30, reply=reply):
             assert chunk.finish_reason is None
             got += len(chunk.token_ids)
             if got >= 3:
-                await cancel(w.bus, "tiny", "dec-ovl", req.request_id)
+                await cancel(w.bus, "tiny", "dec-ovl", req.request_id, reply)
                 break
         cancelled_at = time.time()
         await w.wait_for(lambda: (r := w.loads.get("dec-ovl")) and r.timestamp > cancelled_at and r.running == 0

@@ -63,7 +63,8 @@ class SingleChunkWorker:
         req = msgpack.unpackb(msg.data)
         ids = req["token_ids"][: req["sampling"]["max_tokens"]]
         for i, t in enumerate(ids):
-            chunk = {"type": "TokenChunk", "request_id": req["request_id"], "index": i, "token_ids": [t]}
+            chunk = {"type": "TokenChunk", "request_id": req["request_id"], "index": i, "token_ids": [t],
+                     "worker": self.worker_id}  # the gateway takes chunks only from the stream's worker
             if i == len(ids) - 1:
                 chunk["finish_reason"] = "length"
                 chunk["usage"] = {"prompt_tokens": len(req["token_ids"]), "completion_tokens": len(ids)}

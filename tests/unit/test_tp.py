@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import secrets
 import signal
 import time
 
@@ -14,7 +15,7 @@ import torch
 
 import kvstore.cache
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
-from kvstore.transfer.shm import ShmReceiver, ShmSender
+from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.engine import Engine, EngineConfig, ModelError, SamplingParams
 from mesh.engine.tp import TensorParallelError
 from mesh.protocol import PrefillJob
@@ -233,7 +234,7 @@ def test_block_major_bytes_are_the_same_whatever_the_sharding():
 
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1)])
 def test_shm_transport_reshards_into_the_decode_workers_rank_files(tmp_path, src_tp, dst_tp):
-    paths = [str(tmp_path / f"kv.r{r}") for r in range(dst_tp)]
+    paths = [shm_path(f"test-{secrets.token_hex(3)}-r{r}") for r in range(dst_tp)]  # the mesh's KV directory
     decode_kv = sharded(dst_tp, paths)
     receiver = ShmReceiver(decode_kv)
     params = receiver.params("r1", [2, 3])

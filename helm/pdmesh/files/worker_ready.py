@@ -1,11 +1,13 @@
 """Readiness of one pdmesh worker: exit 0 when its card is in the registry, "ready", and fresh.
 
 The chart's exec readinessProbe runs this in the worker's own container (workers have
-no HTTP port). It reads the registry the way every router does: the card under the
-worker's id in the JetStream KV bucket ``{ns}_workers``. Environment:
+no HTTP port), as ``worker_ready.py ROLE``: it joins NATS as the worker does (its user,
+credentials and TLS from the ``MESH_NATS_*`` environment, its role's inbox). It reads the
+registry the way every router does: the card under the worker's id in the JetStream KV
+bucket ``{ns}_workers``. Environment:
 
-    MESH_NATS_URL, MESH_NS (default mesh), POD_NAME (the worker id: the chart passes
-    ``--worker-id $(POD_NAME)``)
+    MESH_NATS_URL (and MESH_NATS_CREDS, MESH_NATS_TLS_CA, ...), MESH_NS (default mesh),
+    POD_NAME (the worker id: the chart passes ``--worker-id $(POD_NAME)``)
 
 Exit 0: ready. Exit 1: no card, a draining worker, or a card older than the registry TTL
 (the worker stopped refreshing it). Exit 2: NATS or the bucket cannot be reached.
@@ -18,25 +20,20 @@ import os
 import sys
 import time
 
-import nats
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from mesh.config import settings
+from mesh.natsauth import NatsConfig, NatsError, open_connection
 from mesh.protocol import DecodeError, Subjects, WorkerCard, decode, subject_token
 from mesh.registry import DEFAULT_TTL
 
 
-async def check(url: str, ns: str, worker_id: str, timeout: float = 3.0) -> tuple[int, str]:
-    async def quiet(e: Exception) -> None:  # the one-line answer below says it
-        pass
-
+async def check(url: str, ns: str, worker_id: str, role: str = "", timeout: float = 3.0) -> tuple[int, str]:
     try:
-        # nats-py keeps retrying a refused first connect: bound it
-        nc = await asyncio.wait_for(
-            nats.connect(url, connect_timeout=timeout, allow_reconnect=False, error_cb=quiet), timeout
-        )
-    except Exception as e:
-        return 2, f"cannot reach NATS at {url}: {type(e).__name__} {e}"
+        config = NatsConfig.build(url, role=role, connect_timeout=timeout)
+        nc = await open_connection(config, "readiness-probe", allow_reconnect=False)
+    except (NatsError, ValueError) as e:
+        return 2, str(e)
     try:
         kv = await nc.jetstream(timeout=timeout).key_value(Subjects(ns).workers_bucket())
         entry = await kv.get(subject_token(worker_id))
@@ -64,7 +61,8 @@ def main() -> int:
     if not s.nats_url or not worker_id:
         print("MESH_NATS_URL and POD_NAME must be set", file=sys.stderr)
         return 2
-    code, message = asyncio.run(check(s.nats_url, s.ns, worker_id))
+    role = sys.argv[1] if len(sys.argv) > 1 else ""
+    code, message = asyncio.run(check(s.nats_url, s.ns, worker_id, role))
     print(message, file=sys.stderr if code else sys.stdout)
     return code
 

@@ -36,13 +36,76 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The NATS every process connects to: the external URL, or the chart's Service. */}}
+{{/* The NATS every process connects to: the external URL, or the chart's Service (tls:// with
+nats.tls.secretName). Args: root, user ("" for none; the password comes from $(NATS_PASSWORD)). */}}
 {{- define "pdmesh.natsUrl" -}}
-{{- if .Values.nats.external.url -}}
-{{- .Values.nats.external.url -}}
+{{- $v := .root.Values -}}
+{{- if $v.nats.external.url -}}
+{{- $v.nats.external.url -}}
 {{- else -}}
-{{- printf "nats://%s:%d" (include "pdmesh.component" (dict "root" . "component" "nats")) (int .Values.nats.port) -}}
+{{- $auth := ternary (printf "%s:$(NATS_PASSWORD)@" .user) "" (ne .user "") -}}
+{{- printf "%s://%s%s:%d" (ternary "tls" "nats" (ne $v.nats.tls.secretName "")) $auth (include "pdmesh.component" (dict "root" .root "component" "nats")) (int $v.nats.port) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Does the chart's NATS have one user per role? */}}
+{{- define "pdmesh.natsAuth" -}}
+{{- if and (not .Values.nats.external.url) .Values.nats.auth.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Secret with the NATS users' passwords (keys gateway, decode, prefill, planner). */}}
+{{- define "pdmesh.natsAuthSecret" -}}
+{{- default (include "pdmesh.component" (dict "root" . "component" "nats-auth")) .Values.nats.auth.existingSecret -}}
+{{- end -}}
+
+{{/* JetStream replicas of the registry bucket and prefill streams: mesh.jsReplicas, else 3 on the
+chart's NATS cluster of 3 or more, else 1. */}}
+{{- define "pdmesh.jsReplicas" -}}
+{{- if not (kindIs "invalid" .Values.mesh.jsReplicas) -}}
+{{- .Values.mesh.jsReplicas -}}
+{{- else if and (not .Values.nats.external.url) (ge (int .Values.nats.replicas) 3) -}}
+3
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
+
+{{/* The served model as a subject token (what its prefill stream is named after). */}}
+{{- define "pdmesh.modelToken" -}}
+{{- regexReplaceAll "[^A-Za-z0-9_-]" (include "pdmesh.servedName" .) "_" -}}
+{{- end -}}
+
+{{/* Volumes every pdmesh pod needs to reach NATS: the CA (nats.tls.secretName), the creds files
+(nats.external.credsSecret). */}}
+{{- define "pdmesh.natsVolumes" -}}
+{{- $n := .Values.nats -}}
+{{- if $n.tls.secretName }}
+- name: nats-ca
+  secret:
+    secretName: {{ $n.tls.secretName }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- if and $n.external.url $n.external.credsSecret }}
+- name: nats-creds
+  secret:
+    secretName: {{ $n.external.credsSecret }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdmesh.natsMounts" -}}
+{{- $n := .Values.nats -}}
+{{- if $n.tls.secretName }}
+- name: nats-ca
+  mountPath: /etc/pdmesh/nats-ca
+  readOnly: true
+{{- end }}
+{{- if and $n.external.url $n.external.credsSecret }}
+- name: nats-creds
+  mountPath: /etc/pdmesh/nats-creds
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "pdmesh.image" -}}
@@ -79,8 +142,30 @@ mock
   valueFrom:
     fieldRef:
       fieldPath: metadata.namespace
+{{- if include "pdmesh.natsAuth" .root }}
+- name: NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdmesh.natsAuthSecret" .root }}
+      key: {{ .component }}
 - name: MESH_NATS_URL
-  value: {{ include "pdmesh.natsUrl" .root | quote }}
+  value: {{ include "pdmesh.natsUrl" (dict "root" .root "user" .component) | quote }}
+{{- else }}
+- name: MESH_NATS_URL
+  value: {{ include "pdmesh.natsUrl" (dict "root" .root "user" "") | quote }}
+{{- end }}
+{{- if $v.nats.tls.secretName }}
+- name: MESH_NATS_TLS_CA
+  value: /etc/pdmesh/nats-ca/ca.crt
+{{- end }}
+{{- if and $v.nats.external.url $v.nats.external.credsSecret }}
+- name: MESH_NATS_CREDS
+  value: {{ printf "/etc/pdmesh/nats-creds/%s.creds" .component | quote }}
+{{- end }}
+- name: MESH_JS_REPLICAS
+  value: {{ include "pdmesh.jsReplicas" .root | quote }}
+- name: MESH_NATS_CONNECT_TIMEOUT
+  value: {{ $v.mesh.natsConnectTimeout | quote }}
 - name: MESH_NS
   value: {{ $v.mesh.namespace | quote }}
 - name: MESH_LOG_LEVEL

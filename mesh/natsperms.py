@@ -1,0 +1,130 @@
+"""Least-privilege NATS permissions per role, from the subject table (``docs/protocol.md``).
+
+One NATS user per role; each may publish and subscribe only what its role does:
+
+    role      publishes                                   subscribes
+    gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
+              router.decisions                            planner.decisions, its inbox
+    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
+              replies to gateway and prefill inboxes,     kv.snapshot, load, its inbox
+              its registry card
+    prefill   kv_ready, kv_data, nccl (requests), load,   its inbox (jobs come by a JetStream pull)
+              its registry card
+    planner   planner.decisions                           load, planner.decisions, its inbox
+
+plus the JetStream API calls each role makes on the registry bucket
+(``KV_{ns}_workers``) and the prefill streams (``{ns}_{model}_prefill``): info,
+create, the registry watch, the prefill pull consumer and its acks. Nobody may
+delete, purge or update a stream. Inboxes are per role (``_INBOX.{role}``, which
+``NatsConfig.inbox_prefix`` sets), so a worker cannot read a gateway's replies.
+
+Subjects take any model of the namespace (routers and planners listen to all of
+them). With the served models known (the Helm chart knows its one model), stream
+names are exact; without, a ``*`` stands for the stream, which lets the workers
+create other streams of the account (bounded by its JetStream limits).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mesh.protocol import Subjects
+
+ROLES = ("gateway", "decode", "prefill", "planner")
+ANY = "*"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        """As in a nats-server user: ``{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}}``."""
+        return {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}}
+
+    def to_jwt(self) -> dict:
+        """As in the ``nats`` claims of a user JWT (operator mode; what ``nsc add user
+        --allow-pub ... --allow-sub ...`` writes): ``{"pub": {"allow"}, "sub": {"allow"}}``."""
+        return {"pub": {"allow": list(self.publish)}, "sub": {"allow": list(self.subscribe)}}
+
+
+def inbox(role: str) -> str:
+    return f"_INBOX.{role}.>"
+
+
+def _registry(ns: str, writes: bool) -> list[str]:
+    """The registry bucket: open or create it, watch it (an ordered consumer), read a card;
+    workers also put and delete their own card."""
+    bucket = Subjects(ns).workers_bucket()
+    stream = f"KV_{bucket}"
+    api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}",
+           f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+           f"$JS.API.CONSUMER.DELETE.{stream}.*", f"$JS.API.CONSUMER.INFO.{stream}.*",
+           f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>"]
+    return ["$JS.API.INFO", *api, *([f"$KV.{bucket}.>"] if writes else [])]
+
+
+def _prefill_streams(ns: str, models: Sequence[str]) -> list[str]:
+    """Stream names as a subject token: exact per model, or any (a stream name is one token)."""
+    return [Subjects(ns).prefill_stream(m) for m in models] if models else [ANY]
+
+
+def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Permissions:
+    """What ``role`` may publish and subscribe in namespace ``ns``. Subjects take any model (the
+    routers and the planner listen to every model of a namespace); ``models``, when known, make
+    the prefill streams' names exact."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+    s = Subjects(ns)
+    m = f"{ns}.{ANY}"
+    streams = _prefill_streams(ns, models)
+    decode = f"{m}.decode.{ANY}"
+    load = s.load_all()
+    if role == "gateway":
+        pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(),
+               *_registry(ns, False)]
+        sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
+    elif role == "decode":
+        pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
+               *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
+        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}")),
+               f"{m}.kv.snapshot.{ANY}", load, inbox("decode")]
+    elif role == "prefill":
+        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load, *_registry(ns, True)]
+        for st in streams:
+            pub += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",
+                    f"$JS.API.CONSUMER.CREATE.{st}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{st}.*",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{st}.*", f"$JS.ACK.{st}.>"]
+        sub = [inbox("prefill")]
+    else:  # planner (and mesh top: it reads what the planner reads)
+        pub = [s.planner_decisions(), *_registry(ns, False)]
+        sub = [load, s.planner_decisions(), inbox("planner")]
+    return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
+
+
+def authorization_block(users: Mapping[str, Mapping[str, str]], ns: str = "mesh",
+                        models: Sequence[str] = (), extra: Sequence[Mapping] = ()) -> str:
+    """A nats-server ``authorization { users: [...] }`` block: one user per role in ``users``
+    (role -> credentials, e.g. ``{"user": "gateway", "password": "..."}`` or ``{"nkey": "U..."}``)
+    with that role's permissions; ``extra``: more users as they are (an admin, a monitor)."""
+    entries = [{**creds, "permissions": permissions(role, ns, models).to_dict()} for role, creds in users.items()]
+    entries += [dict(e) for e in extra]
+    body = ",\n    ".join(json.dumps(e) for e in entries)
+    return f"authorization {{\n  users: [\n    {body}\n  ]\n}}\n"
+
+
+# -- the Helm chart's copy ----------------------------------------------------------
+# helm/pdmesh/files/nats-permissions.json is this table with placeholders the chart fills in
+# (the namespace, the served model's token); tests/deploy checks it matches.
+NS_PLACEHOLDER, MODEL_PLACEHOLDER = "__NS__", "__MODEL__"
+
+
+def chart_table() -> dict:
+    return {role: permissions(role, NS_PLACEHOLDER, [MODEL_PLACEHOLDER]).to_dict() for role in ROLES}
+
+
+if __name__ == "__main__":  # python -m mesh.natsperms > helm/pdmesh/files/nats-permissions.json
+    print(json.dumps(chart_table(), indent=2))
