@@ -373,12 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--async-scheduling", action="store_true", help="CPU: our engine with overlapped scheduling")
+    p.add_argument("--moe", action="store_true",
+                   help="mixture of experts instead (bench/moe.py): the tiny and small-sized Qwen3-MoE vs "
+                        "transformers; with --gpu an 8B-active-shaped MoE against its roofline")
     gpu = _gpu_module()
     gpu.add_arguments(p)
     args = p.parse_args(argv)
     if args.dry_run and not args.gpu:
         p.error("--dry-run goes with --gpu")
-    result = gpu.run_gpu(gpu.gpu_settings(args)) if args.gpu else run_cpu(args)
+    if args.moe:
+        from moe import run_moe  # bench/moe.py: this script's directory is first on sys.path
+
+        result = run_moe(args, sys.modules[__name__])
+    else:
+        result = gpu.run_gpu(gpu.gpu_settings(args)) if args.gpu else run_cpu(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 1 if result.get("failed") else 0

@@ -46,7 +46,7 @@ from decode.lifecycle import Event, ReqState, advance
 from kvstore.transfer import KvReceiver, host_id, make_receiver
 from mesh import metrics
 from mesh.engine.core import EngineCore
-from mesh.engine.errors import RequestError
+from mesh.engine.errors import RequestError, UnknownAdapterError
 from mesh.engine.scheduler import StepOutput
 from mesh.engine.sequence import SampledToken, Sequence
 from mesh.prefill_queue import PrefillQueue
@@ -256,9 +256,11 @@ class DecodeWorker(WorkerBase):
         if error is None:
             try:
                 seq = self.engine.new_sequence(req.token_ids, sampling_params(req.sampling),
-                                               request_id=req.request_id)
+                                               request_id=req.request_id, lora=req.adapter or None)
                 if not 0 <= req.output_offset < len(req.token_ids):
                     raise ValueError(f"output_offset {req.output_offset} does not fit the prompt")
+            except UnknownAdapterError as e:
+                error = (str(e), 404)
             except (RequestError, ValueError) as e:
                 error = (str(e), 400)
         if error is not None:
@@ -282,7 +284,7 @@ class DecodeWorker(WorkerBase):
             if rec.state is not ReqState.ADMITTING:
                 return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
-        want_remote = (seq.num_prompt_tokens >= threshold and self._prefill_free()
+        want_remote = (seq.num_prompt_tokens >= threshold and self._prefill_free(req.adapter)
                        and req.request_id not in self.fences)  # a late copy of its last job may still run
 
         def admit(engine: EngineCore):
@@ -353,7 +355,7 @@ class DecodeWorker(WorkerBase):
             transports={n: rx.params(rid, dest) for n, rx in self.receivers.items()},
             deadline=time.time() + timeout, block_size=self.engine.block_size,
             sampling=req.sampling, created=time.time(), output_offset=req.output_offset,
-            priority=req.priority, token=rec.job_token,
+            priority=req.priority, token=rec.job_token, adapter=req.adapter,
         )
         rec.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, rid)
         span = rec.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})
@@ -647,9 +649,11 @@ class DecodeWorker(WorkerBase):
         if report.role == "prefill":
             self.prefill_loads[report.worker_id] = report
 
-    def _prefill_free(self) -> bool:
-        """Is there a live prefill worker with room? (the decision is per request, the data per second)"""
-        cards = [c for c in self.membership.cards(self.engine.model_name, "prefill") if c.status == "ready"]
+    def _prefill_free(self, adapter: str = "") -> bool:
+        """Is there a live prefill worker (holding the request's LoRA adapter) with room? (the
+        decision is per request, the data per second)"""
+        cards = [c for c in self.membership.cards(self.engine.model_name, "prefill")
+                 if c.status == "ready" and (not adapter or adapter in c.adapters)]
         if not cards:
             return False
         capacity = sum(c.capacity for c in cards)

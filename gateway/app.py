@@ -29,12 +29,13 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import errors
 from gateway import metrics as gateway_metrics
+from gateway.adapters import install_adapter_routes
 from gateway.auth import AuthConfig, guard
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.service import Gateway
+from gateway.service import Gateway, Target
 from gateway.streaming import (
     SSEResponse,
     close_all,
@@ -82,8 +83,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "pdmesh",
+        data = [{"id": m, "object": "model", "created": now, "owned_by": "pdmesh", "root": m, "parent": None,
                  "max_model_len": gateway.max_model_len(m)} for m in gateway.live_models()]
+        data += [{"id": a, "object": "model", "created": now, "owned_by": "pdmesh", "root": a, "parent": base,
+                  "max_model_len": gateway.max_model_len(base)} for a, base in sorted(gateway.adapters().items())]
         return {"object": "list", "data": data}
 
     @app.get("/metrics")
@@ -98,6 +101,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def completions(request: Request):
         return await _counted(gateway, "completions", request, _completions(gateway, request))
 
+    install_adapter_routes(app, gateway)
     _install_components(app)
     return app
 
@@ -217,8 +221,8 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 async def _chat(gw: Gateway, request: Request) -> Response:
     body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-    gw.check_model(body.model)
-    tok = gw.require_tokenizer(body.model, "messages")
+    target = gw.resolve(body.model)
+    tok = gw.require_tokenizer(target.model, "messages")
     messages = body.template_messages()
     try:
         with TRACER.start_as_current_span("template+tokenize") as span:
@@ -229,9 +233,9 @@ async def _chat(gw: Gateway, request: Request) -> Response:
     if not prompt:
         raise APIError(400, "the messages render to an empty prompt", "messages")
     plan = plan_chat(body, tok, text, gw.config.tool_call_parser, gw.config.reasoning_parser)
-    fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(body.model), [prompt], body.n,
+    fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(target.model), [prompt], body.n,
                      body.include_usage, body.return_token_ids)
-    return await _complete(gw, body, request, [prompt], fmt, plan)
+    return await _complete(gw, body, request, [prompt], fmt, plan, target)
 
 
 def _render(tok: Tokenizer, body: ChatCompletionRequest, messages: list[dict]) -> tuple[str, list[int]]:
@@ -242,24 +246,24 @@ def _render(tok: Tokenizer, body: ChatCompletionRequest, messages: list[dict]) -
 
 async def _completions(gw: Gateway, request: Request) -> Response:
     body: CompletionRequest = await _parse(request, CompletionRequest)
-    gw.check_model(body.model)
+    target = gw.resolve(body.model)
     raw_prompts = body.prompts()
     prompts = []
     texts = any(isinstance(p, str) for p in raw_prompts)
     with TRACER.start_as_current_span("tokenize") if texts else contextlib.nullcontext():  # token ids: no work
         for p in raw_prompts:
             if isinstance(p, str):
-                p = await _off_loop(len(p), gw.require_tokenizer(body.model, "prompt").encode, p)
+                p = await _off_loop(len(p), gw.require_tokenizer(target.model, "prompt").encode, p)
                 if not p:
                     raise APIError(400, "the prompt is empty", "prompt")
             prompts.append(p)
-    tok = gw.tokenizer(body.model)
+    tok = gw.tokenizer(target.model)
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else (tok.decode(p) if tok else "") for p in raw_prompts]
-    fmt = CompletionFormat(_request_id("cmpl"), body.model, gw.token_texts.get(body.model), prompts, body.n,
+    fmt = CompletionFormat(_request_id("cmpl"), body.model, gw.token_texts.get(target.model), prompts, body.n,
                            body.include_usage, body.return_token_ids, echo_texts=echo)
-    return await _complete(gw, body, request, prompts, fmt, plan_completion(body))
+    return await _complete(gw, body, request, prompts, fmt, plan_completion(body), target)
 
 
 async def _off_loop(size: int, fn, *args):
@@ -274,9 +278,9 @@ def _request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def _check_limits(gw: Gateway, body, prompts: list[list[int]]) -> int:
+def _check_limits(gw: Gateway, body, prompts: list[list[int]], model: str) -> int:
     """The completion budget; 400s for prompts that cannot fit or ids outside the vocabulary."""
-    limit = gw.max_model_len(body.model)
+    limit = gw.max_model_len(model)
     longest = max(len(p) for p in prompts)
     max_out = body.max_output
     if longest >= limit or (max_out is not None and longest + max_out > limit):
@@ -289,7 +293,7 @@ def _check_limits(gw: Gateway, body, prompts: list[list[int]]) -> int:
             "max_tokens" if max_out and longest < limit else ("messages" if hasattr(body, "messages") else "prompt"),
             "context_length_exceeded",
         )
-    tok = gw.tokenizer(body.model)
+    tok = gw.tokenizer(model)
     if tok is not None:
         vocab = tok.vocab_size
         bad = next((t for p in prompts for t in p if t >= vocab), None)
@@ -359,16 +363,16 @@ class _Admission:
 
 
 async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]], fmt: Format,
-                    plan: OutputPlan) -> Response:
+                    plan: OutputPlan, target: Target) -> Response:
     server_span = trace.get_current_span()
     server_span.set_attributes({"pdmesh.request_id": fmt.rid, "pdmesh.model": body.model})
-    max_out = _check_limits(gw, body, prompts)
+    max_out = _check_limits(gw, body, prompts, target.model)
     priority = _priority(body, request)
     admission = _Admission(gw, len(prompts) * body.n)
     streams = [
-        gw.stream_choice(i, f"{fmt.rid}-{i}", body.model, prompts[i // body.n],
+        gw.stream_choice(i, f"{fmt.rid}-{i}", target.model, prompts[i // body.n],
                          _sampling(body, max_out, body.choice_seed(i % body.n), plan.constraint), body.stop_list,
-                         priority, plan)
+                         priority, plan, target.adapter)
         for i in range(len(prompts) * body.n)
     ]
     headers = {"x-request-id": fmt.rid}
@@ -391,7 +395,7 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
         await close_all(streams)
         admission.release()
         return Response(status_code=CLIENT_CLOSED)
-    has_tok = gw.tokenizer(body.model) is not None
+    has_tok = gw.tokenizer(target.model) is not None
 
     def done() -> None:
         admission.release()

@@ -70,6 +70,14 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # a reasoning format, or "none" (default: each template's)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a request's ``model`` names: a served model, or a LoRA adapter on one."""
+
+    model: str  # the served (base) model: tokenizer, limits, workers
+    adapter: str = ""  # the LoRA adapter; "": the base model
+
+
 @dataclass
 class ChoiceDelta:
     index: int
@@ -147,10 +155,23 @@ class Gateway:
         return sorted({c.model for c in self.membership.cards(role="decode")})
 
     def check_model(self, model: str) -> None:
-        if model not in self.live_models():
-            if model in self.tokenizers or self.membership.served_recently(model):
-                raise APIError(503, f"no live worker serves model {model!r}")
-            raise APIError(404, f"the model {model!r} does not exist", "model", "model_not_found")
+        self.resolve(model)
+
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter -> its base model, over every ready decode worker's card."""
+        return {a: c.model for c in self.membership.cards(role="decode") if c.status == "ready" for a in c.adapters}
+
+    def resolve(self, name: str) -> Target:
+        """A request's ``model``: a served model, else a LoRA adapter some decode worker holds;
+        404 in OpenAI's shape for neither."""
+        if name in self.live_models():
+            return Target(name)
+        base = self.adapters().get(name)
+        if base is not None:
+            return Target(base, name)
+        if name in self.tokenizers or self.membership.served_recently(name):
+            raise APIError(503, f"no live worker serves model {name!r}")
+        raise APIError(404, f"the model {name!r} does not exist", "model", "model_not_found")
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         return self.tokenizers.get(model)
@@ -167,15 +188,15 @@ class Gateway:
         return min(lens) if lens else 0
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
-                    parent: trace.Span | None = None) -> Decision:
+                    parent: trace.Span | None = None, adapter: str = "") -> Decision:
         """The router decides which ready decode worker serves the request (and whether it fetches
         prefix blocks from a peer first); the gateway sends."""
         with TRACER.start_as_current_span("route", context=child_context(parent)) as span:
             try:
-                d = self.router.route(model, token_ids, request_id, exclude)
+                d = self.router.route(model, token_ids, request_id, exclude, adapter=adapter)
             except LookupError:
                 span.set_attribute("pdmesh.error", "no live worker")
-                raise APIError(503, f"no live worker for model {model!r}") from None
+                raise APIError(503, f"no live worker for {adapter or model!r}") from None
             span.set_attributes({"pdmesh.worker": d.worker_id, "pdmesh.mode": d.mode,
                                  "pdmesh.overlap_blocks": d.overlap_blocks, "pdmesh.new_blocks": d.new_blocks})
         mode = self.config.router.mode
@@ -200,6 +221,7 @@ class Gateway:
     async def stream_choice(
         self, index: int, request_id: str, model: str, prompt_ids: list[int],
         sampling: SamplingOptions, stops: list[str], priority: int = 0, plan: OutputPlan | None = None,
+        adapter: str = "",
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
         ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
@@ -223,13 +245,13 @@ class Gateway:
                     await asyncio.sleep(UNREACHABLE_BACKOFF)
                     run.backed_off()
                 if run.state is ChoiceState.ROUTING:
-                    stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span)
+                    stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter)
                 try:
                     chunks = await stream.next_batch(run.timeout)
                 except StreamError as e:
                     if e.status in (503, 504):  # gone or silent: no new work for it until it reports
                         self.router.suspect(run.worker_id)
-                    if run.lost(e, self._untried(model, run.tried)) is ChoiceState.FAILED:
+                    if run.lost(e, self._untried(model, run.tried, adapter)) is ChoiceState.FAILED:
                         raise run.error from None
                     if run.state is ChoiceState.ROUTING:
                         self.stats.migrated(with_tokens=bool(run.generated))
@@ -243,7 +265,7 @@ class Gateway:
                 last = chunks[-1]
                 if last.error:
                     stream = self._close(stream, request_id)
-                    if run.refused(last.error_status, last.error, self._untried(model, run.tried)) is ChoiceState.FAILED:
+                    if run.refused(last.error_status, last.error, self._untried(model, run.tried, adapter)) is ChoiceState.FAILED:
                         raise run.error
                     continue
                 if run.state is ChoiceState.WAITING:  # this worker's first chunk: its prefill is done
@@ -275,18 +297,18 @@ class Gateway:
                 self._cancel_later(model, stream, request_id)
 
     async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
-                    sampling: SamplingOptions, priority: int, span: trace.Span) -> ReplyStream:
+                    sampling: SamplingOptions, priority: int, span: trace.Span, adapter: str = "") -> ReplyStream:
         """Pick a worker for the choice (after the tokens it already has) and send it the request."""
         generated = run.generated
         try:
-            d = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span)
+            d = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span, adapter)
         except APIError as e:
             run.no_worker(e)
             raise
         worker_id = d.worker_id
         stream = self.replies.open(worker_id)
         req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
-                              batch_to=self.replies.batch_subject, stream=stream.key)
+                              batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter)
         if d.fetch_source:  # the worker fetches these prefix blocks from a peer before prefilling
             req.peer_fetch = PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks)
         if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs
@@ -303,8 +325,9 @@ class Gateway:
         stream.close()
         self.router.finished(stream.worker_id, request_id)
 
-    def _untried(self, model: str, tried: set[str]) -> bool:
-        return any(c.worker_id not in tried for c in self.decode_workers(model))
+    def _untried(self, model: str, tried: set[str], adapter: str = "") -> bool:
+        return any(c.worker_id not in tried and (not adapter or adapter in c.adapters)
+                   for c in self.decode_workers(model))
 
     def _cancel_later(self, model: str, stream: ReplyStream, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).

@@ -31,16 +31,41 @@ def _add_generate(sub) -> None:
     p.add_argument("--device-kv-blocks", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    add_lora_flags(p)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME",
+                   help="run the prompts on this --lora adapter (once: every prompt; once per prompt: in order; "
+                        "'' for the base model)")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.set_defaults(func=cmd_generate)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="load a LoRA adapter (PEFT directory) under NAME; repeatable")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapters one step can run (device slots, least recently used out); "
+                        "default 4 with --lora, else LoRA is off")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank the slots hold")
+
+
+def lora_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the LoRA flags (a CliError for a malformed --lora)."""
+    loras = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora takes NAME=DIR, got {spec!r}")
+        loras.append((name, path))
+    return {"loras": tuple(loras), "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
 
 
 def _add_model(sub) -> None:
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_cmd", required=True)
-    t = msub.add_parser("tiny", help="write a random-weight Llama checkpoint with a real tokenizer")
+    t = msub.add_parser("tiny", help="write a random-weight Llama (or Qwen3-MoE) checkpoint with a real tokenizer")
     t.add_argument("dir", help="output directory")
-    t.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    t.add_argument("--size", default="tiny", choices=["tiny", "small", "moe", "small-moe"],
+                   help="moe, small-moe: a mixture-of-experts Qwen3-MoE checkpoint")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_model_tiny)
 
@@ -76,6 +101,7 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
+    add_lora_flags(p)
     p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
                    help="mocker: set a timing-model field, e.g. network_gb_per_s=50 (repeatable)")
 
@@ -353,6 +379,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = Path(args.model)
     ModelConfig.from_dir(model)  # names a missing or unsupported model before anything loads
     tokenizer = Tokenizer(model)
+    adapters = args.adapter or [""]
+    if len(adapters) not in (1, len(args.prompts)):
+        raise CliError(f"--adapter given {len(adapters)} times for {len(args.prompts)} prompts: give it once, "
+                       "or once per prompt")
     engine = Engine(
         EngineConfig(
             model=model,
@@ -360,6 +390,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             device=args.device,
             block_size=args.block_size,
             num_kv_blocks=args.device_kv_blocks,
+            **lora_config(args),
         )
     )
     params = SamplingParams(
@@ -371,12 +402,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompts = [tokenizer.encode(p) for p in args.prompts]
-    seqs = engine.generate(prompts, params)
+    names = [name or None for name in adapters * (len(prompts) // len(adapters))]
+    seqs = engine.generate(prompts, params, lora=names)
     for text, ids, seq in zip(args.prompts, prompts, seqs, strict=True):
         completion = tokenizer.decode(seq.output_token_ids)
         if args.json:
             print(json.dumps({
                 "prompt": text,
+                "adapter": seq.lora.name if seq.lora else None,
                 "prompt_token_ids": ids,
                 "token_ids": seq.output_token_ids,
                 "text": completion,
@@ -399,6 +432,8 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
                            "--disk-kv-blocks); --host-kv-gb, --disk-kv-gb and --disk-kv-dir are for model workers")
         if args.tp != 1:
             raise CliError("the mocker has no model to shard: --tp is for model workers")
+        if args.lora or args.max_loras:
+            raise CliError("the mocker runs no model: --lora and --max-loras are for model workers")
         if any(gpu_execution_flags(args)):
             raise CliError("the mocker runs no model: --attention-backend, --cuda-graphs, --enforce-eager, "
                            "--async-scheduling and --fused-kernels are for model workers")
@@ -433,17 +468,29 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
     model = args.model or settings().model
     if not model:
         raise CliError("--model DIR is required (or MESH_MODEL)")
-    ModelConfig.from_dir(model).check_tp(args.tp)
+    mc = ModelConfig.from_dir(model)
+    mc.check_tp(args.tp)
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb,
              "host_kv_blocks": args.host_kv_blocks, "disk_kv_blocks": args.disk_kv_blocks}
-    return EngineConfig(
+    config = EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_kwargs(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
-        **{k: v for k, v in tiers.items() if v is not None},
+        **{k: v for k, v in tiers.items() if v is not None}, **lora_config(args),
     )
+    check_loras(config, mc)
+    return config
+
+
+def check_loras(config, mc) -> None:
+    """Read every --lora adapter once before anything starts: a broken directory is one line
+    naming the file (LoraError), not a worker that dies after joining the mesh."""
+    from mesh.engine.lora import read_adapter
+
+    for name, path in config.loras:
+        read_adapter(name, path, mc, config.model_name, config.max_lora_rank)
 
 
 def mock_timing(settings: list[str]):
@@ -593,6 +640,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
     flags += gpu_execution_flags(args)
+    for spec in args.lora:
+        flags += ["--lora", spec]
+    if args.max_loras is not None:
+        flags += ["--max-loras", str(args.max_loras)]
+    if args.max_lora_rank != 16:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
     if args.grammar_backend != "llguidance" or args.grammar_threads:
         flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "host_kv_blocks", "disk_kv_blocks",

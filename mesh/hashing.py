@@ -7,7 +7,9 @@ Engine, kvstore, router and KV events all name a block by its chained hash:
 
 so ``h[i]`` names the whole prefix up to and including block ``i`` and prefix
 overlap is a walk until the first miss. Only full blocks are hashed. The seed
-is derived from the model name (LoRA adapters or a salt would extend it).
+is derived from the model name, and from the LoRA adapter's name for a request
+that runs one: the same tokens under adapter A, adapter B and the base model are
+different blocks (their KV differs), so a prefix never hits across them.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ _SEED_OF_SEEDS = 1337
 assert array("I").itemsize == 4, "block hashing packs token ids as 32-bit unsigned ints"
 
 
-@lru_cache(maxsize=64)
-def model_seed(model: str, salt: str = "") -> int:
-    """The hash seed for a model (and optional salt): stable across processes and hosts."""
-    return xxhash.xxh3_64_intdigest(f"{model}\x00{salt}".encode(), seed=_SEED_OF_SEEDS)
+@lru_cache(maxsize=1024)
+def model_seed(model: str, salt: str = "", lora: str | None = None) -> int:
+    """The hash seed for a model (and optional salt), under LoRA adapter ``lora`` (None: the
+    base model, whose seed is unchanged by this argument): stable across processes and hosts."""
+    key = f"{model}\x00{salt}" if lora is None else f"{model}\x00{salt}\x00lora\x00{lora}"
+    return xxhash.xxh3_64_intdigest(key.encode(), seed=_SEED_OF_SEEDS)
 
 
 def block_hashes(

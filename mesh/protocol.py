@@ -100,6 +100,10 @@ class Subjects:
         """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
 
+    def lora(self, model: str) -> str:
+        """Runtime LoRA load/unload: every worker of the model answers (a request gathers replies)."""
+        return f"{self._m(model)}.lora"
+
     def control(self, worker: str) -> str:
         """Per-worker control (drain), used by the planner's local connector."""
         return f"{self.ns}.control.{subject_token(worker)}"
@@ -207,6 +211,8 @@ class GenerateRequest(Message):
     # each chunk tagged with ``stream``; empty: one ``TokenChunk`` message per chunk to the reply subject.
     batch_to: str = ""
     stream: str = ""
+    # The LoRA adapter the request runs (a name the worker's card lists in ``adapters``); "": the base model
+    adapter: str = ""
     # The router's plan (issue 20): fetch ``fetch_blocks`` blocks after the first ``hit_blocks``
     # of the prompt from the peer ``fetch_source`` before prefilling (None: no fetch planned).
     peer_fetch: PeerFetchPlan | None = None
@@ -281,6 +287,7 @@ class PrefillJob(Message):
     created: float = 0.0  # unix seconds when the decode worker queued it
     output_offset: int = 0  # see GenerateRequest.output_offset
     priority: int = 0  # see GenerateRequest.priority
+    adapter: str = ""  # see GenerateRequest.adapter: a prefill worker without it leaves the job to others
     # A random capability for this job: its PrefillDone must echo it (only the prefill worker that
     # pulled the job knows it), or the decode worker refuses the PrefillDone.
     token: str = ""
@@ -332,6 +339,8 @@ class WorkerCard(Message):
     metrics_port: int = 0
     publishes_kv_events: bool = True
     engine: str = "model"  # model | mock
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded here (requests may name them)
+    max_loras: int = 0  # LoRA adapters one engine step can run (device slots); 0: LoRA off
     # issue 20: per-block costs in ms (mesh.router.costs.KvCosts fields); {} = the reference hardware
     kv_costs: dict[str, float] = field(default_factory=dict)
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
@@ -362,6 +371,7 @@ class LoadReport(Message):
     requests_total: int = 0
     status: str = "ready"
     counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
+    hot_adapters: list[str] = field(default_factory=list)  # LoRA adapters in device slots now (no swap-in)
 
 
 
@@ -433,6 +443,25 @@ class PlannerDecision(Message):
     capacity: float = 0.0
     latency_ms: float = 0.0
     connector: str = ""
+
+class LoraRequest(Message):
+    """Admin -> every worker of a model, request on ``lora``: load a PEFT adapter directory (each
+    worker reads it from its own file system) under ``name``, or unload ``name``."""
+
+    action: str  # load | unload
+    name: str
+    path: str = ""  # load: the adapter directory
+
+
+class LoraReply(Message):
+    """A worker's answer to a ``LoraRequest``; ``adapters``: what it holds afterwards."""
+
+    worker_id: str
+    ok: bool
+    error: str = ""
+    status: int = 0  # on failure: 400 (a broken adapter, a bad name), 404 (unload of an unknown name)
+    adapters: list[str] = field(default_factory=list)
+
 
 # -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
 

@@ -24,6 +24,7 @@ from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 
+from mesh.adapters import adapter_names, hot_adapters, lora_slots, serve_lora_requests
 from mesh.bus import Bus
 from mesh.engine.constraints.spec import Constraint
 from mesh.engine.core import EngineCore
@@ -258,7 +259,7 @@ class WorkerBase:
             kv_blocks=e.pool.num_blocks, max_model_len=e.max_model_len, host=socket.gethostname(),
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
-            metrics_port=self.metrics_port,
+            metrics_port=self.metrics_port, adapters=adapter_names(e), max_loras=lora_slots(e),
         )
 
     def load(self, engine: EngineCore) -> LoadReport:
@@ -280,6 +281,7 @@ class WorkerBase:
                 "prefix_query_blocks": engine.pool.queried_blocks, **engine.kv_counters(),
                 **grammar_counters(engine),
             },
+            hot_adapters=hot_adapters(engine),
         )
 
     # -- lifecycle ----------------------------------------------------------------
@@ -312,6 +314,7 @@ class WorkerBase:
             stack.push_async_callback(self._cancel_tasks)
             self._tasks.append(asyncio.create_task(self._deliver_outputs(), name="outputs"))
             await self.setup(stack)
+            await serve_lora_requests(self, stack)
             self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
             await self.cards.start()
             stack.push_async_callback(self.cards.stop)

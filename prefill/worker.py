@@ -24,6 +24,7 @@ from opentelemetry import trace
 from kvstore.manager import blocks_for
 from kvstore.transfer import KvSender, Refused, make_sender
 from mesh import metrics
+from mesh.adapters import adapter_names
 from mesh.config import settings
 from mesh.engine.errors import RequestError
 from mesh.engine.scheduler import StepOutput
@@ -174,7 +175,8 @@ class PrefillWorker(WorkerBase):
         if error is None:
             try:
                 params = sampling_params(job.sampling, max_tokens=1)
-                seq = self.engine.new_sequence(job.token_ids, params, request_id=job.request_id)
+                seq = self.engine.new_sequence(job.token_ids, params, request_id=job.request_id,
+                                               lora=job.adapter or None)
                 if not 0 <= job.output_offset < len(job.token_ids):
                     raise ValueError("output_offset does not fit the prompt")
                 seq.output_offset = job.output_offset
@@ -221,6 +223,8 @@ class PrefillWorker(WorkerBase):
         """Why this worker cannot serve the job while another of the pool might."""
         if job.model != self.engine.model_name:
             return f"model {job.model!r} is not served here"
+        if job.adapter and job.adapter not in adapter_names(self.engine):
+            return f"LoRA adapter {job.adapter!r} is not loaded here"
         if job.block_size != self.engine.block_size:
             return f"block size {job.block_size} differs from ours ({self.engine.block_size})"
         if not any(self._usable(n, p) for n, p in job.transports.items()):

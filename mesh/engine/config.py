@@ -17,6 +17,30 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What sets a family's decoder apart from plain Llama (one row per family, no if-chains)."""
+
+    qkv_bias: bool = False  # q/k/v projections carry biases
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation
+    sliding_window_default: bool = False  # ``use_sliding_window`` when a config leaves it out
+    moe: bool = False  # sparse mixture-of-experts MLPs (``MoeConfig``)
+
+
+FAMILY_TRAITS = {
+    "llama": FamilyTraits(),
+    "mistral": FamilyTraits(sliding_window_default=True),
+    "qwen2": FamilyTraits(qkv_bias=True),
+    "qwen3": FamilyTraits(qk_norm=True),
+    "mixtral": FamilyTraits(sliding_window_default=True, moe=True),
+    "qwen2_moe": FamilyTraits(qkv_bias=True, moe=True),
+    "qwen3_moe": FamilyTraits(qk_norm=True, moe=True),
 }
 
 DTYPES = {
@@ -76,6 +100,55 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP: each token runs ``top_k`` of ``num_experts`` SwiGLU experts.
+
+    Routing is softmax over the router logits, top-k, and (``norm_topk_prob``) the k weights
+    renormalised to sum to one: Mixtral always renormalises, Qwen2/3-MoE per config.
+    ``shared_expert_intermediate_size`` > 0: a dense SwiGLU expert every token also runs
+    (Qwen2-MoE), scaled by ``sigmoid(shared_expert_gate(x))``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the layers with a sparse MLP; the others are dense
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ModelError("the experts' intermediate size must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, family: str, num_layers: int) -> MoeConfig:
+        # Qwen checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 may write either
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+        if family == "mixtral":
+            return cls(
+                num_experts=experts,
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,
+                sparse_layers=tuple(range(num_layers)),
+            )
+        # Qwen2-MoE / Qwen3-MoE: ``decoder_sparse_step`` and ``mlp_only_layers`` leave some layers dense
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return cls(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_moe")),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Path
     family: str
@@ -94,6 +167,11 @@ class ModelConfig:
     rope: RopeConfig
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # sparse MLPs (mixture of experts); None: every MLP is dense
+
+    def is_sparse(self, layer: int) -> bool:
+        """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -117,33 +195,38 @@ class ModelConfig:
             raise ModelError(
                 f"unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        traits = FAMILY_TRAITS[family]
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
+            num_layers = int(cfg["num_hidden_layers"])
             model = cls(
                 path=path,
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position=_max_position(cfg, family),
+                max_position=_max_position(cfg, traits),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=family == "qwen3",
+                qkv_bias=bool(cfg.get("qkv_bias", traits.qkv_bias)) or bool(cfg.get("attention_bias", False)),
+                qk_norm=traits.qk_norm,
                 rope=RopeConfig.from_hf(cfg),
                 eos_token_ids=_eos_ids(path, cfg),
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):
                 raise
             raise ModelError(f"{cfg_file} is malformed: {type(e).__name__}: {e}") from None
+        if model.intermediate_size <= 0 and len(model.moe.sparse_layers if model.moe else ()) < num_layers:
+            raise ModelError(f"{cfg_file} has dense MLP layers but no intermediate_size")
         if model.num_heads % model.num_kv_heads:
             raise ModelError(
                 f"num_attention_heads {model.num_heads} is not a multiple of num_key_value_heads {model.num_kv_heads}"
@@ -154,6 +237,9 @@ class ModelConfig:
         """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
+        if self.moe is not None:  # every expert (and the shared one) is split like the dense MLP
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+            sizes["shared_expert_intermediate_size"] = self.moe.shared_expert_intermediate_size
         bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
         if bad:
             raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
@@ -163,10 +249,10 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def _max_position(cfg: dict, family: str) -> int:
+def _max_position(cfg: dict, traits: FamilyTraits) -> int:
     n = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", family == "mistral")
+    uses_window = cfg.get("use_sliding_window", traits.sliding_window_default)
     if window and uses_window:
         # Sliding-window attention is not implemented: serve contexts that fit the window.
         n = min(n, int(window))
@@ -221,6 +307,9 @@ class EngineConfig:
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     seed: int = 0
+    loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
+    max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # -- GPU execution (issue 21) --
     enforce_eager: bool = False  # never CUDA graphs, whatever the default
     async_scheduling: bool | None = None  # overlap host and device steps; None: on CUDA as the default says
@@ -256,6 +345,23 @@ class EngineConfig:
             raise ValueError("grammar_threads must be >= 0 and grammar_cache_size >= 1")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
+        if self.max_loras is not None and self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in 1..1024, got {self.max_lora_rank}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must be unique, got {', '.join(names)}")
+        if self.loras and self.max_loras == 0:
+            raise ValueError("LoRA adapters were given but max_loras is 0 (LoRA off)")
+        if self.tp > 1 and self.lora_slots:
+            raise ValueError("LoRA adapters are not supported with --tp > 1 yet")
+        if self.disk_kv_dir and self.lora_slots:
+            # adapter blocks are named by the adapter's name; the disk tier outlives this process,
+            # and a name loaded with other weights after a restart would hit stale blocks
+            raise ValueError("LoRA adapters are not supported with a disk KV tier yet (--disk-kv-dir)")
+        if self.lora_slots and self.async_scheduling:
+            raise ValueError("LoRA adapters are not supported with --async-scheduling yet")
         self._check_gpu_execution()
 
     def _check_gpu_execution(self) -> None:
@@ -285,7 +391,15 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
+                and not self.lora_slots)  # LoRA steps run the blocking loop
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for LoRA adapters; 0: LoRA is off."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return 4 if self.loras else 0
 
     @property
     def has_host_tier(self) -> bool:

@@ -30,7 +30,7 @@ from kvstore.manager import KVCacheManager
 from kvstore.pins import KvPins
 from kvstore.pool import BlockPool
 from kvstore.tiers import BlockCopier, HostTier, TieredCache
-from mesh.engine.errors import RequestError
+from mesh.engine.errors import LoraError, RequestError, UnknownAdapterError
 from mesh.engine.overlap import OverlappedSteps
 from mesh.engine.sampling import SamplingParams
 from mesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
@@ -49,6 +49,7 @@ class CoreConfig:
     max_num_batched_tokens: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
+    max_loras: int = 0  # LoRA adapters one step can run; 0: LoRA off
     async_scheduling: bool = False  # overlap host work with the device's step (needs launch())
 
 
@@ -78,6 +79,7 @@ class EngineCore:
                 max_num_batched_tokens=core.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 eos_token_ids=core.eos_token_ids,
+                max_loras=core.max_loras,
             ),
             self.kv_manager,
         )
@@ -85,6 +87,7 @@ class EngineCore:
         self.num_steps = 0
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
         self.tiers: TieredCache | None = None  # enable_tiers()
+        self.lora = None  # a LoraManager (mesh.engine.lora) when the engine serves LoRA adapters
         self.pins = KvPins(self.pool)  # blocks being sent to peers
         self.grammar = None  # a GrammarManager where the engine enforces constraints (the real engine)
         self._ids = itertools.count()
@@ -148,8 +151,10 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------
     def new_sequence(
-        self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
+        lora: str | None = None,
     ) -> Sequence:
+        """A request of ``prompt_token_ids``, on LoRA adapter ``lora`` (None: the base model)."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -160,13 +165,33 @@ class EngineCore:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        adapter = self.lora_adapter(lora) if lora is not None else None
         return Sequence(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=prompt,
             params=params,
             block_size=self.block_size,
-            hash_seed=self.hash_seed,
+            hash_seed=self.hash_seed if adapter is None else adapter.hash_seed,
+            lora=adapter,
         )
+
+    # -- LoRA adapters (the real engine's LoraManager does the work) -----------------
+    def lora_adapter(self, name: str):
+        adapter = self.lora.get(name) if self.lora is not None else None
+        if adapter is None:
+            loaded = ", ".join(self.lora.names) if self.lora is not None and self.lora.names else "none"
+            raise UnknownAdapterError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+        return adapter
+
+    def load_lora(self, name: str, path: str):
+        """Load a PEFT adapter at runtime (LoraError names the file at fault)."""
+        if self.lora is None:
+            raise LoraError("this engine serves no LoRA adapters: start it with max_loras > 0 (--max-loras)")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter; requests already running on it finish. False if it was not loaded."""
+        return self.lora is not None and self.lora.unload(name) is not None
 
     def add(self, seq: Sequence) -> None:
         self.attach_grammar(seq)
@@ -225,11 +250,15 @@ class EngineCore:
         return results
 
     def generate(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+        lora: str | Seq[str | None] | None = None,
     ) -> list[Sequence]:
-        """Run prompts to completion; sequences come back in prompt order."""
+        """Run prompts to completion (on one LoRA adapter, or one per prompt); sequences come
+        back in prompt order."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        seqs = [self.new_sequence(p, sp, lora=name)
+                for p, sp, name in zip(prompts, plist, loras, strict=True)]
         for s in seqs:
             self.add(s)
         while any(not s.is_finished for s in seqs):

@@ -29,6 +29,7 @@ from mesh.engine.core import CoreConfig, EngineCore
 from mesh.engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
 from mesh.engine.kernels import Kernels
 from mesh.engine.loader import load_model
+from mesh.engine.lora import start_lora
 from mesh.engine.model import use_kernels
 from mesh.engine.overlap import OverlappedSteps
 from mesh.engine.runner import ModelRunner, PendingStep
@@ -74,6 +75,7 @@ class Engine(EngineCore):
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=mc.eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching,
+                max_loras=config.lora_slots,
                 async_scheduling=config.use_async_scheduling,
             )
         )
@@ -98,6 +100,8 @@ class Engine(EngineCore):
         self._own_kv = own_kv
         self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
         self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
+        if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
+            self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
         self.grammar = GrammarManager(
             Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
             GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size),
@@ -111,7 +115,7 @@ class Engine(EngineCore):
         self._graphs = graphs
         self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=graphs,
-                                  grammar=self.grammar)
+                                  lora=self.lora, grammar=self.grammar)
         log.info(
             "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),

@@ -1,11 +1,13 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a flat token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch.
 
 Tokens of all scheduled sequences are concatenated (``[T]``); attention is the
 backend's business, so the model itself has no notion of sequences or padding.
-QKV and gate/up projections are fused into one matmul each. The residual stream
-runs beside the hidden states (``residual``) so that its add and the next norm
-can be one kernel; which operations run fused kernels is the model's ``Kernels``
-(``mesh.engine.kernels``; plain PyTorch unless ``use_kernels`` chose others).
+QKV and gate/up projections are fused into one matmul each. A layer's MLP is dense
+(``MLP``) or sparse (``mesh.engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says.
+The residual stream runs beside the hidden states (``residual``) so that its add and
+the next norm can be one kernel; which operations run fused kernels is the model's
+``Kernels`` (``mesh.engine.kernels``; plain PyTorch unless ``use_kernels`` chose others).
 
 Under tensor parallelism (``Shard``, see ``mesh.engine.tp``) a rank holds its
 share of the heads and MLP columns; the row-parallel ``o_proj`` and
@@ -20,6 +22,7 @@ from torch import nn
 from mesh.engine.attention import AttentionBackend
 from mesh.engine.config import ModelConfig
 from mesh.engine.kernels import PLAIN, Kernels, torch_rmsnorm
+from mesh.engine.moe import SparseMoE
 from mesh.engine.tp import Shard
 
 
@@ -113,7 +116,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = SparseMoE(cfg, shard) if cfg.is_sparse(layer) else MLP(cfg, shard)
 
     def forward(self, x, residual, rope, attn):
         """``(mlp output, residual stream)``: the stream is the sum of the embeddings and every

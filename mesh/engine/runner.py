@@ -43,6 +43,7 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]
     feed: list[tuple[int, Sequence]] = field(default_factory=list)  # (row, whose in-flight token)
+    lora_slots: list[int] | None = None  # per sequence: its LoRA adapter's slot, -1 for the base model
 
 
 @dataclass
@@ -60,8 +61,9 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
                  broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
-                 grammar: GrammarManager | None = None):
+                 lora=None, grammar: GrammarManager | None = None):
         self.model = model
+        self.lora = lora  # a LoraManager: brings each step's adapters into its slots, plans their rows
         self.grammar = grammar  # constrained rows: their masks are filled while the model runs
         self.graphs = graphs  # CUDA: pure decode steps replay from graphs
         self.attention = attention
@@ -107,7 +109,10 @@ class ModelRunner:
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""
         if all(c.num_tokens == 1 for c in out.chunks):
-            return self._decode_inputs(out)
+            step, sample_rows = self._decode_inputs(out)
+            if self.lora is not None:
+                step.lora_slots = self.lora.activate([c.seq.lora for c in out.chunks])
+            return step, sample_rows
         bs = self.block_size
         ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
@@ -135,6 +140,8 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(row - 1)
         step.input_ids, step.positions, step.slot_mapping = map(np.concatenate, (ids, pos, slots))
+        if self.lora is not None:
+            step.lora_slots = self.lora.activate([c.seq.lora for c in out.chunks])
         return step, sample_rows
 
     def _decode_inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
@@ -179,7 +186,8 @@ class ModelRunner:
         step's ids on the device when the caller has them (else ``step.input_ids``)."""
         if input_ids is None:
             input_ids = array_to_device(step.input_ids, self.device)
-        if self.graphs is not None and len(step.input_ids) == len(step.query_lens):  # one token each: decode
+        lora_rows = self.lora is not None and self.lora.plan(step.query_lens, step.lora_slots)
+        if self.graphs is not None and not lora_rows and len(step.input_ids) == len(step.query_lens):  # decode
             size = self.graphs.prepare(input_ids, step.positions, step.slot_mapping,
                                        step.context_lens, step.block_tables)
             if size is not None:

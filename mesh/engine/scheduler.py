@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    max_loras: int = 0  # distinct LoRA adapters the running set may hold (one step runs them all); 0: off
 
 
 @dataclass(slots=True)  # never changed once made; not frozen: one per row per step (a frozen __init__ is slower)
@@ -223,6 +224,8 @@ class Scheduler:
                 break  # lower-priority work waits until the higher-priority work is done
             if seq.num_placeholders:
                 break  # preempted this step while its last token was in flight: back once it is known
+            if not self._lora_fits(seq):
+                break  # its adapter needs a slot: it waits until a running adapter's requests finish
             n = self._take_blocks(seq, budget)
             if n is None:
                 break
@@ -233,6 +236,13 @@ class Scheduler:
             self._run(seq)
             out.chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Can ``seq`` join without more distinct LoRA adapters running than the engine has slots?"""
+        if seq.lora is None or not self.config.max_loras:
+            return True
+        active = {id(s.lora) for s in (*self.running, *self.remote.values()) if s.lora is not None}
+        return id(seq.lora) in active or len(active) < self.config.max_loras
 
     def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting sequence its prefix hit (onboarding hits below the device) and blocks for
@@ -254,7 +264,7 @@ class Scheduler:
     # -- remote prefill (decode side of disaggregation) ----------------------
     def reserve_remote(self, seq: Sequence) -> bool:
         """Allocate a new sequence's prompt blocks for a prefill worker to fill; False if they do not fit."""
-        if self._take_blocks(seq, seq.num_tokens) is None:
+        if not self._lora_fits(seq) or self._take_blocks(seq, seq.num_tokens) is None:
             return False
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SeqStatus.WAITING_FOR_KV

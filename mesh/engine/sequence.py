@@ -21,6 +21,7 @@ from mesh.hashing import block_hashes
 
 if TYPE_CHECKING:
     from mesh.engine.constraints.state import GrammarState
+    from mesh.engine.lora import LoraAdapter
 
 
 class SeqStatus(enum.IntEnum):
@@ -88,6 +89,8 @@ class Sequence:
     # Migrated requests: the last ``output_offset`` prompt tokens were generated elsewhere before.
     # Seeded sampling continues at that index and penalties count them as outputs.
     output_offset: int = 0
+    # The LoRA adapter the request runs (its block hashes use the adapter's ``hash_seed``); None: the base model
+    lora: LoraAdapter | None = None
     # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
     grammar: GrammarState | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)

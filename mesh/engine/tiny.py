@@ -1,10 +1,14 @@
-"""``mesh model tiny DIR``: a random-weight Llama checkpoint with a real tokenizer.
+"""``mesh model tiny DIR``: a random-weight Llama (or Qwen3-MoE) checkpoint with a real tokenizer.
 
 The embedded default and the model of the test suite. Weights come from a
 fixed seed, so every machine writes the same bytes. They are scaled so that
 each layer changes the residual stream (outputs depend on the whole context,
 which is what the KV paths are tested on) and the logits are peaked (greedy
 choices are not knife-edge ties that float noise could flip).
+
+``--size moe`` and ``small-moe`` write a ``Qwen3MoeForCausalLM`` instead (q/k norms, every
+MLP a mixture of experts), with the same tokenizer and chat template; ``small-moe`` runs as
+many MLP columns per token as ``small`` (top-2 of 8 experts of half its width).
 """
 
 from __future__ import annotations
@@ -32,6 +36,26 @@ SIZES = {
     # ~52M params: the benchmark model
     "small": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
                   num_attention_heads=10, num_key_value_heads=5, tie_word_embeddings=False),
+    # ~0.7M params, Qwen3-MoE: top-2 of 8 experts
+    "moe": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # ~160M params (~52M active per token), Qwen3-MoE: the MoE benchmark model
+    "small-moe": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
+                      num_attention_heads=10, num_key_value_heads=5, tie_word_embeddings=False,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=896),
+}
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
 }
 
 VOCAB_SIZE = 4096
@@ -45,6 +69,7 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shape = SIZES[size]
+    moe = "num_experts" in shape
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -61,6 +86,8 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
         "torch_dtype": "float32",
         **shape,
     }
+    if moe:
+        config |= QWEN3_MOE | {"head_dim": shape["hidden_size"] // shape["num_attention_heads"]}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
     save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -100,11 +127,29 @@ def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         w[p + "self_attn.k_proj.weight"] = linear(kv_heads * head_dim, h)
         w[p + "self_attn.v_proj.weight"] = linear(kv_heads * head_dim, h)
         w[p + "self_attn.o_proj.weight"] = linear(h, heads * head_dim)
-        w[p + "mlp.gate_proj.weight"] = linear(inter, h)
-        w[p + "mlp.up_proj.weight"] = linear(inter, h)
-        w[p + "mlp.down_proj.weight"] = linear(h, inter)
+        if "num_experts" in cfg:
+            w |= _moe_weights(p, cfg, linear)
+        else:
+            w[p + "mlp.gate_proj.weight"] = linear(inter, h)
+            w[p + "mlp.up_proj.weight"] = linear(inter, h)
+            w[p + "mlp.down_proj.weight"] = linear(h, inter)
     w["model.norm.weight"] = torch.ones(h)
     if not cfg["tie_word_embeddings"]:
         # logits with a std of ~12: peaked, like a trained model's
         w["lm_head.weight"] = torch.randn(vocab, h, generator=g) * (12 / math.sqrt(h))
     return {k: v.contiguous() for k, v in w.items()}
+
+
+def _moe_weights(p: str, cfg: dict, linear) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE layer's q/k norms, router and experts (one tensor per expert and projection,
+    the layout Hugging Face checkpoints ship)."""
+    h, inter, head_dim = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
+    w = {p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim),
+         # router logits with a std of ~2: tokens spread over the experts, each with a clear top 2
+         p + "mlp.gate.weight": linear(cfg["num_experts"], h) * 2}
+    for e in range(cfg["num_experts"]):
+        q = f"{p}mlp.experts.{e}."
+        w[q + "gate_proj.weight"] = linear(inter, h)
+        w[q + "up_proj.weight"] = linear(inter, h)
+        w[q + "down_proj.weight"] = linear(h, inter)
+    return w

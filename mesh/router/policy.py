@@ -25,7 +25,9 @@ without NATS. Modes:
   running sequence's blocks cost each decode step little. A decode weight of 1 let ordinary
   differences in running requests outweigh a long cached prefix: in an A/B on the Mooncake
   trace replay it cut the hit rate from 29% to 20% and raised loaded TTFT p50 from 0.43x to
-  0.82x of a round-robin run's.
+  0.82x of a round-robin run's. A LoRA request adds ``adapter_cost`` on a worker whose load
+  report does not show its adapter in a device slot (only workers holding the adapter are
+  candidates; its cached prefixes already count through the adapter-seeded hashes).
 - ``round-robin``, ``random``: ignore caches and load.
 - ``least-loaded``: the fewest active plus pending blocks.
 """
@@ -52,6 +54,9 @@ class RouterConfig:
     temperature: float = 0.0
     predict_ttl: float = 120.0  # approximate mode: how long a routed prefix is assumed cached
     pending_ttl: float = 10.0  # event mode: how long a routed prefix counts before its events arrive
+    # A LoRA request on a worker without its adapter in a device slot: the swap-in (and the slot
+    # it takes from another adapter), in blocks to prefill
+    adapter_cost: float = 4.0
     peer_fetch: bool = False  # plan fetches of prefix blocks from peers (workers that can serve them)
     fetch_min_blocks: int = 2  # a shorter fetch is not worth a round trip
 
@@ -73,6 +78,7 @@ class WorkerLoad:
     pending_prefill_blocks: int = 0  # prompt blocks queued or being prefilled there
     inflight_blocks: int = 0  # blocks of our own recent decisions its last report does not show yet
     total_blocks: int = 0
+    adapter_cold: bool = False  # the request's LoRA adapter is not in a device slot there now
     costs: KvCosts | None = None  # its per-block costs (None: the reference hardware's)
     can_fetch: bool = True  # it fetches blocks from the peer a decision names (peer fetch)
     can_serve: bool = True  # it sends blocks to peers that ask
@@ -153,6 +159,8 @@ def _terms(req: RouteRequest, w: WorkerLoad, match: PrefixMatch | None, sources:
                                           sources, config)
     prefill = w.pending_prefill_blocks + own + fetch + req.prompt_blocks - depth - n_fetch
     cost = config.prefill_weight * prefill + config.decode_weight * (w.active_blocks + w.inflight_blocks)
+    if w.adapter_cold:
+        cost += config.adapter_cost
     return cost, depth, own, src, n_fetch
 
 

@@ -196,21 +196,23 @@ class KvRouter:
         return live or ready
 
     def route(self, model: str, token_ids: list[int], request_id: str = "",
-              exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
+              exclude: set[str] | frozenset[str] = frozenset(), adapter: str = "") -> Decision:
+        """``adapter``: a LoRA adapter; only workers that hold it serve it, its prefixes are hashed
+        with its seed, and a worker with it in a device slot now is preferred (``adapter_cost``)."""
         live = self.candidates(model)
-        cards = [c for c in live if c.worker_id not in exclude]
+        cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
         if not cards:
-            raise LookupError(f"no live worker for model {model!r}")
+            raise LookupError(f"no live worker for {adapter or model!r}")
         bs = cards[0].block_size
         hashes: list[int] = []
         matches = {}
         idx = self.index(model)
         if self.config.mode == "kv":
-            hashes = block_hashes(token_ids, bs, model_seed(model))
+            hashes = block_hashes(token_ids, bs, model_seed(model, lora=adapter or None))
             idx.expire()
             matches = idx.match(hashes)
         now = time.time()
-        loads = {c.worker_id: self._load_of(c, now) for c in live}
+        loads = {c.worker_id: self._load_of(c, now, adapter) for c in live}
         workers = [loads[c.worker_id] for c in cards]
         req = RouteRequest(len(token_ids), bs, tuple(hashes))
         # an excluded worker (tried already) may still send blocks: only serving it is ruled out
@@ -238,7 +240,7 @@ class KvRouter:
         )))
         return decision
 
-    def _load_of(self, card: WorkerCard, now: float) -> WorkerLoad:
+    def _load_of(self, card: WorkerCard, now: float, adapter: str = "") -> WorkerLoad:
         report = self.loads.get(card.worker_id)
         queue = self.inflight.get(card.worker_id, {})
         fresh = [d for d in queue.values() if now - d.timestamp < INFLIGHT_TTL]
@@ -253,6 +255,7 @@ class KvRouter:
             pending_prefill_blocks=pending + sum(d.new_blocks for d in fresh),
             inflight_blocks=sum(d.prompt_blocks for d in fresh),
             total_blocks=card.kv_blocks,
+            adapter_cold=bool(adapter) and (report is None or adapter not in report.hot_adapters),
             costs=self._costs_of(card),
             can_fetch=card.fetches_kv,
             can_serve=card.serves_kv_fetch,

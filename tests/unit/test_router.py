@@ -332,6 +332,31 @@ async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
     assert [c.worker_id for c in router.candidates("m")] == ["a", "b", "c"]
 
 
+async def test_lora_requests_go_where_the_adapter_is_hot_and_its_prefix_cached():
+    from mesh.hashing import block_hashes, model_seed
+    from mesh.protocol import LoadReport, WorkerCard
+    from mesh.router.router import KvRouter
+
+    cards = [WorkerCard(w, "decode", "m", 16, 100, 1024, "h", 1, 0.0, 0.0, adapters=held)
+             for w, held in (("a", []), ("b", ["x"]), ("c", ["x"]))]
+    router = KvRouter(None, _Cards(cards), RouterConfig())
+    for w in "abc":  # x sits in one of c's device slots
+        await router._on_load(LoadReport(w, "m", "decode", 0.0, hot_adapters=["x"] if w == "c" else []), None)
+    one, two = list(range(160)), list(range(1000, 1160))  # 10 blocks each
+    d = router.route("m", one, "r1", adapter="x")  # a does not hold x; b would copy x into a slot
+    assert d.worker_id == "c" and d.cost == 10
+    router.finished("c", "r1")
+    # b caches 8 blocks of ``two`` under x, c the same tokens under the base model: b wins (2 + 4 < 10)
+    idx = router.index("m")
+    idx.predict("b", block_hashes(two, 16, model_seed("m", lora="x"))[:8], 60.0)
+    idx.predict("c", block_hashes(two, 16, model_seed("m")), 60.0)
+    d = router.route("m", two, "r2", adapter="x")
+    assert (d.worker_id, d.overlap_blocks, d.cost) == ("b", 8.0, 2 + RouterConfig().adapter_cost)
+    assert router.route("m", two, "r3").worker_id == "c"  # the base model's prefix is c's
+    with pytest.raises(LookupError, match="'y'"):
+        router.route("m", one, adapter="y")
+
+
 async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     from mesh.protocol import LoadReport, WorkerCard
     from mesh.router.router import KvRouter
