@@ -4,12 +4,13 @@ One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
     gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
-              router.decisions                            planner.decisions, its inbox
+              router.decisions, lora (request)            planner.decisions, its inbox
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
-              replies to gateway and prefill inboxes,     kv.snapshot, load, its inbox
-              its registry card
-    prefill   kv_ready, kv_data, nccl (requests), load,   its inbox (jobs come by a JetStream pull)
-              its registry card
+              replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv.snapshot, load,
+              inboxes, kv_fetch and kv_fetch_data (peer   lora, its inbox
+              fetch), its registry card
+    prefill   kv_ready, kv_data, nccl (requests), load,   lora, its inbox (jobs come by a JetStream
+              lora replies, its registry card             pull)
     planner   planner.decisions                           load, planner.decisions, its inbox
 
 plus the JetStream API calls each role makes on the registry bucket
@@ -83,22 +84,27 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     streams = _prefill_streams(ns, models)
     decode = f"{m}.decode.{ANY}"
     load = s.load_all()
+    lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     if role == "gateway":
-        pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(),
+        pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
                *_registry(ns, False)]
         sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
     elif role == "decode":
+        # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
+               inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}",
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
-        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}")),
-               f"{m}.kv.snapshot.{ANY}", load, inbox("decode")]
+        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
+                                            "kv_fetch", f"kv_fetch_data.{ANY}")),
+               f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":
-        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load, *_registry(ns, True)]
+        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load, inbox("gateway"),
+               *_registry(ns, True)]
         for st in streams:
             pub += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",
                     f"$JS.API.CONSUMER.CREATE.{st}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{st}.*",
                     f"$JS.API.CONSUMER.MSG.NEXT.{st}.*", f"$JS.ACK.{st}.>"]
-        sub = [inbox("prefill")]
+        sub = [lora, inbox("prefill")]
     else:  # planner (and mesh top: it reads what the planner reads)
         pub = [s.planner_decisions(), *_registry(ns, False)]
         sub = [load, s.planner_decisions(), inbox("planner")]

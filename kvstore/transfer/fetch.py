@@ -25,12 +25,13 @@ import contextlib
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvstore.transfer import host_id
-from kvstore.transfer.shm import PREFIX, SHM_DIR
+from kvstore.transfer.shm import PREFIX, shm_dir
 from mesh.bus import Bus
 from mesh.protocol import KvChunk
 
@@ -71,6 +72,17 @@ def make_channels(names, **kwargs) -> dict[str, FetchChannel]:
     return {n: CHANNELS[n](**kwargs) for n in names if n in CHANNELS}
 
 
+_BUFFER = re.compile(r"kv-[A-Za-z0-9_.-]{1,120}-fetch-[A-Za-z0-9_.-]{1,120}")
+
+
+def _buffer_file(params: dict) -> str | None:
+    """The fetch buffer a message names, in the mesh's shm directory; None for any other name."""
+    name = params.get("name")
+    if not isinstance(name, str) or not _BUFFER.fullmatch(name) or name.startswith("."):
+        return None
+    return str(shm_dir() / name)
+
+
 @register("shm")
 class ShmChannel:
     """A file in /dev/shm per fetch, named after this process (``remove_stale_files`` clears the
@@ -79,11 +91,13 @@ class ShmChannel:
     name = "shm"
 
     def __init__(self, worker_id: str, **_):
-        self._prefix = f"{PREFIX}{os.getpid()}-{worker_id}-fetch-"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id)[:100]
+        self._prefix = f"{PREFIX}{os.getpid()}-{safe}-fetch-"
         self._paths: dict[str, str] = {}
 
     async def params(self, fetch_id: str, max_bytes: int) -> dict:
-        path = str(SHM_DIR / f"{self._prefix}{fetch_id}")
+        name = f"{self._prefix}{re.sub(r'[^A-Za-z0-9_.-]', '_', fetch_id)}"
+        path = str(shm_dir() / name)
 
         def create() -> None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -94,7 +108,7 @@ class ShmChannel:
 
         await asyncio.to_thread(create)
         self._paths[fetch_id] = path
-        return {"path": path, "host": host_id(), "bytes": max_bytes}
+        return {"name": name, "host": host_id(), "bytes": max_bytes}  # a name, never a path
 
     async def take(self, fetch_id: str, nbytes: int) -> memoryview | None:
         path = self._paths.get(fetch_id)
@@ -115,10 +129,10 @@ class ShmChannel:
                 os.unlink(path)  # a holder still writing writes into pages nobody will read
 
     def usable(self, params: dict) -> bool:
-        """Same host, and a buffer file of ours in /dev/shm (a peer names no other file to write)."""
-        path = params.get("path")
-        return params.get("host") == host_id() and isinstance(path, str) and os.path.dirname(path) == str(SHM_DIR) \
-            and os.path.basename(path).startswith(PREFIX) and "-fetch-" in path and os.path.exists(path)
+        """Same host, and a fetch buffer file in the mesh's shm directory (a peer names no other file)."""
+        path = _buffer_file(params)
+        return params.get("host") == host_id() and path is not None and os.path.isfile(path) \
+            and not os.path.islink(path)
 
     def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
         """The requester's file mapped (shared) as blocks: the holder's one copy lands in it."""
@@ -128,14 +142,14 @@ class ShmChannel:
         if numel * dtype.itemsize > int(params.get("bytes", 0)):
             raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {rows} blocks")
         # opened by name: a buffer the requester already dropped is gone (FileNotFoundError)
-        return torch.from_file(params["path"], shared=True, size=numel, dtype=dtype).view(rows, *block_shape)
+        return torch.from_file(_buffer_file(params), shared=True, size=numel, dtype=dtype).view(rows, *block_shape)
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
         if len(payload) > int(params.get("bytes", 0)):
             raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {len(payload)}")
 
         def write() -> int:
-            fd = os.open(params["path"], os.O_WRONLY)  # no O_CREAT: a buffer already dropped stays gone
+            fd = os.open(_buffer_file(params), os.O_WRONLY | os.O_NOFOLLOW)  # no O_CREAT: a buffer already dropped stays gone
             try:
                 return os.pwrite(fd, payload, 0)
             finally:

@@ -140,8 +140,9 @@ async def test_channels_move_the_bytes_and_a_late_write_lands_nowhere(nats_serve
             params = await ch.params("f1", 2 * len(payload))  # room for more than the holder sends
             assert ch.usable(params)
             if ch.name == "shm":  # a requester names no file but a fetch buffer in /dev/shm
-                assert not ch.usable({**params, "path": "/tmp/" + os.path.basename(params["path"])})
-                assert not ch.usable({**params, "path": params["path"].replace("-fetch-", "-")})
+                assert not ch.usable({**params, "name": "../" + params["name"]})
+                assert not ch.usable({**params, "name": params["name"].replace("-fetch-", "-")})
+                assert not ch.usable({**params, "path": "/tmp/x", "name": None})
             assert await ch.send("f1", params, payload) == len(payload)
             assert bytes(await ch.take("f1", len(payload))) == bytes(payload)
             if ch.name == "nats":  # (shm: the holder's KvFetchDone says how much it wrote)

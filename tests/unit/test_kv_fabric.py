@@ -348,7 +348,7 @@ async def test_the_gateway_sends_the_routers_fetch_plan_in_the_request():
 
     gw = Gateway(GatewayConfig("nats://unused"))
     gw.bus = Bus()
-    gw.router = SimpleNamespace(route=lambda *a: decisions.pop(0))
+    gw.router = SimpleNamespace(route=lambda *a, **kw: decisions.pop(0))
     gw.replies = SimpleNamespace(batch_subject="replies", open=lambda w: SimpleNamespace(subject="r", key="k"))
     from opentelemetry.trace import INVALID_SPAN
 
