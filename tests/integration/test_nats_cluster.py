@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from nats.js.errors import NotFoundError
 
 from bench.chaos import Outcome, one_request
 from bench.nats_cluster import gateway_server
@@ -63,7 +64,14 @@ async def test_mesh_rides_through_the_loss_of_a_server(nats_cluster):
                     pass
                 await asyncio.sleep(0.25)
             for stream in ("KV_mesh_workers", "mesh_mock_prefill"):  # created by the workers, R3
-                info = await bus.js.stream_info(stream)
+                for _ in range(240):  # the prefill worker may create its stream after /health is green
+                    try:
+                        info = await bus.js.stream_info(stream)
+                        break
+                    except NotFoundError:
+                        await asyncio.sleep(0.25)
+                else:
+                    info = await bus.js.stream_info(stream)
                 assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, stream
             before = Outcome()
             await requests_for(4.0, client, url, before)

@@ -111,14 +111,19 @@ def test_kubernetes_connector_outside_a_cluster_is_a_clear_error(monkeypatch):
         KubernetesConnector(namespace="x")
 
 
-async def test_local_connector_starts_and_drains_processes():
-    sleeper = [sys.executable, "-c", "import signal, sys, time; "
-               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"]
+async def test_local_connector_starts_and_drains_processes(tmp_path):
+    # each sleeper leaves a file once its SIGTERM handler is in place (a loaded machine may take seconds)
+    sleeper = [sys.executable, "-c", "import os, signal, sys, time; "
+               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+               f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(60)"]
     pools = LocalConnector({"prefill": sleeper, "decode": sleeper}, drain_timeout=10)
     try:
         await pools.scale("decode", 3)
         assert await pools.replicas("decode") == 3
-        await asyncio.sleep(1.5)  # let the sleepers install their SIGTERM handler
+        for _ in range(600):  # let the sleepers install their SIGTERM handler
+            if len(list(tmp_path.iterdir())) >= 3:
+                break
+            await asyncio.sleep(0.05)
         ids = pools.worker_ids("decode")
         await pools.scale("decode", 1, victims=[ids[0]])
         assert await pools.replicas("decode") == 1
