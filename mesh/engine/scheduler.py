@@ -284,7 +284,7 @@ class Scheduler:
         else:
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-        return self.output_of(seq, [first])
+        return self.output_of(seq, first)
 
     def fail_remote(self, request_id: str) -> Sequence | None:
         """No KV came: drop the promised blocks and prefill locally, ahead of newer requests."""
@@ -324,12 +324,10 @@ class Scheduler:
         token; one preempted while its token was in flight keeps it, as it would have without
         overlap (it was sampled from the full context).
         """
-        # The per-row work of every step: take_token, check_stop and output_of written out, so a
-        # row costs a few attribute reads rather than a dozen calls (bench/host_overhead.py).
         results: list[StepOutput] = []
         finished: list[Sequence] = []
         samples = iter(sampled)
-        eos, max_len, bs = self.config.eos_token_ids, self.config.max_model_len, self.kv.block_size
+        bs = self.kv.block_size
         for chunk in out.chunks:
             if not chunk.samples:
                 continue
@@ -338,27 +336,12 @@ class Scheduler:
             seq.num_placeholders -= 1
             if seq.status >= FINISHED:
                 continue
-            tid, lp = tok.token_id, tok.logprob
-            outs = seq.output_token_ids
-            outs.append(tid)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            n_out = len(outs)
-            p = seq.params
-            if seq.grammar is not None:
-                self._after_grammar_token(seq, tid)
-            elif ((tid in eos and not p.ignore_eos) or tid in p.stop_token_ids) and n_out >= p.min_tokens:
-                seq.status = SeqStatus.FINISHED_STOPPED
-            elif n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
-                seq.status = SeqStatus.FINISHED_LENGTH
+            self.take_token(seq, tok)
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:
                 self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
-            reason = None
             if seq.status >= FINISHED:
                 finished.append(seq)
-                reason = seq.status.finish_reason
-            results.append(StepOutput(seq.request_id, [tid], [] if lp is None else [lp], reason,
-                                      len(seq.prompt_token_ids), seq.num_cached_tokens, n_out))
+            results.append(self.output_of(seq, tok))
         for seq in finished:
             if seq in self.running:
                 self.running.remove(seq)
@@ -372,9 +355,14 @@ class Scheduler:
         return (seq.num_output_tokens_scheduled >= seq.params.max_tokens
                 or seq.num_tokens + seq.num_placeholders >= self.config.max_model_len)
 
+    # take_token, check_stop and output_of run once per row per step: they read the sequence's
+    # lists directly rather than through its properties (bench/host_overhead.py).
+
     def take_token(self, seq: Sequence, tok: SampledToken) -> None:
         """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
-        seq.append_token(tok.token_id, tok.logprob)
+        seq.output_token_ids.append(tok.token_id)
+        if tok.logprob is not None:
+            seq.output_logprobs.append(tok.logprob)
         if seq.grammar is not None:
             self._after_grammar_token(seq, tok.token_id)
         else:
@@ -388,13 +376,15 @@ class Scheduler:
 
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
-        last = seq.last_token_id
+        outs = seq.output_token_ids
+        n_out = len(outs)
+        last = outs[-1] if n_out else seq.prompt_token_ids[-1]
         if ((not p.ignore_eos and last in self.config.eos_token_ids) or last in p.stop_token_ids) \
-                and seq.num_output_tokens >= p.min_tokens:
+                and n_out >= p.min_tokens:
             seq.status = SeqStatus.FINISHED_STOPPED
         elif seq.grammar is not None and seq.grammar.is_done:
             seq.status = SeqStatus.FINISHED_STOPPED  # the output is complete: only EOS could follow
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= self.config.max_model_len:
             seq.status = SeqStatus.FINISHED_LENGTH
 
     def retire(self, seq: Sequence) -> None:
@@ -410,13 +400,8 @@ class Scheduler:
             self.kv.free(seq)
 
     @staticmethod
-    def output_of(seq: Sequence, toks: list[SampledToken]) -> StepOutput:
-        return StepOutput(
-            request_id=seq.request_id,
-            new_token_ids=[t.token_id for t in toks],
-            new_logprobs=[t.logprob for t in toks if t.logprob is not None],
-            finish_reason=seq.status.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
+    def output_of(seq: Sequence, tok: SampledToken) -> StepOutput:
+        """What a step that sampled ``tok`` for ``seq`` (already taken) produced for its request."""
+        return StepOutput(seq.request_id, [tok.token_id], [] if tok.logprob is None else [tok.logprob],
+                          seq.status.finish_reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
+                          len(seq.output_token_ids))

@@ -199,16 +199,11 @@ class MockEngine(EngineCore):
             self.owed_seconds += seconds
         elif seconds > 0:
             time.sleep(seconds)
-        vocab = self.vocab_size
-        tokens = []
-        for c in out.chunks:
-            if c.samples:  # token_for, written out (one per row per step)
-                seq = c.seq
-                n_out = len(seq.output_token_ids)
-                last = seq.output_token_ids[-1] if n_out else seq.prompt_token_ids[-1]
-                tokens.append(SampledToken((last * 31 + (len(seq.prompt_token_ids) + n_out) * 17 + 7) % vocab))
-        return tokens
+        return [SampledToken(self.token_for(c.seq)) for c in out.chunks if c.samples]
 
     def token_for(self, seq: Sequence) -> int:
-        """The next token: a fixed function of the last token and the length."""
-        return (seq.last_token_id * 31 + seq.num_tokens * 17 + 7) % self.vocab_size
+        """The next token: a fixed function of the last token and the length (once per row per step:
+        the sequence's lists read directly, not through its properties)."""
+        outs = seq.output_token_ids
+        last = outs[-1] if outs else seq.prompt_token_ids[-1]
+        return (last * 31 + (len(seq.prompt_token_ids) + len(outs)) * 17 + 7) % self.vocab_size
