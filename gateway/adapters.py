@@ -7,8 +7,8 @@ them did it, else the first failure in OpenAI's error shape. A success returns o
 gateway's registry view shows the change, so the next request naming the adapter routes.
 
 Admin-only: both endpoints call ``app.state.require_admin(request)`` first. Without API keys
-it lets everyone through (``open_admin``); an auth layer installs its own check there
-(raising ``APIError(401/403)``), e.g. ``app.state.require_admin = keys.require_admin``.
+it lets everyone through (``open_admin``); with keys, ``asgi_app`` installs
+``gateway.auth.require_admin`` there: a 403 unless the request's key has ``role=admin``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
-from gateway.auth import AuthConfig, guard
+from gateway.auth import AuthConfig, guard, require_admin
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
@@ -135,7 +135,10 @@ def _install_components(app: FastAPI) -> None:
 def asgi_app(gateway: Gateway, auth: AuthConfig | None = None):
     """What uvicorn serves: ``create_app``'s FastAPI app behind ``CompletionRoutes``, behind the
     API keys (``auth``) and the request body cap."""
-    return guard(CompletionRoutes(create_app(gateway), gateway), gateway, auth)
+    app = create_app(gateway)
+    if auth is not None and auth.enabled:
+        app.state.require_admin = require_admin  # adapter loading: admin keys only
+    return guard(CompletionRoutes(app, gateway), gateway, auth)
 
 
 class CompletionRoutes:

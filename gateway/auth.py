@@ -8,9 +8,13 @@
 may carry limits (concurrent requests, requests per minute), answered with 429
 and ``Retry-After``. Keys come from ``--api-key``, ``MESH_API_KEYS`` and
 ``--api-key-file`` (one per line: ``KEY [name=LABEL] [max_concurrent=N]
-[rpm=N]``; ``#`` comments), the file reread on SIGHUP and when it changes (a
-mounted Kubernetes Secret). Keys are held as SHA-256 digests and every
-presented key is compared with all of them in constant time.
+[rpm=N] [role=admin]``; ``#`` comments), the file reread on SIGHUP and when it
+changes (a mounted Kubernetes Secret). Keys are held as SHA-256 digests and
+every presented key is compared with all of them in constant time. The key a
+request came with is in ``scope["state"]["api_key"]`` (``request.state.api_key``):
+``require_admin`` refuses the admin routes (adapter loading) to keys without
+``role=admin`` (403), and ``--admin-api-key`` / ``MESH_ADMIN_API_KEYS`` add
+admin keys outside the file.
 
 ``BodyCap``: request bodies are capped by what the largest model served can
 take (``body_cap``): 16 bytes per token of its context plus 1 MiB. A prompt
@@ -56,11 +60,19 @@ class KeyLimits:
     rpm: int = 0  # requests per minute (0: no limit)
 
 
+ROLES = ("user", "admin")  # admin: also the admin routes (loading and unloading LoRA adapters)
+
+
 @dataclass(frozen=True)
 class ApiKey:
     name: str  # what logs say (never the key)
     digest: bytes  # SHA-256 of the key
     limits: KeyLimits
+    role: str = "user"
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
 
 
 def _digest(key: str) -> bytes:
@@ -68,26 +80,31 @@ def _digest(key: str) -> bytes:
 
 
 def parse_key_line(line: str, default: KeyLimits, index: int) -> ApiKey | None:
-    """One line of a key file: ``KEY [name=LABEL] [max_concurrent=N] [rpm=N]``; None for a blank
-    or comment line. ValueError names what is wrong (never the key itself)."""
+    """One line of a key file: ``KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=user|admin]``;
+    None for a blank or comment line. ValueError names what is wrong (never the key itself)."""
     line = line.split("#", 1)[0].strip()
     if not line:
         return None
     key, *options = line.split()
-    name, limits = f"key-{index}", {"max_concurrent": default.max_concurrent, "rpm": default.rpm}
+    name, role = f"key-{index}", "user"
+    limits = {"max_concurrent": default.max_concurrent, "rpm": default.rpm}
     for opt in options:
         k, sep, v = opt.partition("=")
         if not sep:
             raise ValueError(f"line {index}: {opt!r} is not name=value")
         if k == "name":
             name = v
+        elif k == "role":
+            if v not in ROLES:
+                raise ValueError(f"line {index}: role must be one of {', '.join(ROLES)}")
+            role = v
         elif k in limits:
             if not v.isdigit():
                 raise ValueError(f"line {index}: {k} must be a whole number >= 0")
             limits[k] = int(v)
         else:
-            raise ValueError(f"line {index}: unknown option {k!r} (name, max_concurrent, rpm)")
-    return ApiKey(name, _digest(key), KeyLimits(**limits))
+            raise ValueError(f"line {index}: unknown option {k!r} (name, max_concurrent, rpm, role)")
+    return ApiKey(name, _digest(key), KeyLimits(**limits), role)
 
 
 @dataclass
@@ -95,13 +112,14 @@ class AuthConfig:
     """The gateway's keys and their default limits (``mesh gateway`` flags)."""
 
     keys: tuple[str, ...] = ()  # --api-key and MESH_API_KEYS
+    admin_keys: tuple[str, ...] = ()  # --admin-api-key and MESH_ADMIN_API_KEYS: role admin
     key_file: str | None = None  # --api-key-file
     limits: KeyLimits = field(default_factory=KeyLimits)  # for every key without its own
     metrics_auth: bool = False  # /metrics needs a key too
 
     @property
     def enabled(self) -> bool:
-        return bool(self.keys or self.key_file)
+        return bool(self.keys or self.admin_keys or self.key_file)
 
 
 class KeyRing:
@@ -111,6 +129,8 @@ class KeyRing:
         self.config = config
         self._fixed = [ApiKey(f"key-{i}", _digest(k), config.limits) for i, k in enumerate(config.keys, 1)
                        if k.strip()]
+        self._fixed += [ApiKey(f"admin-{i}", _digest(k), config.limits, "admin")
+                        for i, k in enumerate(config.admin_keys, 1) if k.strip()]
         self._from_file: list[ApiKey] = []
         self._mtime = 0.0
         self._checked = time.monotonic()
@@ -267,6 +287,7 @@ class ApiKeys:
                 code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(wait))}), self.count)
             return
         usage.inflight += 1
+        scope.setdefault("state", {})["api_key"] = key  # request.state.api_key: require_admin reads it
         try:
             await self.app(scope, receive, send)
         finally:
@@ -317,6 +338,17 @@ class BodyCap:
         metrics.GATEWAY_REJECTED.labels("body_too_large").inc()
         await _respond(scope, send, APIError(413, f"the request body is over {cap} bytes (1 MiB plus 16 bytes per "
                                            "token of the largest context served); split a large batch"), count)
+
+
+async def require_admin(request) -> None:
+    """The admin routes' check once API keys are on (``app.state.require_admin``): the request's
+    key (ApiKeys let it in) must have ``role=admin``; 403 otherwise."""
+    key: ApiKey | None = request.scope.get("state", {}).get("api_key")
+    if key is None or not key.admin:
+        metrics.GATEWAY_REJECTED.labels("not_admin").inc()
+        raise APIError(403, "this API key may not manage adapters: it needs role=admin (an admin key from "
+                            "--admin-api-key, MESH_ADMIN_API_KEYS or role=admin in the key file)",
+                       code="permission_denied")
 
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

@@ -241,9 +241,12 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a key clients must send (Authorization: Bearer KEY); repeatable; also $MESH_API_KEYS "
                         "(comma-separated). Prefer the file or the variable: a command line is visible to other users")
+    p.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
+                   help="a key that may also load and unload LoRA adapters (role admin); repeatable; also "
+                        "$MESH_ADMIN_API_KEYS (comma-separated)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N]; reread on SIGHUP "
-                        "and when it changes")
+                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=admin]; reread "
+                        "on SIGHUP and when it changes")
     p.add_argument("--api-key-max-concurrent", type=int, default=0, metavar="N",
                    help="requests in flight per key, for keys without their own (0: no limit); beyond: 429")
     p.add_argument("--api-key-rpm", type=int, default=0, metavar="N",
@@ -259,7 +262,8 @@ def auth_config(args: argparse.Namespace):
         raise CliError("--api-key-max-concurrent and --api-key-rpm must be >= 0")
     if args.api_key_file and not Path(args.api_key_file).is_file():
         raise CliError(f"--api-key-file {args.api_key_file}: no such file")
-    auth = AuthConfig(keys=(*settings().api_keys, *args.api_key), key_file=args.api_key_file,
+    auth = AuthConfig(keys=(*settings().api_keys, *args.api_key),
+                      admin_keys=(*settings().admin_api_keys, *args.admin_api_key), key_file=args.api_key_file,
                       limits=KeyLimits(args.api_key_max_concurrent, args.api_key_rpm),
                       metrics_auth=args.metrics_auth)
     if auth.key_file:
@@ -667,6 +671,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             gateway_flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     auth = auth_config(args)
     gateway_env = {"MESH_API_KEYS": ",".join(auth.keys)} if auth.keys else {}  # not on a command line
+    if auth.admin_keys:
+        gateway_env["MESH_ADMIN_API_KEYS"] = ",".join(auth.admin_keys)
     if auth.key_file:
         gateway_flags += ["--api-key-file", str(Path(auth.key_file).resolve())]
     for name in ("api_key_max_concurrent", "api_key_rpm"):

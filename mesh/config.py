@@ -27,6 +27,7 @@ class Settings:
     js_replicas: int | None = None
     # the gateway's API keys (comma-separated); --api-key and --api-key-file add to them
     api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()  # keys that may also load and unload LoRA adapters
 
 
 def _number(env, name: str, kind: type):
@@ -57,4 +58,5 @@ def settings() -> Settings:
         nats_connect_timeout=_number(env, "MESH_NATS_CONNECT_TIMEOUT", float),
         js_replicas=_number(env, "MESH_JS_REPLICAS", int),
         api_keys=tuple(k.strip() for k in env.get("MESH_API_KEYS", "").split(",") if k.strip()),
+        admin_api_keys=tuple(k.strip() for k in env.get("MESH_ADMIN_API_KEYS", "").split(",") if k.strip()),
     )

@@ -182,6 +182,35 @@ async def test_runtime_load_and_unload_through_the_admin_endpoints(client, adapt
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
 
 
+async def test_with_api_keys_only_admin_keys_manage_adapters(cluster, tiny_model, adapters, mesh, tmp_path):
+    """A gateway with keys: a user key may complete but not load or unload (403
+    ``permission_denied``), no key is a 401, an admin key (flag or key file ``role=admin``) may."""
+    dirs, expected = adapters
+    keyfile = tmp_path / "keys.txt"
+    keyfile.write_text("sk-user-0123456789 name=tenant\nsk-ops-0123456789 name=ops role=admin\n")
+    base = cluster.gateway(tiny_model, None, "--api-key-file", str(keyfile), "--admin-api-key", "sk-admin-0123456789")
+    wait_http_ok(f"{base}/health", 90)
+    load = {"lora_name": "keyed", "lora_path": str(dirs["mlp"])}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        r = await http.post("/v1/load_lora_adapter", json=load)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        user = {"Authorization": "Bearer sk-user-0123456789"}
+        r = await http.post("/v1/load_lora_adapter", json=load, headers=user)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["code"] == "permission_denied" and "role=admin" in r.json()["error"]["message"]
+        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}, headers=user)
+        assert r.status_code == 403
+        for admin in ("sk-admin-0123456789", "sk-ops-0123456789"):
+            r = await http.post("/v1/load_lora_adapter", json=load, headers={"Authorization": f"Bearer {admin}"})
+            assert r.status_code == 200, r.text
+            keyed = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sk-user-0123456789", max_retries=0)
+            text, _ = await complete(keyed, "keyed", PROMPTS[0])
+            assert text == expected["mlp"][0]  # the user key serves the adapter the admin loaded
+            r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "keyed"},
+                                headers={"Authorization": f"Bearer {admin}"})
+            assert r.status_code == 200, r.text
+
+
 def test_a_broken_adapter_directory_is_one_line_naming_the_file(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

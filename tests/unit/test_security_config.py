@@ -20,7 +20,9 @@ def test_key_file_lines(tmp_path):
     k = parse_key_line("sk-abc name=team-a rpm=60  # the analytics team", default, 3)
     assert k.name == "team-a" and k.limits == KeyLimits(max_concurrent=2, rpm=60)
     assert parse_key_line("sk-def", default, 4).name == "key-4"
-    for bad, why in (("sk-x rpm=-1", "whole number"), ("sk-x burst=3", "unknown option"), ("sk-x rpm", "name=value")):
+    assert not k.admin and parse_key_line("sk-ops role=admin", default, 6).admin
+    for bad, why in (("sk-x rpm=-1", "whole number"), ("sk-x burst=3", "unknown option"), ("sk-x rpm", "name=value"),
+                     ("sk-x role=root", "role must be")):
         with pytest.raises(ValueError, match=why) as e:
             parse_key_line(bad, default, 5)
         assert "sk-x" not in str(e.value)  # an error never prints a key
@@ -29,8 +31,9 @@ def test_key_file_lines(tmp_path):
 def test_key_ring_sources_and_reload(tmp_path):
     f = tmp_path / "keys"
     f.write_text("sk-file-1 name=one\nsk-file-2 max_concurrent=1\n")
-    ring = KeyRing(AuthConfig(keys=("sk-flag",), key_file=str(f)))
-    assert ring.match("sk-flag").name == "key-1"
+    ring = KeyRing(AuthConfig(keys=("sk-flag",), admin_keys=("sk-admin",), key_file=str(f)))
+    assert ring.match("sk-flag").name == "key-1" and not ring.match("sk-flag").admin
+    assert ring.match("sk-admin").admin and not ring.match("sk-file-1").admin
     assert ring.match("sk-file-1").name == "one"
     assert ring.match("sk-file-2").limits.max_concurrent == 1
     assert ring.match("sk-nope") is None and ring.match("") is None
