@@ -104,7 +104,7 @@ def run_moe(args, bench) -> dict:
             rows.append(row)
             print(f"  measured {size} {case.label} batch {case.batch} ({row.cpu_share:.0%} of {threads} CPUs)",
                   file=sys.stderr)
-        bench.print_table(rows, header)
+        bench.print_table(rows, header, target=None)  # issue 19 sets no CPU ratio
         busy = [r for r in rows if r.cpu_share < bench.BUSY_SHARE]
         if busy:
             print(f"warning: other processes took CPU time during {len(busy)} case(s) (as little as "
