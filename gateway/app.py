@@ -45,6 +45,7 @@ from gateway.streaming import (
     unless_disconnected,
 )
 from mesh.engine.constraints.spec import Constraint
+from mesh.procutil import settle_heap
 from mesh.protocol import ConstraintSpec, SamplingOptions
 from mesh.telemetry import tracer
 from mesh.tokenizer import ChatTemplateError, Tokenizer
@@ -62,6 +63,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        settle_heap()  # tokenizers, templates, routes built: out of the collector's way
         yield
         await gateway.stop()
 

@@ -190,6 +190,9 @@ def _add_worker(sub) -> None:
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
     p.add_argument("--stream-interval-ms", type=float, default=1.0,
                    help="decode: at most one token message per gateway per this many ms (0: as soon as the event loop is free)")
+    p.add_argument("--kv-event-interval-ms", type=float, default=5.0,
+                   help="decode: at most one KV event batch per this many ms (the router hears of a block at most "
+                        "this much later; 0: as soon as the last batch is sent)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics listens on (default loopback; 0.0.0.0 or the pod IP to be scraped)")
@@ -534,6 +537,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         stream_interval_ms=args.stream_interval_ms,
+        kv_event_interval_ms=args.kv_event_interval_ms,
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
         drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
         peer_fetch=args.peer_fetch and not mock and args.role == "decode", peer_fetch_timeout=args.peer_fetch_timeout,

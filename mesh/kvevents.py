@@ -4,10 +4,16 @@ The engine thread drains the block pool's event log after every step and
 every command (``flush``). It numbers a batch and hands it to the event loop,
 which publishes batches in order; until the loop has sent the last batch, new
 events wait and go out with the next one (a busy loop sends one batch for
-several steps, not one each). A snapshot is taken in the engine thread
-right after a flush that numbers whatever waits, so it is exactly the state
-after batch ``seq``: a router that applies the snapshot, then every batch with
-a higher number, has the worker's cache.
+several steps, not one each). At most one batch goes out per
+``interval`` (5 ms by default, ``--kv-event-interval-ms``): a router hears of a
+block at most that much later, and a worker publishes a few batches per
+request instead of one per step that touched the cache. A snapshot is taken in
+the engine thread right after a flush that numbers whatever waits, so it is
+exactly the state after batch ``seq``: a router that applies the snapshot, then
+every batch with a higher number, has the worker's cache.
+
+"Engine thread" is the event loop's own thread under ``InlineEngineLoop`` (the
+mocker): the batch is then handed over without the loop's self-pipe.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 
@@ -27,17 +34,20 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_PAGE = 50_000  # hashes per reply page (~450 KB of msgpack)
 SNAPSHOT_TTL = 30.0  # seconds a snapshot's later pages stay available
+INTERVAL = 0.005  # seconds: at most one batch per interval
 
 
 class KvEventPublisher:
-    def __init__(self, bus: Bus, worker_id: str, model: str):
+    def __init__(self, bus: Bus, worker_id: str, model: str, interval: float = INTERVAL):
         self.bus = bus
+        self.interval = interval
         self.worker_id = worker_id
         self.model = model
         self.seq = 0  # engine thread only
         self._waiting: list = []  # engine thread: events not numbered yet
         self._handing = False  # a numbered batch is on its way to the event loop
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._queue: asyncio.Queue[KvEventBatch] = asyncio.Queue()
         self._snapshots: dict[str, tuple[float, int, dict[str, list[int]]]] = {}
         self._task: asyncio.Task | None = None
@@ -60,7 +70,10 @@ class KvEventPublisher:
             batch = KvEventBatch(self.worker_id, self.model, self.seq, self._waiting)
             self._waiting = []
             self._handing = True
-            self._loop.call_soon_threadsafe(self._take, batch)
+            if threading.get_ident() == self._loop_thread:
+                self._take(batch)  # an engine stepping on the loop itself
+            else:
+                self._loop.call_soon_threadsafe(self._take, batch)
 
     def _take(self, batch: KvEventBatch) -> None:
         self._queue.put_nowait(batch)
@@ -93,6 +106,8 @@ class KvEventPublisher:
                 self.published += 1
             except Exception as e:  # the gap in numbers makes routers resync
                 log.warning("could not publish KV events: %s", e)
+            if self.interval and self._queue.empty():
+                await asyncio.sleep(self.interval)  # what the engine logs meanwhile waits for the next batch
             if self._queue.empty():
                 # Sent: the engine thread may number the next batch. Events that waited for this
                 # one go with its next flush (after its next step), or now if it is idle.

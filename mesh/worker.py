@@ -34,7 +34,7 @@ from mesh.engine.sampling import SamplingParams
 from mesh.engine.sequence import Sequence, TokenLogprob
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
-from mesh.procutil import StopEvent, cancel_and_wait, stop_event_on_signals
+from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
 from mesh.telemetry import REGISTRY, register_gpu_collector, serve_metrics, setup_tracing
@@ -66,6 +66,7 @@ class WorkerSettings:
     # (nothing, when steps are longer than it, as a GPU's are), and the bus carries at most
     # 1000/interval messages per second per gateway however short the steps (docs/operations.md).
     stream_interval_ms: float = 1.0
+    kv_event_interval_ms: float = 5.0  # decode: at most one KV event batch per this many ms (mesh/kvevents.py)
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
     nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
@@ -298,7 +299,8 @@ class WorkerBase:
             self._serve_metrics()
             self.kv_events = None
             if self.publishes_kv_events:
-                self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name)
+                self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name,
+                                                  self.settings.kv_event_interval_ms / 1000.0)
             else:
                 self.engine.pool.events.enabled = False
             # the mocker steps on the event loop itself (its step is a pause, never a block)
@@ -319,6 +321,7 @@ class WorkerBase:
             await self.cards.start()
             stack.push_async_callback(self.cards.stop)
             self._tasks.append(asyncio.create_task(self._report_load(), name="load"))
+            settle_heap()  # start-up state built: out of the collector's way
             self.ready.set()
             log.info("%s worker %s serving %s", self.role, self.worker_id, self.engine.model_name)
             await stop.wait()
