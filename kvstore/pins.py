@@ -112,6 +112,13 @@ class KvPins:
         """The pinned run's bytes as one host tensor ``[n, layers, 2, block_size, heads, dim]`` (``out``,
         when given, with room for the run), and ``n``: the blocks read, a leading part of the run (a
         disk file that fails its check ends it)."""
+        sources = self.sources(fetch_id)
+        return copier.stage(sources, out), len(sources)
+
+    def sources(self, fetch_id: str) -> list:
+        """Where each block of the pinned run is, for ``BlockCopier.stage``: device blocks, host
+        slots, disk payloads (read here: file I/O, so off the engine thread); a disk file that
+        fails its check ends the list."""
         run = self._runs[fetch_id]
         sources: list = []
         host = self.tiers.host if self.tiers is not None else None
@@ -127,7 +134,7 @@ class KvPins:
                 if payload is None:
                     break
                 sources.append(payload)
-        return copier.stage(sources, out), len(sources)
+        return sources
 
     def release(self, fetch_id: str) -> bool:
         """Unpin a run (the send is over, however it ended); False if it was not pinned (expired)."""
