@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+CHAIN_S = 0.0005  # InlineEngineLoop: longest run of back-to-back steps before the event loop's turn
+
 
 class Steppable(Protocol):
     @property
@@ -182,6 +184,10 @@ class InlineEngineLoop(EngineLoop):
     The pace: each step's simulated seconds are added to a due time and awaited, so over many
     steps the engine runs at its timing model even though the loop's timers are millisecond
     grained; a host slower than the model (more than 10 ms behind) runs the steps back to back.
+    While it is behind, steps also run back to back within one turn of the event loop, for up to
+    ``CHAIN_S``: a turn of the loop (poll, callbacks, the pacing sleep) per step cost the mocker
+    as much as the step at small batches, and what a step's outputs wait for (the loop's turn)
+    is at most that half millisecond, under the stream interval.
     """
 
     def __init__(self, *args, **kwargs):
@@ -236,23 +242,30 @@ class InlineEngineLoop(EngineLoop):
                         await self._wake.wait()
                     due = clock()
                     continue
-                t0 = time.perf_counter()
-                try:
-                    outs = engine.step()
-                except Exception as e:
-                    log.exception("engine step failed; failing the running requests")
-                    outs = self._fail_running()
-                    if getattr(e, "fatal", False):
-                        self.emit(outs)
-                        raise
-                self.step_seconds = time.perf_counter() - t0
-                self.emit(outs)
-                self._after_work()
-                due += engine.take_owed_seconds()
-                delay = due - clock()
+                # Steps run back to back while the engine is behind its pace, for up to CHAIN_S;
+                # then the loop gets its turn (arrivals, this run's outputs, commands).
+                chain_end = time.perf_counter() + CHAIN_S
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        outs = engine.step()
+                    except Exception as e:
+                        log.exception("engine step failed; failing the running requests")
+                        outs = self._fail_running()
+                        if getattr(e, "fatal", False):
+                            self.emit(outs)
+                            raise
+                    t1 = time.perf_counter()
+                    self.step_seconds = t1 - t0
+                    self.emit(outs)
+                    self._after_work()
+                    due += engine.take_owed_seconds()
+                    delay = due - clock()
+                    if delay > 0 or t1 >= chain_end or not engine.has_work:
+                        break
                 if delay < -0.01:
                     due = clock()
-                await asyncio.sleep(max(delay, 0.0))  # also lets the loop send this step's outputs
+                await asyncio.sleep(max(delay, 0.0))  # also lets the loop send these steps' outputs
         except asyncio.CancelledError:
             raise
         except BaseException as e:
