@@ -126,3 +126,50 @@ async def test_the_inline_loop_keeps_the_timing_model_and_the_order_of_commands(
         loop.stop()
         collect.cancel()
         tick.cancel()
+
+
+async def test_the_inline_loop_runs_steps_back_to_back_while_behind_its_pace():
+    """Behind its timing model (simulated steps far shorter than the host's), the mocker runs
+    several steps per turn of the event loop, and the loop still gets its turns."""
+    engine = MockEngine(MockConfig(speedup=1e6, num_blocks=256))  # nanosecond steps: always behind
+    outs: list = []
+    loop = InlineEngineLoop(engine, asyncio.get_running_loop())
+    collect = asyncio.create_task(gather(loop, outs))
+    ticks = 0
+    counting = True
+
+    async def ticker():
+        nonlocal ticks
+        while counting:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    loop.start()
+    try:
+        await loop.call(lambda e: [e.add(e.new_sequence([1, 2, 3], SamplingParams(max_tokens=300, ignore_eos=True),
+                                                        request_id=f"r{i}")) for i in range(4)])
+        tick = asyncio.create_task(ticker())
+        while sum(1 for o in outs if o.finish_reason) < 4:
+            await asyncio.sleep(0)
+        counting = False
+        await tick
+        assert engine.num_steps >= 300
+        assert 0 < ticks < engine.num_steps / 2  # turns of the loop, each with several steps
+        assert sum(len(o.new_token_ids) for o in outs) == 1200
+    finally:
+        loop.stop()
+        collect.cancel()
+
+
+def test_settle_heap_freezes_start_up_objects_and_collects_less_often():
+    import gc
+
+    from mesh.procutil import GC_GEN0, settle_heap
+
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == GC_GEN0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

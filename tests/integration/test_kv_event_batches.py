@@ -1,0 +1,77 @@
+"""A worker's KV events on a real nats-server: at most one batch per interval, none lost.
+
+The mocker engine steps on the event loop (``InlineEngineLoop``, as ``mesh worker mock`` runs
+it) with the publisher as its after-work hook, as ``WorkerBase`` wires them. Many steps that
+touch the cache within one interval go out as few batches, numbered without gaps, and a router
+index fed those batches holds exactly the engine's cached blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from mesh.bus import Bus
+from mesh.engine.loop import InlineEngineLoop
+from mesh.engine.sampling import SamplingParams
+from mesh.kvevents import KvEventPublisher
+from mesh.mocker.engine import MockConfig, MockEngine
+from mesh.protocol import KvEventBatch
+from mesh.router.index import KvIndex
+
+
+async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server):
+    bus = await Bus.connect(nats_server.url, "kv-events-test")
+    listener = await Bus.connect(nats_server.url, "kv-events-listener")
+    engine = MockEngine(MockConfig(model_name="kvb", speedup=1000, num_blocks=512, block_size=16))
+    batches: list[tuple[float, KvEventBatch]] = []
+
+    async def on_batch(batch: KvEventBatch, raw) -> None:
+        batches.append((time.monotonic(), batch))
+
+    sub = await listener.subscribe(listener.subjects.kv_events("kvb", "w1"), on_batch, KvEventBatch)
+    await listener.nc.flush()
+    interval = 0.05
+    publisher = KvEventPublisher(bus, "w1", "kvb", interval)
+    loop = InlineEngineLoop(engine, asyncio.get_running_loop(), after_work=publisher.flush)
+    await publisher.start(loop)
+    loop.start()
+    try:
+        def add(e: MockEngine, i: int) -> None:
+            prompt = [(31 * i + j) % 30000 + 1 for j in range(100)]
+            e.add(e.new_sequence(prompt, SamplingParams(max_tokens=40, ignore_eos=True), request_id=f"r{i}"))
+
+        t0 = time.monotonic()
+        for i in range(24):
+            await loop.call(lambda e, i=i: add(e, i))
+        while await loop.call(lambda e: e.has_work):
+            await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        snapshot = await loop.call(lambda e: e.kv_snapshot())
+        await asyncio.sleep(3 * interval)  # the last batch
+        await listener.nc.flush()
+        for _ in range(100):
+            if batches and sum(len(b.events) for _, b in batches) and batches[-1][1].seq == publisher.seq:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        loop.stop()
+        await publisher.stop()
+        await sub.unsubscribe()
+        await bus.close()
+        await listener.close()
+
+    assert engine.num_steps > 50
+    seqs = [b.seq for _, b in batches]
+    assert seqs == list(range(1, len(seqs) + 1))  # numbered without gaps: nothing skipped
+    # one batch per interval at most (the first goes at once), far fewer than the steps
+    assert len(batches) <= elapsed / interval + 3 < engine.num_steps
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(batches)]
+    assert all(g >= 0.8 * interval for g in gaps), gaps
+    index = KvIndex()
+    index.load_snapshot("w1", 0, {})  # a router that knew the worker from its start
+    for _, b in batches:
+        assert index.apply(b)
+    cached = {h for hashes in snapshot.values() for h in hashes}
+    assert cached and index.num_blocks("w1") == len(cached)
