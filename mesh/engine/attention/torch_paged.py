@@ -58,9 +58,8 @@ class TorchPagedAttention:
         self._all_decode = self._num_decode == len(batch.query_lens)
         if dec_rows:
             maxb = max(len(t) for t in dec_tables)
-            table = torch.zeros(len(dec_tables), maxb, dtype=torch.long)
-            for i, t in enumerate(dec_tables):
-                table[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            # padded in Python, then one tensor: a copy per row was a small op (and a GIL release) per row
+            table = torch.tensor([t + [0] * (maxb - len(t)) for t in dec_tables], dtype=torch.long)
             self._dec_table = table.flatten().to(device)  # [n * maxb]: one index_select per layer
             self._dec_rows = torch.as_tensor(dec_rows, dtype=torch.long, device=device)
             ctx_t = torch.as_tensor(dec_ctx, device=device)
