@@ -363,13 +363,8 @@ class Scheduler:
         seq.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             seq.output_logprobs.append(tok.logprob)
-        if seq.grammar is not None:
-            self._after_grammar_token(seq, tok.token_id)
-        else:
-            self.check_stop(seq)
-
-    def _after_grammar_token(self, seq: Sequence, token_id: int) -> None:
-        if not seq.grammar.advance(token_id):
+        grammar = seq.grammar
+        if grammar is not None and not grammar.advance(tok.token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
         else:
             self.check_stop(seq)

@@ -17,13 +17,11 @@ from mesh.engine.constraints.validate import first_line
 
 
 class LLGuidanceMatcher:
-    __slots__ = ("raw",)
+    __slots__ = ("consume", "raw")
 
     def __init__(self, raw: llg.LLMatcher):
         self.raw = raw
-
-    def consume(self, token_id: int) -> bool:
-        return self.raw.consume_token(token_id)
+        self.consume = raw.consume_token  # (token_id) -> bool, once per constrained row per step
 
     @property
     def is_done(self) -> bool:

@@ -11,6 +11,10 @@ the state: recompute re-reads tokens, it does not re-accept them.
 While ``start_after`` is pending (a reasoning model's thinking block) the
 output is free and no mask is computed; the grammar starts with the token
 after it.
+
+``needs_mask`` and ``is_done`` are plain attributes, set when a token is taken:
+the engine reads them for every constrained row of every step, and asking the
+matcher each time was a native call per read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from mesh.engine.constraints.backend import TokenMatcher
 
 
 class GrammarState:
-    __slots__ = ("error", "matcher", "num_tokens", "start_after", "started")
+    __slots__ = ("error", "is_done", "matcher", "needs_mask", "num_tokens", "start_after", "started")
 
     def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
         self.matcher = matcher
@@ -27,28 +31,31 @@ class GrammarState:
         self.started = start_after is None
         self.num_tokens = 0  # generated tokens seen (before and after the start)
         self.error = ""
+        self.is_done = False  # the grammar is complete: the sequence ends here (finish reason ``stop``)
+        self.needs_mask = False  # the next token is constrained
+        self._settle()
 
     def advance(self, token_id: int) -> bool:
         """Take one generated token; False if the grammar rejects it (``error`` says why)."""
         self.num_tokens += 1
         if not self.started:
-            self.started = token_id == self.start_after
+            if token_id == self.start_after:
+                self.started = True
+                self._settle()
             return True
         if self.error:
             return False
         if not self.matcher.consume(token_id):
             self.error = self.matcher.error or f"token {token_id} does not match the grammar"
+            self.is_done = self.needs_mask = False
             return False
+        self._settle()
         return True
 
     def replay(self, token_ids: list[int]) -> bool:
         return all(self.advance(t) for t in token_ids)
 
-    @property
-    def needs_mask(self) -> bool:
-        return self.started and not self.error and not self.matcher.is_done
-
-    @property
-    def is_done(self) -> bool:
-        """The grammar is complete: the sequence ends here (finish reason ``stop``)."""
-        return self.started and not self.error and self.matcher.is_done
+    def _settle(self) -> None:
+        if self.started:
+            self.is_done = self.matcher.is_done
+            self.needs_mask = not self.is_done
