@@ -184,6 +184,9 @@ class InlineEngineLoop(EngineLoop):
     The pace: each step's simulated seconds are added to a due time and awaited, so over many
     steps the engine runs at its timing model even though the loop's timers are millisecond
     grained; a host slower than the model (more than 10 ms behind) runs the steps back to back.
+    A step's outputs and KV events leave at its due time, as a GPU step's leave when it ends
+    (sent when the step started, a first token skipped its own prefill's time: TTFT without
+    the prefill, and no prefix hit could shorten it).
     While it is behind, steps also run back to back within one turn of the event loop, for up to
     ``CHAIN_S``: a turn of the loop (poll, callbacks, the pacing sleep) per step cost the mocker
     as much as the step at small batches, and what a step's outputs wait for (the loop's turn)
@@ -257,15 +260,21 @@ class InlineEngineLoop(EngineLoop):
                             raise
                     t1 = time.perf_counter()
                     self.step_seconds = t1 - t0
-                    self.emit(outs)
-                    self._after_work()
                     due += engine.take_owed_seconds()
                     delay = due - clock()
-                    if delay > 0 or t1 >= chain_end or not engine.has_work:
+                    if delay > 0:
+                        break  # its outputs leave when its time is up
+                    self.emit(outs)
+                    self._after_work()
+                    outs = None
+                    if t1 >= chain_end or not engine.has_work:
                         break
                 if delay < -0.01:
                     due = clock()
                 await asyncio.sleep(max(delay, 0.0))  # also lets the loop send these steps' outputs
+                if outs is not None:
+                    self.emit(outs)
+                    self._after_work()
         except asyncio.CancelledError:
             raise
         except BaseException as e:

@@ -128,6 +128,29 @@ async def test_the_inline_loop_keeps_the_timing_model_and_the_order_of_commands(
         tick.cancel()
 
 
+@LOOPS
+async def test_a_steps_outputs_leave_when_its_simulated_time_is_up(loop_type):
+    """A first token arrives after its prefill's simulated time, not when the step starts: a
+    prefix hit must be able to shorten a TTFT (bench/trace_replay.py measures exactly that)."""
+    engine = MockEngine(MockConfig(speedup=2, num_blocks=256))  # 1,000 prompt tokens: 62 ms / 2
+    outs: list = []
+    loop = loop_type(engine, asyncio.get_running_loop())
+    collect = asyncio.create_task(gather(loop, outs))
+    loop.start()
+    try:
+        t0 = time.monotonic()
+        await loop.call(lambda e: e.add(e.new_sequence(list(range(1, 1001)), SamplingParams(max_tokens=1),
+                                                       request_id="r")))
+        while not outs:
+            await asyncio.sleep(0.001)
+        first = time.monotonic() - t0
+        assert engine.num_steps == 1 and engine.simulated_seconds >= 0.03
+        assert first >= 0.9 * engine.simulated_seconds
+    finally:
+        loop.stop()
+        collect.cancel()
+
+
 async def test_the_inline_loop_runs_steps_back_to_back_while_behind_its_pace():
     """Behind its timing model (simulated steps far shorter than the host's), the mocker runs
     several steps per turn of the event loop, and the loop still gets its turns."""
