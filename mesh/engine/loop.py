@@ -263,16 +263,15 @@ class InlineEngineLoop(EngineLoop):
                     due += engine.take_owed_seconds()
                     delay = due - clock()
                     if delay > 0:
-                        break  # its outputs leave when its time is up
+                        break  # its outputs leave when its time is up, after the pause below
                     self.emit(outs)
                     self._after_work()
-                    outs = None
                     if t1 >= chain_end or not engine.has_work:
                         break
                 if delay < -0.01:
                     due = clock()
                 await asyncio.sleep(max(delay, 0.0))  # also lets the loop send these steps' outputs
-                if outs is not None:
+                if delay > 0:  # the last step's outputs waited for its time
                     self.emit(outs)
                     self._after_work()
         except asyncio.CancelledError:
