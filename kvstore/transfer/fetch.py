@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import mmap
 import os
 import re
 from collections.abc import Callable
@@ -83,10 +84,43 @@ def _buffer_file(params: dict) -> str | None:
     return str(shm_dir() / name)
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+
+
+def populate(fd: int, nbytes: int) -> None:
+    """Allocate and zero the pages of a /dev/shm file now, as the process that owns it.
+
+    ``posix_fallocate`` on tmpfs reserves pages but leaves zeroing them to their first
+    write; without this, that first write is the holder's copy, which then pays the kernel
+    for the requester's memory (7.8 of a 24 MB fetch's 10 ms on this machine).
+    """
+    os.posix_fallocate(fd, 0, nbytes)
+    if nbytes == 0:
+        return
+    with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) as m:
+        try:
+            m.madvise(MADV_POPULATE_WRITE)
+        except OSError:  # an older kernel: write the zeros ourselves
+            zeros = bytes(min(nbytes, 1 << 20))
+            for off in range(0, nbytes, len(zeros)):
+                os.pwrite(fd, zeros[: nbytes - off], off)
+
+
+def map_populated(path: str, nbytes: int) -> mmap.mmap:
+    """``path`` mapped shared, its page tables filled in one call (a populated file's pages are
+    only looked up: 0.7 ms for 24 MB, against 5.2 ms faulting them in a page at a time)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # no O_CREAT: a buffer already dropped stays gone
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
 @register("shm")
 class ShmChannel:
     """A file in /dev/shm per fetch, named after this process (``remove_stale_files`` clears the
-    files of a requester that died), written by the holder with one ``pwrite``."""
+    files of a requester that died), its pages populated by the requester (``populate``), written
+    by the holder through a populated mapping (``target``) or with one ``pwrite``."""
 
     name = "shm"
 
@@ -102,7 +136,7 @@ class ShmChannel:
         def create() -> None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.posix_fallocate(fd, 0, max_bytes)  # the pages are ours: the holder only copies into them
+                populate(fd, max_bytes)  # the pages are ours: the holder only copies into them
             finally:
                 os.close(fd)
 
@@ -135,14 +169,20 @@ class ShmChannel:
             and not os.path.islink(path)
 
     def target(self, params: dict, rows: int, block_shape: tuple, dtype) -> Any | None:
-        """The requester's file mapped (shared) as blocks: the holder's one copy lands in it."""
+        """The requester's file mapped (shared) as blocks: the holder's one copy lands in it. Call
+        it off the engine thread: the mapping fills its page tables (``map_populated``)."""
         import torch
 
         numel = rows * math.prod(block_shape)
-        if numel * dtype.itemsize > int(params.get("bytes", 0)):
+        nbytes = numel * dtype.itemsize
+        if nbytes > int(params.get("bytes", 0)):
             raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not {rows} blocks")
-        # opened by name: a buffer the requester already dropped is gone (FileNotFoundError)
-        return torch.from_file(_buffer_file(params), shared=True, size=numel, dtype=dtype).view(rows, *block_shape)
+        if nbytes == 0:
+            return torch.empty((0, *block_shape), dtype=dtype)
+        # opened by name: a buffer the requester already dropped is gone (FileNotFoundError); the
+        # tensor keeps the mapping alive, and it goes when the tensor does
+        mapping = map_populated(_buffer_file(params), nbytes)
+        return torch.frombuffer(mapping, dtype=dtype, count=numel).view(rows, *block_shape)
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
         if len(payload) > int(params.get("bytes", 0)):

@@ -356,3 +356,27 @@ async def test_the_gateway_sends_the_routers_fetch_plan_in_the_request():
         await gw._send(ChoiceRun(RetryPolicy()), "rq", "m", [1] * 600, SamplingOptions(), 0, INVALID_SPAN)
     assert sent[0].peer_fetch == PeerFetchPlan("a", 30, 2)
     assert sent[1].peer_fetch is None  # no fetch planned: nothing on the wire
+
+
+async def test_the_shm_target_is_the_requesters_populated_buffer_and_a_dropped_one_is_gone():
+    import torch
+
+    from kvstore.transfer.fetch import ShmChannel
+
+    ch = ShmChannel(worker_id="req")
+    shape = (2, 2, 16, 2, 8)  # one block: layers, k/v, tokens, heads, dim
+    block = 2 * 2 * 16 * 2 * 8 * 2  # bf16 bytes
+    params = await ch.params("f1", 3 * block)
+    with pytest.raises(ValueError):  # a holder cannot map past the buffer
+        ch.target(params, 4, shape, torch.bfloat16)
+    dest = ch.target(params, 3, shape, torch.bfloat16)
+    assert dest.shape == (3, *shape) and not dest.any()  # the requester's zeroed pages
+    blocks = torch.randn(3, *shape).to(torch.bfloat16)
+    dest.copy_(blocks)  # the holder's one copy
+    got = await ch.take("f1", 3 * block)
+    assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.bfloat16).view(3, *shape), blocks)
+    assert ch.target(params, 0, shape, torch.bfloat16).shape == (0, *shape)
+    await ch.forget("f1")
+    dest[0].zero_()  # a holder still holding the mapping writes into pages nobody reads
+    with pytest.raises(FileNotFoundError):  # and a late holder cannot map it any more
+        ch.target(params, 1, shape, torch.bfloat16)
