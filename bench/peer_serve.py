@@ -2,6 +2,7 @@
 
     python bench/peer_serve.py --fetch-rate 4 --fetch-blocks 60      # the replay's per-holder rate (mocker)
     python bench/peer_serve.py --model tiny-small --streams 4         # a real model worker, real bytes
+    python bench/peer_serve.py --model tiny-small --holder-cpus 0     # ... on a core of its own
 
 With ``--model`` (a model directory, or ``tiny`` / ``tiny-small`` for the generated test models) the
 worker is a real ``mesh worker decode --peer-fetch`` with a host tier: every fetch reads the blocks'
@@ -18,6 +19,10 @@ real except the bytes: the fetch's bus messages and handler on its event loop, p
 unpinning between its steps, pinned blocks out of its free pool, and the timing model's HBM
 contention while it sends from device memory (``TimingModel.serve_slowdown``).
 
+The fetching peer is a process of its own (its buffers and read-backs never delay the event loop
+that timestamps the holder's tokens); ``--holder-cpus`` gives the holder cores of its own too, as
+it would have on its own machine (the requester, this process and nats-server share the rest).
+
 ITL: the gaps between a stream's token chunks at this client (each gap counts in the phase it
 ended in). Reported per phase kind: p50, p90, p99, and p99 on / off (target: <= 1.10).
 """
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import os
 import random
 import subprocess
 import sys
@@ -126,6 +133,17 @@ def model_dir(name: str) -> Path:
     return Path(name)
 
 
+def split_cpus(args) -> tuple[set[int], set[int]] | None:
+    """``--holder-cpus``: the holder's cores and the rest (this process, its requester and nats-server)."""
+    if not args.holder_cpus:
+        return None
+    holder = {int(c) for c in args.holder_cpus.split(",")}
+    rest = set(os.sched_getaffinity(0)) - holder
+    if not holder or not rest:
+        raise SystemExit("--holder-cpus must name some, not all, of this machine's cores")
+    return holder, rest
+
+
 def worker_command(args, url: str) -> list[str]:
     base = [sys.executable, "-m", "mesh.cli", "worker"]
     common = ["--nats", url, "--worker-id", WORKER, "--device-kv-blocks", str(args.device_blocks),
@@ -144,8 +162,19 @@ async def run(args) -> int:
 
         path = model_dir(args.model)
         MODEL, VOCAB = path.name, ModelConfig.from_dir(path).vocab_size
+    cpus = split_cpus(args)
+    env, pin = None, None
+    if cpus is not None:  # the requester's CPU out of the holder's measurement: it is another machine in a mesh
+        holder, rest = cpus
+        os.sched_setaffinity(0, rest)  # nats-server inherits this
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(holder))}
+
+        def pin() -> None:
+            os.sched_setaffinity(0, holder)
     with EmbeddedNats() as nats:
-        worker = subprocess.Popen(worker_command(args, nats.url), cwd=ROOT, stdout=subprocess.DEVNULL)
+        worker = subprocess.Popen(worker_command(args, nats.url), cwd=ROOT, stdout=subprocess.DEVNULL, env=env,
+                                  preexec_fn=pin)
+        args.nats_url = nats.url
         bus = await Bus.connect(nats.url, "peer-serve-bench")
         try:
             return await measure(args, bus, rng)
@@ -200,12 +229,17 @@ async def measure(args, bus: Bus, rng: random.Random) -> int:
         await fetch_load(bus, [prefixes[-1][:1]], 1e9, 1, one, _set_after(one), probe, rng, channel, 1 << 24)
         block_bytes = probe[0].transfer_bytes // probe[0].num_blocks
     gaps: list[tuple[float, float]] = []
-    done: list[KvFetchDone] = []
-    stop, on = asyncio.Event(), asyncio.Event()
+    stop = asyncio.Event()
     streams = [asyncio.create_task(stream_forever(bus, random.Random(rng.random()), gaps, stop, args.max_tokens))
                for _ in range(args.streams)]
-    load = asyncio.create_task(fetch_load(bus, prefixes, args.fetch_rate, args.fetch_blocks, on, stop, done,
-                                          random.Random(rng.random()), channel, block_bytes))
+    # The requester is a process of its own: its buffers and read-backs must not hold up this
+    # process's event loop, which timestamps the holder's tokens.
+    mp = multiprocessing.get_context("spawn")
+    on, fetching_stop, results = mp.Event(), mp.Event(), mp.Queue()
+    requester = mp.Process(target=requester_main, daemon=True, args=(
+        args.nats_url, MODEL, prefixes, args.fetch_rate, args.fetch_blocks, block_bytes,
+        args.channel if channel is not None else None, rng.random(), on, fetching_stop, results))
+    requester.start()
     phases = Phases()
     await asyncio.sleep(args.settle)
     for _ in range(args.rounds):
@@ -214,8 +248,10 @@ async def measure(args, bus: Bus, rng: random.Random) -> int:
             start = time.monotonic()
             await asyncio.sleep(args.seconds)
             phases.windows.append((start, time.monotonic(), kind))
+    fetching_stop.set()
+    done: list[KvFetchDone] = await asyncio.to_thread(results.get, True, 60.0)
+    await asyncio.to_thread(requester.join, 10.0)
     stop.set()
-    await load
     for t in streams:
         t.cancel()
     await asyncio.gather(*streams, return_exceptions=True)
@@ -231,6 +267,8 @@ async def measure(args, bus: Bus, rng: random.Random) -> int:
             tiers[k] = tiers.get(k, 0) + n
     on_seconds = args.rounds * args.seconds
     who = f"mock speedup {args.speedup:g}" if args.model is None else f"model {MODEL} ({args.channel} channel)"
+    if args.holder_cpus:
+        who += f", holder on cores {args.holder_cpus}, requester on the others"
     print(f"holder: {who}, {args.streams} decoding streams, fetches of {args.fetch_blocks} "
           f"blocks at {args.fetch_rate:g}/s in the 'on' phases ({args.rounds} x {args.seconds:g} s each)")
     print(f"fetches served: {len(served)} of {len(done)} ({len(served) / on_seconds:.2f}/s, "
@@ -244,6 +282,31 @@ async def measure(args, bus: Bus, rng: random.Random) -> int:
     ratio = pct(by_kind["on"], 0.99) / pct(by_kind["off"], 0.99)
     print(f"ITL p99 serving / not serving: {ratio:.3f}x (target <= 1.10x)")
     return 0
+
+
+def requester_main(url: str, model: str, prefixes: list[list[int]], rate: float, blocks: int, block_bytes: int,
+                   channel_name: str | None, seed: float, on, stop, results) -> None:
+    """The fetching peer, in a process of its own: ``fetch_load`` until ``stop``, then its
+    ``KvFetchDone``s into ``results``. ``on`` and ``stop`` are multiprocessing events (``is_set``
+    is all ``fetch_load`` asks of them)."""
+    global MODEL
+    MODEL = model
+
+    async def go() -> list[KvFetchDone]:
+        bus = await Bus.connect(url, "peer-serve-requester")
+        try:
+            channel = None
+            if channel_name is not None:
+                from kvstore.transfer.fetch import make_channels
+
+                (channel,) = make_channels([channel_name], bus=bus, model=MODEL, worker_id="bench").values()
+            done: list[KvFetchDone] = []
+            await fetch_load(bus, prefixes, rate, blocks, on, stop, done, random.Random(seed), channel, block_bytes)
+            return done
+        finally:
+            await bus.close()
+
+    results.put(asyncio.run(go()))
 
 
 def _set_after(on: asyncio.Event) -> asyncio.Event:
@@ -274,6 +337,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None,
                    help="a real model worker: a model directory, or tiny / tiny-small (generated); default: the mocker")
+    p.add_argument("--holder-cpus", default="",
+                   help="cores for the holder alone (e.g. 0); this process, the requester and nats-server get the "
+                        "rest, and the holder's torch as many threads as it has cores")
     p.add_argument("--channel", default="shm", choices=("shm", "nats"), help="with --model: where the bytes go")
     args = p.parse_args()
     return asyncio.run(run(args))
