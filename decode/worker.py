@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 FENCE_POLL = 0.05  # seconds between asking the transports whether a late copy has ended
 TRACER = tracer("pdmesh.decode")
+_ADMITTED_HERE = (ReqState.ADMITTING, ReqState.PREFILLING)  # an overflow prompt's states until its first token
 _EMITTING = (ReqState.PREFILLING, ReqState.DECODING)  # the states whose step outputs go out
 
 
@@ -111,6 +112,7 @@ class DecodeRequest:
     dest: list[int] = field(default_factory=list)  # the blocks the prefill worker writes
     span: trace.Span | None = None  # decode.request: arrival to the last token
     phase: trace.Span | None = None  # its current child: prefill.local | prefill.remote | decode
+    overflow: bool = False  # prefilled here although meant for the prefill pool (no room, or a fallback)
 
     @property
     def request_id(self) -> str:
@@ -284,8 +286,10 @@ class DecodeWorker(WorkerBase):
             if rec.state is not ReqState.ADMITTING:
                 return  # cancelled or aborted meanwhile: nothing reached the engine yet
         threshold = self.settings.disagg_threshold
-        want_remote = (seq.num_prompt_tokens >= threshold and self._prefill_free(req.adapter)
-                       and req.request_id not in self.fences)  # a late copy of its last job may still run
+        route = self._prefill_route(req.adapter) if seq.num_prompt_tokens >= threshold else "local"
+        rec.overflow = route == "overflow"  # set now: the next long prompt's decision sees it
+        # (a late copy of its last job may still run: a fenced request prefills here)
+        want_remote = route == "remote" and req.request_id not in self.fences
 
         def admit(engine: EngineCore):
             if want_remote and engine.num_uncached_tokens(seq) >= threshold and engine.reserve_remote(seq):
@@ -436,6 +440,7 @@ class DecodeWorker(WorkerBase):
             await self.loop.call(complete)
             return
         rec.move(Event.FALLBACK)
+        rec.overflow = True
         self.counters.bump("local_prefill_fallback")
         self.counters.bump("overflow_prefill_tokens", len(rec.request.token_ids))
         metrics.PREFILL_DECISIONS.labels(self.engine.model_name, "fallback").inc()
@@ -649,17 +654,27 @@ class DecodeWorker(WorkerBase):
         if report.role == "prefill":
             self.prefill_loads[report.worker_id] = report
 
-    def _prefill_free(self, adapter: str = "") -> bool:
-        """Is there a live prefill worker (holding the request's LoRA adapter) with room? (the
-        decision is per request, the data per second)"""
+    def _prefill_route(self, adapter: str = "") -> str:
+        """Where a long prompt is prefilled: ``remote`` while a live prefill worker (holding the
+        request's LoRA adapter) has room; ``local`` with no prefill worker at all. When none has
+        room, ``overflow`` (here) for one prompt at a time: each is a long step for every stream
+        this worker decodes, and prompts admitted here stay here, so a backlog of them would
+        outlast the prefill pool's scaling up. Past that one, ``remote`` anyway: they queue for
+        the pool (a JetStream work queue, pulled by the next free prefill worker;
+        ``prefill_timeout`` still falls back here). Per request; the load data is per second."""
         cards = [c for c in self.membership.cards(self.engine.model_name, "prefill")
                  if c.status == "ready" and (not adapter or adapter in c.adapters)]
         if not cards:
-            return False
+            return "local"
         capacity = sum(c.capacity for c in cards)
         busy = sum(r.active_jobs for w, r in self.prefill_loads.items() if any(c.worker_id == w for c in cards))
         mine = sum(1 for r in self.active.values() if r.state is ReqState.WAITING_FOR_KV)
-        return mine < capacity and busy < capacity
+        if mine < capacity and busy < capacity:
+            return "remote"
+        if any(r.overflow and r.state in _ADMITTED_HERE for r in self.active.values()):
+            self.counters.bump("queued_for_prefill_pool")  # past the pool's room: it waits in the queue
+            return "remote"
+        return "overflow"
 
 
 def _per_request(outs: list[StepOutput]) -> list[StepOutput] | dict.values:

@@ -148,3 +148,40 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
     finally:
         await router.stop()
         await w.close()
+
+
+# -- a full prefill pool: one overflow prefill at a time on a decode worker, the rest queue ---------
+
+async def test_with_the_prefill_pool_full_one_long_prompt_at_a_time_is_prefilled_on_the_decode_worker(cluster):
+    """Overflow prompts stay on the decode worker that admitted them, each a long step for its
+    streams: past one at a time they queue for the prefill pool instead (bench/planner.py)."""
+    ns = "overflow"
+    slow = ["--ns", ns, "--mock-speedup", "0.05", "--device-kv-blocks", "1024"]  # 1,024 tokens: ~1.3 s of prefill
+    cluster.worker("prefill", "--mock", *slow, "--worker-id", "ovf-prefill", "--prefill-capacity", "1")
+    cluster.worker("mock", *slow, "--worker-id", "ovf-decode", "--disagg-threshold", "256",
+                   "--prefill-timeout", "60")
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        await w.wait_workers("prefill", 1, timeout=60)
+        await w.wait_workers("decode", 1, timeout=60)
+        await asyncio.sleep(1.5)  # the decode worker's view of the prefill pool (cards, load reports)
+
+        async def one(i: int) -> list[int]:
+            req = GenerateRequest(uuid.uuid4().hex, "mock", [1000 + i] * 1024, SamplingOptions(max_tokens=2))
+            return [t async for chunk in generate(w.bus, "ovf-decode", req, first_timeout=60.0)
+                    for t in chunk.token_ids]
+
+        first = asyncio.create_task(one(0))  # takes the pool's one place
+        await asyncio.sleep(0.3)
+        rest = []
+        for i in range(1, 6):  # all decided while the first (and the overflow) still prefill
+            rest.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.02)
+        outputs = await asyncio.wait_for(asyncio.gather(first, *rest), 60)
+        assert all(len(o) == 2 for o in outputs)
+        c = (await w.fresh_load("ovf-decode")).counters
+        assert c.get("overflow_prefill_tokens") == 1024, c  # one prompt prefilled here, not five
+        assert c.get("remote_prefill_sent") == 5 and c.get("queued_for_prefill_pool") == 4, c
+        assert c.get("local_prefill_fallback", 0) == 0, c
+    finally:
+        await w.close()
