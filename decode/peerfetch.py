@@ -17,11 +17,12 @@ requester) asks that peer (the holder) for those blocks before admitting the req
       stage the bytes (PeerStage) -> admit: the engine's prefix walk onboards them as ``peer`` hits
     no reply within the timeout, a refusal, a dead holder, missing bytes: admit without them
 
-The holder's engine thread does the copy itself, a few blocks between two steps
-(``COPY_BLOCKS``): on a CPU host a copy thread running beside the step would take cores
-from the step's own threads (an OpenMP region waits for its slowest thread), and the
-holder's ITL p99 rose 40% serving fetches that way (bench/peer_serve.py); between steps a
-fetch adds one short copy to a few steps instead. The requester's engine thread does
+The holder's engine thread does the copy itself, between two steps, for at most
+``COPY_SHARE`` of the last step's time per pause: on a CPU host a copy thread running
+beside the step would take cores from the step's own threads (an OpenMP region waits for
+its slowest thread), and the holder's ITL p99 rose 40% serving fetches that way
+(bench/peer_serve.py); a whole fetch in one pause adds all of its copy to one step (60
+tiny-small blocks: ~4.5 ms on a ~46 ms step). Budgeted, a large fetch spreads over steps. The requester's engine thread does
 nothing for the transfer (the stage has its own lock). The holder's event loop only
 awaits threads, the engine's calls and the bus.
 
