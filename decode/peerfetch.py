@@ -22,9 +22,9 @@ The holder's engine thread does the copy itself, between two steps, for at most
 beside the step would take cores from the step's own threads (an OpenMP region waits for
 its slowest thread), and the holder's ITL p99 rose 40% serving fetches that way
 (bench/peer_serve.py); a whole fetch in one pause adds all of its copy to one step (60
-tiny-small blocks: ~4.5 ms on a ~46 ms step). Budgeted, a large fetch spreads over steps. The requester's engine thread does
-nothing for the transfer (the stage has its own lock). The holder's event loop only
-awaits threads, the engine's calls and the bus.
+tiny-small blocks: ~4.5 ms on a ~46 ms step). Budgeted, a large fetch spreads over steps.
+The requester's engine thread does nothing for the transfer (the stage has its own lock).
+The holder's event loop only awaits threads, the engine's calls and the bus.
 
 Who frees what: the holder's pins, ``release`` once the bytes are written (or failed), or
 ``KvPins.expire`` past the lease (this worker calls it between steps). The requester's
