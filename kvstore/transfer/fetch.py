@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import mmap
@@ -85,6 +86,7 @@ def _buffer_file(params: dict) -> str | None:
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def populate(fd: int, nbytes: int) -> None:
@@ -108,12 +110,20 @@ def populate(fd: int, nbytes: int) -> None:
 
 def map_populated(path: str, nbytes: int) -> mmap.mmap:
     """``path`` mapped shared, its page tables filled in one call (a populated file's pages are
-    only looked up: 0.7 ms for 24 MB, against 5.2 ms faulting them in a page at a time)."""
+    only looked up: 1.5 ms for 24 MB, against 5.2 ms faulting them in a page at a time). The
+    call goes through ctypes, which lets go of the GIL: ``mmap``'s own ``MAP_POPULATE`` and
+    ``madvise`` hold it, and the engine thread waits on it meanwhile."""
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # no O_CREAT: a buffer already dropped stays gone
     try:
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
+    view = (ctypes.c_char * nbytes).from_buffer(mapping)
+    try:  # an older kernel says EINVAL: the copy faults the pages in instead
+        _LIBC.madvise(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE)
+    finally:
+        del view  # the mapping's export: the tensor over it is the only one left
+    return mapping
 
 
 @register("shm")
