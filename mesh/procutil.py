@@ -86,14 +86,18 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float = 2.0) -
                 log.debug("task %s ended with %r", t.get_name(), t.exception())
 
 
-async def stop_processes(procs: Iterable, sig: int = signal.SIGTERM, timeout: float = 10.0) -> list[int]:
-    """Send ``sig`` to every ``subprocess.Popen`` in ``procs`` still running, wait (without
-    blocking the event loop) up to ``timeout`` for them all, then SIGKILL and reap the rest.
-    Returns the pids that had to be killed."""
+async def stop_processes(procs: Iterable, sig: int = signal.SIGTERM, timeout: float = 10.0,
+                         signalled: Iterable = ()) -> list[int]:
+    """Send ``sig`` to every ``subprocess.Popen`` in ``procs`` still running (except those in
+    ``signalled``: already told, they are only waited for), wait (without blocking the event
+    loop) up to ``timeout`` for them all, then SIGKILL and reap the rest. Returns the pids that
+    had to be killed."""
     procs = [p for p in procs if p.poll() is None]
+    told = {id(p) for p in signalled}
     for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(sig)
+        if id(p) not in told:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(sig)
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

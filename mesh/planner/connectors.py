@@ -134,10 +134,14 @@ class LocalConnector:
         """Stop every worker: SIGTERM drains each (up to its own drain timeout), SIGINT stops them
         quickly; whoever is still running after ``timeout`` (default ``drain_timeout``) is killed."""
         everyone = [p for pool in POOLS for p in self.procs[pool]]
+        # a worker already draining got its SIGTERM from ``scale``: a second one would reach it
+        # while it exits, after Python restored the default handler (killed, status -15); a
+        # SIGINT is meant to cut its drain short, so that one goes to every worker
+        signalled = [p.proc for p in everyone if sig == signal.SIGTERM and p.draining]
         for p in everyone:
             p.draining = True
         killed = await stop_processes([p.proc for p in everyone], sig,
-                                      self.drain_timeout if timeout is None else timeout)
+                                      self.drain_timeout if timeout is None else timeout, signalled=signalled)
         if killed:
             log.warning("killed %d workers that did not stop in time", len(killed))
         self.reap()

@@ -112,9 +112,11 @@ def test_kubernetes_connector_outside_a_cluster_is_a_clear_error(monkeypatch):
 
 
 async def test_local_connector_starts_and_drains_processes(tmp_path):
-    # each sleeper leaves a file once its SIGTERM handler is in place (a loaded machine may take seconds)
+    # each sleeper leaves a file once its SIGTERM handler is in place (a loaded machine may take seconds);
+    # it drains for 0.5 s, and a second SIGTERM meanwhile kills it, as it would cut a worker's drain
     sleeper = [sys.executable, "-c", "import os, signal, sys, time; "
-               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+               "signal.signal(signal.SIGTERM, lambda *a: (signal.signal(signal.SIGTERM, signal.SIG_DFL), "
+               "time.sleep(0.5), sys.exit(0))); "
                f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(60)"]
     pools = LocalConnector({"prefill": sleeper, "decode": sleeper}, drain_timeout=10)
     try:
