@@ -93,9 +93,9 @@ async def stop_processes(procs: Iterable, sig: int = signal.SIGTERM, timeout: fl
     loop) up to ``timeout`` for them all, then SIGKILL and reap the rest. Returns the pids that
     had to be killed."""
     procs = [p for p in procs if p.poll() is None]
-    told = {id(p) for p in signalled}
+    told = set(signalled)
     for p in procs:
-        if id(p) not in told:
+        if p not in told:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(sig)
     deadline = time.monotonic() + timeout
