@@ -174,10 +174,9 @@ async def run(args) -> int:
     with EmbeddedNats() as nats:
         worker = subprocess.Popen(worker_command(args, nats.url), cwd=ROOT, stdout=subprocess.DEVNULL, env=env,
                                   preexec_fn=pin)
-        args.nats_url = nats.url
         bus = await Bus.connect(nats.url, "peer-serve-bench")
         try:
-            return await measure(args, bus, rng)
+            return await measure(args, bus, rng, nats.url)
         finally:
             await bus.close()
             worker.terminate()
@@ -211,7 +210,7 @@ def real_channel(args, bus: Bus):
     return channel
 
 
-async def measure(args, bus: Bus, rng: random.Random) -> int:
+async def measure(args, bus: Bus, rng: random.Random, url: str) -> int:
     await wait_ready(bus, 180.0)
     channel = real_channel(args, bus)
     seed = model_seed(MODEL)
@@ -237,7 +236,7 @@ async def measure(args, bus: Bus, rng: random.Random) -> int:
     mp = multiprocessing.get_context("spawn")
     on, fetching_stop, results = mp.Event(), mp.Event(), mp.Queue()
     requester = mp.Process(target=requester_main, daemon=True, args=(
-        args.nats_url, MODEL, prefixes, args.fetch_rate, args.fetch_blocks, block_bytes,
+        url, MODEL, prefixes, args.fetch_rate, args.fetch_blocks, block_bytes,
         args.channel if channel is not None else None, rng.random(), on, fetching_stop, results))
     requester.start()
     phases = Phases()

@@ -240,7 +240,6 @@ class PeerFetch:
         done.num_blocks = n
         done.tiers = dict(Counter(run.tiers[:n]))
 
-
     def _copy_some(self, copier, sources: list, data, start: int, engine) -> int:
         """Engine thread, between two steps: copy blocks from ``start`` for at most ``COPY_SHARE``
         of the last step's time (at least one chunk; all of them when the engine is idle).
