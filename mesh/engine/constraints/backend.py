@@ -66,6 +66,10 @@ BACKENDS = {
     "xgrammar": "mesh.engine.constraints.xgr_backend:XGrammarBackend",
 }
 
+# Backends whose ``fill`` also writes into numpy arrays: they can run in the grammar process
+# (replica.py), which fills a shared buffer; the others fill in a thread of the engine process.
+PROCESS_BACKENDS = frozenset({"llguidance"})
+
 
 def create_backend(name: str, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
                    threads: int = 0) -> GrammarBackend:

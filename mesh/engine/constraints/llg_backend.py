@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 import llguidance as llg
+import numpy as np
 import torch
 
 from mesh.engine.constraints.spec import JSON_STYLE, Constraint, ConstraintError, ConstraintKind
@@ -73,8 +74,14 @@ class LLGuidanceBackend:
     def fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
         self.prepare_fill(rows, bitmask)()
 
-    def prepare_fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor):
-        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+    def prepare_fill(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor | np.ndarray):
+        """``bitmask``: a CPU tensor, or a numpy array (the grammar process's shared buffer)."""
+        if isinstance(bitmask, np.ndarray):
+            assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous
+            ptr = bitmask.ctypes.data
+        else:
+            assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+            ptr = bitmask.data_ptr()
         work = [(m.raw, r) for m, r in rows]
-        ptr, words, n = bitmask.data_ptr(), bitmask.shape[1], bitmask.shape[0]
+        words, n = bitmask.shape[1], bitmask.shape[0]
         return partial(self.executor.unsafe_compute_mask_ptr, work, ptr, words * 4, n)

@@ -5,8 +5,14 @@
                           the replay stall neither the engine nor the event loop), else when it is
                           added: its GrammarState, replaying the tokens it already generated
                           (migrated, disaggregated or rebuilt requests)
-    begin_step(seqs)      engine thread, before the forward pass: starts the mask fill in a thread
+    begin_step(seqs)      engine thread, before the forward pass: starts the mask fill, in the grammar
+                          process (replica.py; ``GrammarConfig.process``, llguidance) or in a thread
     the sampler           applies the masks (StepMasks.apply); the scheduler advances the states
+
+The grammar process is the default where the backend allows it: a fill thread in this process
+costs the engine thread GIL hand-overs that slowed the 0.2M-parameter model's batch-32 decoding by
+~25% (docs/benchmarks.md, "Structured output"); the process costs a small message per step. The
+engine's own matchers stay here: a token's acceptance, ``is_done`` and errors are known at once.
 
 Building the backend reads the whole vocabulary (seconds for 128k tokens), so it
 happens on the first constraint, not when a worker starts; ``prepare`` from a
@@ -15,18 +21,28 @@ thread keeps that off the engine thread too.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mesh.engine.constraints.backend import GrammarBackend, bitmask_words, create_backend
+from mesh.engine.constraints.backend import (
+    PROCESS_BACKENDS,
+    GrammarBackend,
+    bitmask_words,
+    create_backend,
+)
 from mesh.engine.constraints.cache import GrammarCache
-from mesh.engine.constraints.masks import StepMasks
+from mesh.engine.constraints.masks import FILL_TIMEOUT, StepMasks
+from mesh.engine.constraints.replica import GrammarProcess
 from mesh.engine.constraints.spec import Constraint, ConstraintError
 from mesh.engine.constraints.state import GrammarState
 
@@ -39,13 +55,14 @@ class GrammarConfig:
     backend: str = "llguidance"
     threads: int = 0  # mask-fill threads of the backend; 0: its default
     cache_size: int = 256  # compiled grammars kept
+    process: bool = True  # fill masks in a grammar process where the backend can (PROCESS_BACKENDS)
 
 
 @dataclass
 class MaskStats:
     steps: int = 0  # steps with at least one constrained row
     rows: int = 0
-    fill_seconds: float = 0.0  # in the mask thread
+    fill_seconds: float = 0.0  # in the mask thread or the grammar process
     wait_seconds: float = 0.0  # the sampler waiting for a fill: the part not hidden behind the model
 
 
@@ -63,6 +80,12 @@ class GrammarManager:
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._bitmask: torch.Tensor | None = None
+        self._process: GrammarProcess | None = None
+        if self.config.process and self.config.backend in PROCESS_BACKENDS and self.tokenizer_file is not None:
+            self._process = GrammarProcess(self.tokenizer_file, vocab_size, eos_token_ids, self.config.backend,
+                                           self.config.threads, self.config.cache_size)
+        self._keys = itertools.count(1)
+        self._gone: deque[int] = deque()  # replicas to drop: their engine-side states were collected
 
     # -- compile ---------------------------------------------------------------------------
     @property
@@ -81,6 +104,8 @@ class GrammarManager:
     def prepare(self, c: Constraint) -> None:
         """Compile ``c`` into the cache (raises ``ConstraintError``); from any thread."""
         self.cache.get(c)
+        if self._process is not None:
+            self._process.compile(c)  # and the grammar process's (it starts it)
 
     # -- sequences -------------------------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
@@ -93,6 +118,9 @@ class GrammarManager:
         state = GrammarState(self.backend.matcher(self.cache.get(c)), c.start_after)
         if not state.replay(seq.generated_token_ids):
             raise ConstraintError(f"the tokens generated so far do not match the constraint: {state.error}")
+        if self._process is not None:
+            state.key = next(self._keys)
+            weakref.finalize(state, self._gone.append, state.key)
         seq.grammar = state
 
     # -- steps -----------------------------------------------------------------------------
@@ -101,6 +129,8 @@ class GrammarManager:
         rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.needs_mask]
         if not rows:
             return None
+        if self._process is not None:
+            return self._begin_in_process(seqs, rows)
         bitmask = self._buffer(len(seqs))[: len(rows)]
         backend = self.backend
         # the Python side of the fill happens here: the mask thread only runs the backend's native
@@ -111,7 +141,45 @@ class GrammarManager:
         self.masks.steps += 1
         self.masks.rows += len(rows)
         done = self._pool.submit(self._fill, fill)
-        return StepMasks(done, [i for i, _ in rows], bitmask, self.masks)
+        return StepMasks(partial(done.result, timeout=FILL_TIMEOUT), [i for i, _ in rows], bitmask, None, self.masks)
+
+    def _begin_in_process(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]]) -> StepMasks:
+        """Send the grammar process this step's rows: each with the tokens its state took since the
+        last step it was sent (all of them for a state new to the process), new and gone replicas."""
+        proc = self._process
+        epoch = proc.start()
+        keys, counts, tokens, new = [], [], [], []
+        for i, state in rows:
+            if state.epoch != epoch:
+                c = seqs[i].params.constraint
+                new.append((state.key, c.kind.value, c.source, c.start_after))
+                state.epoch, state.sent = epoch, 0
+            n = state.num_tokens - state.sent
+            if n:
+                tokens.extend(seqs[i].generated_token_ids[state.sent:state.num_tokens])
+                state.sent = state.num_tokens
+            keys.append(state.key)
+            counts.append(n)
+        gone = []
+        while self._gone:
+            gone.append(self._gone.popleft())
+        logits_rows = [i for i, _ in rows]
+        step_no = proc.step(len(seqs), logits_rows, keys, counts, tokens, new, gone)
+        self.masks.steps += 1
+        self.masks.rows += len(rows)
+        out = torch.from_numpy(proc.buffer(len(seqs))[0])
+        wait = partial(self._wait_process, step_no)
+        if proc.layout == "bias":
+            return StepMasks(wait, logits_rows, None, out[: len(seqs), : self.vocab_size], self.masks)
+        return StepMasks(wait, logits_rows, out[: len(rows)], None, self.masks)
+
+    def _wait_process(self, step_no: int) -> None:
+        proc = self._process
+        before = proc.fill_seconds
+        try:
+            proc.wait(step_no, FILL_TIMEOUT)
+        finally:
+            self.masks.fill_seconds += proc.fill_seconds - before
 
     def _fill(self, fill) -> None:
         t0 = time.perf_counter()
@@ -132,7 +200,14 @@ class GrammarManager:
             "mask_fill_seconds": m.fill_seconds, "mask_wait_seconds": m.wait_seconds,
         }
 
+    @property
+    def process_pid(self) -> int | None:
+        """The grammar process's pid while one runs (tests)."""
+        return self._process.pid if self._process is not None else None
+
     def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

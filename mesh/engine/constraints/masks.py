@@ -1,4 +1,7 @@
-"""The token masks of one step: filled in a thread while the model runs, applied to the logits.
+"""The token masks of one step: filled while the model runs, applied to the logits.
+
+Filled either in the grammar process (replica.py, the default for llguidance) or in a thread of the
+engine process, as below:
 
     engine thread                          mask thread
     -------------                          -----------
@@ -16,7 +19,7 @@ the next step never overwrites bytes still in flight.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,25 +29,35 @@ _TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 class StepMasks:
-    """The masks of the constrained rows of one step's sampled logits."""
+    """The masks of the constrained rows of one step's sampled logits.
 
-    def __init__(self, done: Future, rows: list[int], bitmask: torch.Tensor, stats: Any = None):
-        self._done = done
+    ``wait`` blocks until the fill is done (raising what the fill raised). Then either ``bitmask``
+    (``[len(rows), words]`` int32, CPU: one row per constrained logits row) or ``bias`` (``[B, V]``
+    float32, CPU: the additive bias of every logits row, 0 for free rows; the grammar process writes
+    it for small vocabularies, and applying it is one add).
+    """
+
+    def __init__(self, wait: Callable[[], None], rows: list[int], bitmask: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, stats: Any = None):
+        self._wait = wait
         self.rows = rows  # logits rows, in bitmask row order
-        self.bitmask = bitmask  # [len(rows), words] int32, CPU
+        self.bitmask = bitmask
+        self.bias = bias
         self._stats = stats  # MaskStats: the time spent waiting is added to it
 
     def wait(self) -> None:
-        """Block until the fill is done (it raises what the fill raised)."""
         t0 = time.perf_counter()
-        self._done.result(timeout=FILL_TIMEOUT)
+        self._wait()
         if self._stats is not None:
             self._stats.wait_seconds += time.perf_counter() - t0
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [B, V]`` with every disallowed token of the constrained rows at -inf (in place)."""
         self.wait()
-        apply_bitmask(logits, self.bitmask, self.rows)
+        if self.bias is not None:
+            logits.add_(self.bias.to(logits.device, logits.dtype, non_blocking=True))
+        else:
+            apply_bitmask(logits, self.bitmask, self.rows)
         return logits
 
 

@@ -23,7 +23,8 @@ from mesh.engine.constraints.backend import TokenMatcher
 
 
 class GrammarState:
-    __slots__ = ("error", "is_done", "matcher", "needs_mask", "num_tokens", "start_after", "started")
+    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "matcher", "needs_mask", "num_tokens", "sent",
+                 "start_after", "started")
 
     def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
         self.matcher = matcher
@@ -33,6 +34,10 @@ class GrammarState:
         self.error = ""
         self.is_done = False  # the grammar is complete: the sequence ends here (finish reason ``stop``)
         self.needs_mask = False  # the next token is constrained
+        # the grammar process's replica (replica.py): its key, the process it lives in, the tokens it took
+        self.key = 0
+        self.epoch = 0  # 0: none yet
+        self.sent = 0
         self._settle()
 
     def advance(self, token_id: int) -> bool:
