@@ -70,6 +70,21 @@ class KVCacheSpec:
             other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
 
 
+def map_file(path: str, size: int, create: bool) -> mmap.mmap:
+    """A shared-memory KV file mapped shared: created (sparse, ``size`` bytes) or opened."""
+    # never through a symlink: a file planted in place of ours must not get our KV bytes
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise ValueError(f"shared KV file {path} is smaller than its spec says")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 class _BlockIO:
     """Whole-block reads and writes in the block-major layout the transports send."""
 
@@ -147,23 +162,10 @@ class KVCache(_BlockIO):
         if path is None:
             self._mmap = mmap.mmap(-1, size)
         else:
-            self._mmap = self._map_file(path, size, create)
+            self._mmap = map_file(path, size, create)
         flat = torch.frombuffer(self._mmap, dtype=spec.dtype, count=size // _elem(spec.dtype))
         return flat.view(spec.shape)
 
-    @staticmethod
-    def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
-        # never through a symlink: a file planted in place of ours must not get our KV bytes
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise ValueError(f"shared KV file {path} is smaller than its spec says")
-            return mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of layer ``i``: each ``[num_blocks, block_size, heads, dim]``."""

@@ -42,6 +42,7 @@ model hit rates). ``BlockCopier`` moves the bytes (torch, imported when one is b
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -322,7 +323,7 @@ class BlockCopier:
     for them on the host (``sync``).
     """
 
-    def __init__(self, kv: KVCache, num_slots: int):
+    def __init__(self, kv: KVCache, num_slots: int, shm_path: str | None = None):
         import torch
 
         self._torch = torch
@@ -331,7 +332,17 @@ class BlockCopier:
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.dtype = spec.dtype
         self.cuda = kv.device.type == "cuda"
-        self.slots = torch.empty((num_slots, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
+        self.shm_path = shm_path  # CPU: the slots in a shared-memory file (a peer reads lent blocks there)
+        self._mmap = None
+        if shm_path is not None:
+            if self.cuda:
+                raise ValueError("host-tier slots in shared memory are for CPU workers")
+            from kvstore.cache import map_file
+
+            self._mmap = map_file(shm_path, num_slots * spec.block_bytes, create=True)
+            self.slots = torch.frombuffer(self._mmap, dtype=self.dtype).view(num_slots, *self.block_shape)
+        else:
+            self.slots = torch.empty((num_slots, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.block_bytes = self.slots[0].numel() * self.slots.element_size()
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
         self._done = None  # CUDA event after the last queued copy
@@ -377,6 +388,17 @@ class BlockCopier:
     def slot_bytes(self, slot: int) -> memoryview:
         """A host slot's bytes (call ``sync`` first on CUDA)."""
         return memoryview(self.slots[slot].reshape(-1).view(self._torch.uint8).numpy())
+
+    def close(self) -> None:
+        """Drop the slots (and their shared-memory file)."""
+        self.slots = self._torch.empty(0)
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):  # a view may still be alive: unmapped when it goes
+                self._mmap.close()
+            self._mmap = None
+        if self.shm_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.shm_path)
 
     def before_step(self) -> None:
         """The compute stream waits for the copies queued so far (no host wait)."""

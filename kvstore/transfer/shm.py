@@ -161,9 +161,12 @@ def _shard_files(params: dict) -> list[tuple[str, int, int]]:
         raise Refused(f"malformed shm params ({type(e).__name__})") from None
 
 
-def _open_segment(name: str, spec: KVCacheSpec) -> KVCache:
-    """Map the KV file ``name`` of the mesh's directory: opened relative to the directory, no
-    symlink followed, a regular file of this user, at least as large as ``spec``."""
+def open_kv_file(name: str) -> tuple[int, os.stat_result]:
+    """Open the KV file ``name`` of the mesh's directory: a plain ``kv-*`` name, opened relative
+    to the directory, no symlink followed, a regular file of this user; ``Refused`` otherwise.
+    The caller closes the descriptor."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise Refused("not a KV file name")
     dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
@@ -172,10 +175,17 @@ def _open_segment(name: str, spec: KVCacheSpec) -> KVCache:
             raise Refused(f"cannot open KV file {name}: {e.strerror}") from None
     finally:
         os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise Refused(f"{name} is not a KV file of this user")
+    return fd, st
+
+
+def _open_segment(name: str, spec: KVCacheSpec) -> KVCache:
+    """Map the KV file ``name`` (``open_kv_file``), at least as large as ``spec``."""
+    fd, st = open_kv_file(name)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise Refused(f"{name} is not a KV file of this user")
         if st.st_size < spec.total_bytes:
             raise Refused(f"{name} is smaller than its spec says")
         return KVCache.attach_fd(spec, fd, str(shm_dir() / name))

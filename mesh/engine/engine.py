@@ -179,6 +179,8 @@ class Engine(EngineCore):
         if self.tp is not None:
             self.tp.close()
         self.grammar.close()
+        if self.tiers is not None and self.tiers.copier is not None:
+            self.tiers.copier.close()
         self.kv_cache.close(unlink=True)
 
     def _enable_tiers(self) -> None:
@@ -194,7 +196,11 @@ class Engine(EngineCore):
                    else int(cfg.disk_kv_gb * _GIB))
             disk = DiskTier(cfg.disk_kv_dir, cap, layout_fingerprint(identity, layout), spec.block_bytes,
                             self.pool.events)
-        self.enable_tiers(slots, copier=BlockCopier(self.kv_cache, slots), disk=disk,
+        kv = self.kv_cache
+        # beside a KV pool in shared memory, the host tier's slots too: a peer on this host reads
+        # the blocks it fetches out of both (kvstore/transfer/fetch.py, lent runs)
+        slots_path = kv.shm_path + ".host" if isinstance(kv, KVCache) and kv.shm_path else None
+        self.enable_tiers(slots, copier=BlockCopier(kv, slots, shm_path=slots_path), disk=disk,
                           disk_min_hits=cfg.disk_min_hits)
         log.info("KV tiers: host %d blocks (%.2f GiB)%s", slots, slots * spec.block_bytes / _GIB,
                  f", disk {disk.dir} up to {cap / _GIB:g} GiB ({len(disk)} blocks found)" if disk else "")
