@@ -17,6 +17,13 @@ requester) asks that peer (the holder) for those blocks before admitting the req
       stage the bytes (PeerStage) -> admit: the engine's prefix walk onboards them as ``peer`` hits
     no reply within the timeout, a refusal, a dead holder, missing bytes: admit without them
 
+On one host with the holder's blocks in shared memory (a CPU worker with the shm transport:
+its KV pool and host-tier slots are /dev/shm files) the holder copies nothing: it *lends*
+the pinned run (``KvFetchDone.lent``: where each block is in its files), the requester
+copies the blocks out on its own cores and sends ``KvFetchRelease``, and the holder unpins
+(or the lease does). Its disk-tier blocks, in no shared file, it writes into the
+requester's buffer on a thread. Otherwise (a GPU holder, a TP holder, the nats channel):
+
 The holder's engine thread does the copy itself, between two steps, for at most
 ``COPY_SHARE`` of the last step's time per pause: on a CPU host a copy thread running
 beside the step would take cores from the step's own threads (an OpenMP region waits for
@@ -47,9 +54,12 @@ from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING
 
+from kvstore.cache import KVCache
+from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
+from kvstore.transfer.shm import segment_name
 from mesh.hashing import block_hashes
-from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRequest
+from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRelease, KvFetchRequest
 
 if TYPE_CHECKING:
     from decode.worker import DecodeWorker
@@ -77,14 +87,22 @@ class PeerFetch:
         # this event loop (each chunk is encoded and written here); queued fetches wait within
         # their deadline (measured: docs/benchmarks.md, "KV fabric").
         self._sending = asyncio.Semaphore(1)
+        self.lendable = self._lend_files()  # {"kv", "slots", "spec"}: a peer on this host reads our blocks
+        self._lent: set[str] = set()  # fetch ids whose pins wait for the requester's KvFetchRelease
+
+    def _lend_files(self) -> dict | None:
+        kv, copier = self.engine.kv_cache, self.engine.tiers.copier
+        if not isinstance(kv, KVCache) or kv.shm_path is None or copier.shm_path is None:
+            return None
+        return {"kv": segment_name(kv.shm_path), "slots": segment_name(copier.shm_path), "spec": kv.spec.to_dict()}
 
     async def start(self, stack: AsyncExitStack) -> None:
-        w = self.worker
-        self.channels = make_channels(w.transport_names(), bus=w.bus, model=self.engine.model_name,
-                                      worker_id=w.worker_id)
-        sub = await w.bus.subscribe(w.bus.subjects.kv_fetch(self.engine.model_name, w.worker_id), self._on_fetch,
-                                    KvFetchRequest)
-        stack.push_async_callback(_unsubscribe, sub)
+        w, s, model = self.worker, self.worker.bus.subjects, self.engine.model_name
+        self.channels = make_channels(w.transport_names(), bus=w.bus, model=model, worker_id=w.worker_id)
+        subs = [await w.bus.subscribe(s.kv_fetch(model, w.worker_id), self._on_fetch, KvFetchRequest),
+                await w.bus.subscribe(s.kv_fetch_release(model, w.worker_id), self._on_release, KvFetchRelease)]
+        for sub in subs:
+            stack.push_async_callback(_unsubscribe, sub)
 
     def fill_card(self, card) -> None:
         card.serves_kv_fetch = True
@@ -134,17 +152,33 @@ class PeerFetch:
         if not done.ok:
             raise RuntimeError(f"the holder refused: {done.error}")
         n = min(done.num_blocks, len(want))
+        channel = self.channels.get(done.transport)
+        try:
+            data = None if channel is None or n <= 0 else await channel.take(fetch_id, n * bb, done.lent or None)
+        finally:
+            if done.lent:  # the run stays pinned for us until we say we have read it
+                await self._release(source, fetch_id, req.model)
         if n <= 0:
             return 0
-        channel = self.channels.get(done.transport)
-        data = None if channel is None else await channel.take(fetch_id, n * bb)
         if data is None:
             raise RuntimeError(f"the bytes of {n} blocks are not in the {done.transport or 'unnamed'} buffer")
         self.engine.stage_peer_blocks(want[:n], [data[i * bb : (i + 1) * bb] for i in range(n)])
         self.worker.counters.bump(f"peer_fetch_via_{done.transport}")
         return n
 
+    async def _release(self, source: str, fetch_id: str, model: str) -> None:
+        with contextlib.suppress(Exception):  # a holder gone or unreachable: its lease unpins
+            await self.worker.bus.publish(self.worker.bus.subjects.kv_fetch_release(model, source),
+                                          KvFetchRelease(self.worker.worker_id, fetch_id))
+
     # -- holder --------------------------------------------------------------------------------
+    async def _on_release(self, msg: KvFetchRelease, raw) -> None:
+        fetch_id = f"{msg.requester}:{msg.fetch_id}"
+        if fetch_id in self._lent:  # only runs we lent: a stray release never unpins a copy under way
+            self._lent.discard(fetch_id)
+            await self.worker.loop.call(lambda e: e.pins.release(fetch_id))
+            self.worker.counters.bump("peer_serve_released")
+
     async def _on_fetch(self, req: KvFetchRequest, raw) -> None:
         if not raw.reply:
             log.warning("kv_fetch %s without a reply subject: dropped", req.request_id)
@@ -188,14 +222,20 @@ class PeerFetch:
             await bus.publish(reply, KvFetchDone(req.request_id, self.worker.worker_id, False, error=str(e)))
             return
         done = KvFetchDone(req.request_id, self.worker.worker_id, True)
+        lend = self.lendable is not None and channel.name == "shm" and params.get("read") is True
         try:
             if len(run):
-                await asyncio.wait_for(self._send(run, fetch_id, channel, params, done),
-                                       max(0.0, req.deadline - time.time()))
+                move = self._lend(run, fetch_id, channel, params, done, req.deadline) if lend else \
+                    self._send(run, fetch_id, channel, params, done)
+                await asyncio.wait_for(move, max(0.0, req.deadline - time.time()))
         except Exception as e:  # a bad buffer, a disk read that failed, past the deadline
             done = KvFetchDone(req.request_id, self.worker.worker_id, False, error=f"{type(e).__name__}: {e}")
         finally:
-            self.worker.loop.call(lambda e: e.pins.release(fetch_id))  # not awaited: also runs on cancellation
+            if done.ok and done.lent:  # released by the requester (``_on_release``) or the lease
+                self._lent = {f for f in self._lent if f in self.engine.pins}  # forget lapsed ones
+                self._lent.add(fetch_id)
+            else:
+                self.worker.loop.call(lambda e: e.pins.release(fetch_id))  # not awaited: also runs on cancellation
         done.transfer_ms = (time.monotonic() - started) * 1000
         if done.ok:
             counters.bump("peer_serve_blocks", done.num_blocks)
@@ -204,6 +244,32 @@ class PeerFetch:
         else:
             counters.bump("peer_serve_failed")
         await bus.publish(reply, done)
+
+    async def _lend(self, run, fetch_id: str, channel: FetchChannel, params: dict, done: KvFetchDone,
+                    until: float) -> None:
+        """Say where the pinned run's blocks are in our shared files; only disk blocks (in no shared
+        file) are written, into the requester's buffer (both on a thread: disk reads, a pwrite)."""
+        sources = await asyncio.to_thread(self.engine.pins.sources, fetch_id)
+        where, index, rows = [], [], []
+        for i, src in enumerate(sources):
+            if isinstance(src, DeviceBlock):
+                where.append(0)
+                index.append(src.block_id)
+            elif isinstance(src, int):
+                where.append(1)
+                index.append(src)
+            else:
+                where.append(2)
+                index.append(i)
+                rows.append((i, src))
+        if rows:
+            await channel.write_rows(params, rows, self.block_bytes)
+        n = len(sources)
+        done.lent = {**self.lendable, "where": where, "index": index, "until": until}
+        done.transport = channel.name
+        done.num_blocks = n
+        done.transfer_bytes = n * self.block_bytes
+        done.tiers = dict(Counter(run.tiers[:n]))
 
     async def _send(self, run, fetch_id: str, channel: FetchChannel, params: dict, done: KvFetchDone) -> None:
         """The pinned run into the requester's buffer: disk reads and the mapping on a thread, the

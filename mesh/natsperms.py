@@ -6,9 +6,9 @@ One NATS user per role; each may publish and subscribe only what its role does:
     gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
               router.decisions, lora (request)            planner.decisions, its inbox
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
-              replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv.snapshot, load,
-              inboxes, kv_fetch and kv_fetch_data (peer   lora, its inbox
-              fetch), its registry card
+              replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv_fetch_release,
+              inboxes, kv_fetch, kv_fetch_data and        kv.snapshot, load, lora, its inbox
+              kv_fetch_release (peer fetch), its card
     prefill   kv_ready, kv_data, nccl (requests), load,   lora, its inbox (jobs come by a JetStream
               lora replies, its registry card             pull)
     planner   planner.decisions                           load, planner.decisions, its inbox
@@ -92,10 +92,10 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
-               inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}",
+               inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
         sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
-                                            "kv_fetch", f"kv_fetch_data.{ANY}")),
+                                            "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
                f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":
         pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load, inbox("gateway"),

@@ -119,6 +119,10 @@ class Subjects:
         """A peer fetch's bytes over nats (``KvChunk``s) to the requester ``worker``."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_data.{subject_token(fetch_id)}"
 
+    def kv_fetch_release(self, model: str, worker: str) -> str:
+        """The requester -> the holder ``worker``: done reading a lent run (``KvFetchRelease``)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_release"
+
 
 # -- codec ----------------------------------------------------------------------
 
@@ -522,6 +526,20 @@ class KvFetchDone(Message):
     error: str = ""
     transport: str = ""  # the one the bytes took ("" : none moved)
     transfer_bytes: int = 0
+    # shm, a holder whose blocks live in shared memory: nothing was written, the run is *lent*:
+    # {"kv", "slots": file names, "spec": the holder's KV spec, "where": per block 0 (its KV
+    # file) / 1 (its host-tier slots) / 2 (written into the requester's buffer at that row),
+    # "index": block id / slot / row, "until": unix seconds the pins hold}. The requester reads
+    # the blocks itself, then sends ``KvFetchRelease``; until then (or "until") they stay pinned.
+    lent: dict = field(default_factory=dict)
+
+
+class KvFetchRelease(Message):
+    """Requester -> holder, on ``kv_fetch_release.{holder}``: the lent run of this fetch is read;
+    unpin it (the pins' lease ends it anyway)."""
+
+    requester: str
+    fetch_id: str
 
 
 # -- constrained output (issue 17) ----------------------------------------------------------------

@@ -9,13 +9,25 @@ forgotten), and never reuses it. So a transfer that timed out cannot corrupt any
 a holder still writing writes into an unlinked file or to a subject nobody listens on.
 
     requester  params(fetch_id, max_bytes) -> what the holder needs (KvFetchRequest.transports)
-               take(fetch_id, nbytes)     -> the bytes once KvFetchDone said they are written, or None
+               take(fetch_id, nbytes, lent) -> the bytes once KvFetchDone said they are written (or
+                                             lent, below), or None
                forget(fetch_id)           -> drop the buffer (always)
     holder     usable(params)             -> can this process write there?
                send(fetch_id, params, payload) -> bytes written
 
 Both the shm and the nats transports of prefill transfers have a channel here (same
 mechanisms: a file in /dev/shm on one host, ``KvChunk``s with acked windows over NATS).
+
+A holder on the requester's host whose KV pool and host tier are files in /dev/shm (a CPU
+worker with the shm transport) writes nothing: it *lends* the pinned run (``KvFetchDone.lent``:
+its files, and where each block is in them), and the requester copies the blocks out itself
+(``take``), then releases the pins (``KvFetchRelease``). The holder's cores do no copying at
+all, which is what keeps its own steps' pace (bench/peer_serve.py): a copy on the holder's
+engine thread lengthens its steps, and a copy thread beside it takes a core from the step's
+own threads. Only blocks of the holder's disk tier are written (into the requester's buffer,
+on a thread), their bytes being in no shared file. The lent blocks are pinned until the
+release or the lease (``until``); a read that ends past the lease is discarded, as its blocks
+may have been reused meanwhile.
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ import math
 import mmap
 import os
 import re
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvstore.transfer import host_id
-from kvstore.transfer.shm import PREFIX, shm_dir
+from kvstore.transfer import Refused, host_id
+from kvstore.transfer.shm import PREFIX, open_kv_file, shm_dir
 from mesh.bus import Bus
 from mesh.protocol import KvChunk
 
@@ -45,7 +59,8 @@ class FetchChannel(Protocol):
 
     async def params(self, fetch_id: str, max_bytes: int) -> dict: ...
 
-    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None: ...
+    async def take(self, fetch_id: str, nbytes: int, lent: dict | None = None) -> memoryview | None:
+        """The fetch's ``nbytes``, block-major; ``lent``: the holder's ``KvFetchDone.lent`` (read from its files)."""
 
     async def forget(self, fetch_id: str) -> None: ...
 
@@ -73,6 +88,9 @@ def make_channels(names, **kwargs) -> dict[str, FetchChannel]:
     """The channels of these transport names, in order (names without a channel are skipped)."""
     return {n: CHANNELS[n](**kwargs) for n in names if n in CHANNELS}
 
+
+LEASE_MARGIN = 0.05  # seconds: a lent read must end this long before the holder's pins may lapse
+MAPPED_FILES = 8  # holders' files kept mapped by a requester
 
 _BUFFER = re.compile(r"kv-[A-Za-z0-9_.-]{1,120}-fetch-[A-Za-z0-9_.-]{1,120}")
 
@@ -103,27 +121,10 @@ def _populate_mapping(mapping: mmap.mmap, nbytes: int) -> bool:
         del view  # the mapping's export: a tensor over it may be the only one left
 
 
-def populate(fd: int, nbytes: int) -> None:
-    """Allocate and zero the pages of a /dev/shm file now, as the process that owns it.
-
-    ``posix_fallocate`` on tmpfs reserves pages but leaves zeroing them to their first
-    write; without this, that first write is the holder's copy, which then pays the kernel
-    for the requester's memory (7.8 of a 24 MB fetch's 10 ms on this machine).
-    """
-    os.posix_fallocate(fd, 0, nbytes)
-    if nbytes == 0:
-        return
-    with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) as m:
-        populated = _populate_mapping(m, nbytes)
-    if not populated:  # an older kernel: write the zeros ourselves
-        zeros = bytes(min(nbytes, 1 << 20))
-        for off in range(0, nbytes, len(zeros)):
-            os.pwrite(fd, zeros[: nbytes - off], off)
-
-
 def map_populated(path: str, nbytes: int) -> mmap.mmap:
-    """``path`` mapped shared, its page tables filled in one call (a populated file's pages are
-    only looked up: 1.6 ms for 24 MB, against 5.2 ms faulting them in a page at a time)."""
+    """``path`` mapped shared, its pages allocated and page tables filled in one call, on the
+    calling thread without the GIL (faulting them in a page at a time during the copy cost the
+    copy more than the copy itself: 7.8 of a 24 MB fetch's 10 ms on a 2-core host)."""
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # no O_CREAT: a buffer already dropped stays gone
     try:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
@@ -136,8 +137,9 @@ def map_populated(path: str, nbytes: int) -> mmap.mmap:
 @register("shm")
 class ShmChannel:
     """A file in /dev/shm per fetch, named after this process (``remove_stale_files`` clears the
-    files of a requester that died), its pages populated by the requester (``populate``), written
-    by the holder through a populated mapping (``target``) or with one ``pwrite``."""
+    files of a requester that died), sparse until written: by a holder that copies, through a
+    populated mapping (``target``) or with one ``pwrite``; by one that lends, only its disk
+    blocks (``write_rows``), the rest read out of its own files (``take``)."""
 
     name = "shm"
 
@@ -145,6 +147,7 @@ class ShmChannel:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id)[:100]
         self._prefix = f"{PREFIX}{os.getpid()}-{safe}-fetch-"
         self._paths: dict[str, str] = {}
+        self._mapped: OrderedDict[tuple, Any] = OrderedDict()  # holders' files we read lent runs from
 
     async def params(self, fetch_id: str, max_bytes: int) -> dict:
         name = f"{self._prefix}{re.sub(r'[^A-Za-z0-9_.-]', '_', fetch_id)}"
@@ -153,18 +156,23 @@ class ShmChannel:
         def create() -> None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                populate(fd, max_bytes)  # the pages are ours: the holder only copies into them
+                # sparse: a holder that lends writes only its disk blocks here (and one that copies
+                # maps it populated, ``map_populated``), so most fetches never touch these pages
+                os.ftruncate(fd, max_bytes)
             finally:
                 os.close(fd)
 
         await asyncio.to_thread(create)
         self._paths[fetch_id] = path
-        return {"name": name, "host": host_id(), "bytes": max_bytes}  # a name, never a path
+        # "read": this requester reads a lent run from the holder's files (``take``)
+        return {"name": name, "host": host_id(), "bytes": max_bytes, "read": True}  # a name, never a path
 
-    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None:
+    async def take(self, fetch_id: str, nbytes: int, lent: dict | None = None) -> memoryview | None:
         path = self._paths.get(fetch_id)
         if path is None:
             return None
+        if lent:
+            return await asyncio.to_thread(self._read_lent, path, lent, nbytes)
 
         def read() -> bytes:
             with open(path, "rb") as f:
@@ -172,6 +180,80 @@ class ShmChannel:
 
         data = await asyncio.to_thread(read)
         return memoryview(data) if len(data) == nbytes else None
+
+    def _read_lent(self, path: str, lent: dict, nbytes: int) -> memoryview | None:
+        """Copy a lent run out of the holder's files (and its disk blocks out of our buffer) into one
+        block-major tensor; None if it does not add up or the pins' lease ran out before the end."""
+        import torch
+
+        from kvstore.cache import KVCacheSpec
+
+        try:
+            spec = KVCacheSpec.from_dict(lent["spec"])
+            where, index, until = list(lent["where"]), list(lent["index"]), float(lent["until"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise Refused(f"malformed lent run ({type(e).__name__}: {e})") from None
+        bb = spec.block_bytes
+        n = nbytes // bb if bb else 0
+        if n <= 0 or n * bb != nbytes or len(where) < n or len(index) < n:
+            raise Refused(f"a lent run of {len(where)} blocks of {bb} bytes does not make {nbytes} bytes")
+        block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        sources: dict[int, Any] = {}  # kind -> its blocks as [count, ...] views (the pool: layer-major)
+        for kind in {where[i] for i in range(n)}:
+            if kind == 2:
+                if any(index[i] != i for i in range(n) if where[i] == 2):
+                    raise Refused("a lent run's buffered block is not at its own row")
+                continue
+            if kind not in (0, 1):
+                raise Refused(f"a lent block in unknown place {kind!r}")
+            flat = self._holder_file(lent.get("kv" if kind == 0 else "slots"), bb, spec.dtype)
+            count = flat.numel() * flat.element_size() // bb
+            if any(not 0 <= index[i] < count for i in range(n) if where[i] == kind):
+                raise Refused("a lent block is outside the holder's file")
+            sources[kind] = (flat.view(spec.num_layers, 2, count, *block_shape[2:]) if kind == 0
+                             else flat.view(count, *block_shape))
+        out = torch.empty((n, *block_shape), dtype=spec.dtype)
+        raw = out.view(n, -1).view(torch.uint8)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW) if 2 in where[:n] else -1
+        try:
+            for i in range(n):  # block by block, straight into place (no gathered copy in between)
+                if where[i] == 0:
+                    out[i].copy_(sources[0][:, :, index[i]])
+                elif where[i] == 1:
+                    out[i].copy_(sources[1][index[i]])
+                else:
+                    data = os.pread(fd, bb, i * bb)
+                    if len(data) != bb:
+                        return None
+                    raw[i].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if time.time() >= until - LEASE_MARGIN:
+            return None  # the holder may have unpinned (and reused) them while we read
+        return memoryview(out.view(-1).view(torch.uint8).numpy())
+
+    def _holder_file(self, name, block_bytes: int, dtype):
+        """A holder's KV or slots file, mapped shared (read only by us) as one flat tensor; the
+        mappings of the last few files are kept, by (name, inode): a restarted holder's are new."""
+        import torch
+
+        fd, st = open_kv_file(name)  # Refused: not a KV file of this user in the mesh's directory
+        try:
+            key = (name, st.st_ino, st.st_size)
+            flat = self._mapped.get(key)
+            if flat is not None:
+                self._mapped.move_to_end(key)
+                return flat
+            if st.st_size == 0 or st.st_size % block_bytes:
+                raise Refused(f"{name} does not hold whole blocks of {block_bytes} bytes")
+            flat = torch.frombuffer(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED), dtype=dtype)
+        finally:
+            os.close(fd)
+        self._mapped[key] = flat
+        while len(self._mapped) > MAPPED_FILES:
+            self._mapped.popitem(last=False)  # unmapped once no tensor over it is left
+        return flat
 
     async def forget(self, fetch_id: str) -> None:
         path = self._paths.pop(fetch_id, None)
@@ -200,6 +282,22 @@ class ShmChannel:
         # tensor keeps the mapping alive, and it goes when the tensor does
         mapping = map_populated(_buffer_file(params), nbytes)
         return torch.frombuffer(mapping, dtype=dtype, count=numel).view(rows, *block_shape)
+
+    async def write_rows(self, params: dict, rows: list[tuple[int, Any]], block_bytes: int) -> None:
+        """The holder lending a run: the blocks that are in no shared file (its disk tier's) into
+        the requester's buffer, each at its own row."""
+        if any((i + 1) * block_bytes > int(params.get("bytes", 0)) or len(p) != block_bytes for i, p in rows):
+            raise ValueError(f"the requester's buffer holds {params.get('bytes')} bytes, not these rows")
+
+        def write() -> None:
+            fd = os.open(_buffer_file(params), os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                for i, payload in rows:
+                    os.pwrite(fd, payload, i * block_bytes)
+            finally:
+                os.close(fd)
+
+        await asyncio.to_thread(write)
 
     async def send(self, fetch_id: str, params: dict, payload: memoryview) -> int:
         if len(payload) > int(params.get("bytes", 0)):
@@ -264,7 +362,7 @@ class NatsChannel:
             asm.indexes.add(chunk.index)
             asm.received += len(chunk.data)
 
-    async def take(self, fetch_id: str, nbytes: int) -> memoryview | None:
+    async def take(self, fetch_id: str, nbytes: int, lent: dict | None = None) -> memoryview | None:
         entry = self._pending.get(fetch_id)
         if entry is None:
             return None

@@ -15,6 +15,7 @@ import asyncio
 import os
 import random
 import signal
+import time
 import uuid
 
 import pytest
@@ -23,7 +24,14 @@ from nats.errors import NoRespondersError
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.hashing import block_hashes, model_seed
-from mesh.protocol import GenerateRequest, KvFetchRequest, PeerFetchPlan, SamplingOptions
+from mesh.protocol import (
+    GenerateRequest,
+    KvFetchDone,
+    KvFetchRelease,
+    KvFetchRequest,
+    PeerFetchPlan,
+    SamplingOptions,
+)
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
 from tests.integration.conftest import Watcher
@@ -89,9 +97,45 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster, 
         assert b.get("hit_blocks_host", 0) == 0 and b.get("peer_fetch_failed", 0) == 0
         assert b["peer_fetch_via_shm"] == 1  # same host: the shm channel
         assert a["peer_serve_blocks"] == a["peer_serve_host_blocks"] == PREFIX_BLOCKS  # read from a's host tier
+        assert a["peer_serve_released"] == 1  # a lent its blocks (same host, shared memory): b read and released them
         assert a["fetch_pinned_now"] == 0  # pins released
     finally:
         await router.stop()
+        await w.close()
+
+
+async def test_a_lent_run_and_a_copied_one_carry_the_same_bytes(cluster, workers):
+    """A requester that reads gets the run lent (nothing copied by the holder); one that does not
+    (no ``read`` in its shm params) gets it copied into its buffer: the same bytes either way."""
+    from kvstore.transfer.fetch import ShmChannel
+
+    w = await Watcher.open(cluster.nats_url, ns=NS)
+    ch = ShmChannel(worker_id="t")
+    try:
+        await w.wait_workers("decode", 2, timeout=120)
+        rng = random.Random(7)
+        prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
+        await ask(w.bus, A, prompt)
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        before = (await w.fresh_load(A)).counters.get("peer_serve_released", 0)
+        got, room = {}, PREFIX_BLOCKS * (1 << 20)
+        for read in (True, False):
+            fid = uuid.uuid4().hex[:16]
+            params = await ch.params(fid, room)
+            if not read:
+                del params["read"]
+            req = KvFetchRequest(uuid.uuid4().hex, "tiny", "t", hashes, time.time() + 10, {"shm": params},
+                                 fetch_id=fid)
+            done = await w.bus.request(w.bus.subjects.kv_fetch("tiny", A), req, KvFetchDone, 10)
+            assert done.ok and done.num_blocks == PREFIX_BLOCKS and bool(done.lent) == read, done
+            got[read] = bytes(await ch.take(fid, done.transfer_bytes, done.lent or None))
+            if read:
+                await w.bus.publish(w.bus.subjects.kv_fetch_release("tiny", A), KvFetchRelease("t", fid))
+            await ch.forget(fid)
+        assert len(got[True]) == done.transfer_bytes and got[True] == got[False]
+        a = (await w.fresh_load(A)).counters
+        assert a["peer_serve_released"] == before + 1 and a["fetch_pinned_now"] == 0
+    finally:
         await w.close()
 
 

@@ -358,7 +358,7 @@ async def test_the_gateway_sends_the_routers_fetch_plan_in_the_request():
     assert sent[1].peer_fetch is None  # no fetch planned: nothing on the wire
 
 
-async def test_the_shm_target_is_the_requesters_populated_buffer_and_a_dropped_one_is_gone():
+async def test_the_shm_target_is_the_requesters_buffer_and_a_dropped_one_is_gone():
     import torch
 
     from kvstore.transfer.fetch import ShmChannel
@@ -380,3 +380,53 @@ async def test_the_shm_target_is_the_requesters_populated_buffer_and_a_dropped_o
     dest[0].zero_()  # a holder still holding the mapping writes into pages nobody reads
     with pytest.raises(FileNotFoundError):  # and a late holder cannot map it any more
         ch.target(params, 1, shape, torch.bfloat16)
+
+
+async def test_a_lent_run_is_read_out_of_the_holders_files_and_only_within_its_lease():
+    import time
+
+    import torch
+
+    from kvstore.cache import KVCache, KVCacheSpec
+    from kvstore.tiers import BlockCopier
+    from kvstore.transfer import Refused
+    from kvstore.transfer.fetch import ShmChannel
+    from kvstore.transfer.shm import segment_name, shm_path
+
+    spec = KVCacheSpec(2, 6, 4, 2, 8, torch.bfloat16)  # the holder's pool: 6 blocks
+    kv = KVCache(spec, torch.device("cpu"), shm_path=shm_path("lend-test"))
+    copier = BlockCopier(kv, 5, shm_path=kv.shm_path + ".host")
+    ch = ShmChannel(worker_id="req")
+    bb = spec.block_bytes
+    try:
+        kv.tensor.copy_(torch.randn(spec.shape).to(torch.bfloat16))
+        copier.slots.copy_(torch.randn(copier.slots.shape).to(torch.bfloat16))
+        disk = torch.randn(copier.block_shape).to(torch.bfloat16)  # a disk-tier block: in no shared file
+        params = await ch.params("f1", 3 * bb)
+        assert params["read"] is True
+        await ch.write_rows(params, [(2, memoryview(disk.view(-1).view(torch.uint8).numpy()))], bb)
+        lent = {"kv": segment_name(kv.shm_path), "slots": segment_name(copier.shm_path), "spec": spec.to_dict(),
+                "where": [0, 1, 2], "index": [4, 3, 2], "until": time.time() + 10}
+        got = await ch.take("f1", 3 * bb, lent)
+        blocks = torch.frombuffer(bytearray(got), dtype=torch.bfloat16).view(3, *copier.block_shape)
+        assert torch.equal(blocks[0], kv.tensor[:, :, 4])  # device block 4, out of the layer-major pool
+        assert torch.equal(blocks[1], copier.slots[3])  # host slot 3
+        assert torch.equal(blocks[2], disk)  # written by the holder into our buffer, at its row
+        # a read that ends past the lease is no read: the holder may have reused the blocks
+        assert await ch.take("f1", 3 * bb, {**lent, "until": time.time()}) is None
+        for bad in ({"where": [0], "index": [6]},  # past the holder's pool
+                    {"where": [1], "index": [-1]},
+                    {"where": [2], "index": [1]},  # a buffered block must sit at its own row
+                    {"kv": "../" + lent["kv"]}, {"kv": "passwd"},  # no file but a KV file of the mesh's
+                    {"spec": {"num_layers": 2}}):
+            with pytest.raises(Refused):
+                await ch.take("f1", bb, {**lent, **bad})
+        with pytest.raises(ValueError):  # the holder cannot write past the buffer
+            await ch.write_rows(params, [(3, memoryview(disk.view(-1).view(torch.uint8).numpy()))], bb)
+    finally:
+        await ch.forget("f1")
+        copier.close()
+        kv.close(unlink=True)
+    import os
+
+    assert not os.path.exists(kv.shm_path) and not os.path.exists(kv.shm_path + ".host")
