@@ -5,9 +5,10 @@
     python bench/peer_serve.py --model tiny-small --holder-cpus 0     # ... on a core of its own
 
 With ``--model`` (a model directory, or ``tiny`` / ``tiny-small`` for the generated test models) the
-worker is a real ``mesh worker decode --peer-fetch`` with a host tier: every fetch reads the blocks'
-bytes (device, host tier) on the holder's thread and writes them into a buffer of this process's
-(the ``--channel``: a /dev/shm file or a NATS subject), as ``decode/peerfetch.py`` does for a peer.
+worker is a real ``mesh worker decode --peer-fetch`` with a host tier, and the fetches are a
+peer's (``decode/peerfetch.py``): over ``--channel shm`` the holder lends the pinned blocks and
+the requester process copies them out of the holder's shared files, then releases them; over
+``--channel nats`` the holder copies them between its steps and sends them as ``KvChunk``s.
 
 Without ``--model``: a real nats-server and one real ``mesh worker mock`` process (the mocker engine at ``--speedup``,
 a device pool and a host tier). The bench warms it with ``--prefixes`` prompts (so it holds blocks
@@ -44,7 +45,13 @@ from mesh.bus import Bus
 from mesh.client import generate
 from mesh.hashing import block_hashes, model_seed
 from mesh.natsserver import EmbeddedNats
-from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRequest, SamplingOptions
+from mesh.protocol import (
+    GenerateRequest,
+    KvFetchDone,
+    KvFetchRelease,
+    KvFetchRequest,
+    SamplingOptions,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "serve-holder"
@@ -102,9 +109,13 @@ async def fetch_load(bus: Bus, prefixes: list[list[int]], rate: float, blocks: i
             if channel is not None:  # a real worker writes the bytes into our buffer
                 req.transports = {channel.name: await channel.params(fetch_id, len(hashes) * block_bytes)}
             d = await bus.request(subject, req, KvFetchDone, 10.0)
-            if channel is not None and d.ok and (
-                    not d.transfer_bytes or await channel.take(fetch_id, d.transfer_bytes) is None):
-                raise RuntimeError(f"{d.num_blocks} blocks said written, bytes missing")
+            try:
+                if channel is not None and d.ok and (not d.transfer_bytes or await channel.take(
+                        fetch_id, d.transfer_bytes, d.lent or None) is None):
+                    raise RuntimeError(f"{d.num_blocks} blocks said written, bytes missing")
+            finally:
+                if d.lent:  # read out of the holder's files: its pins go
+                    await bus.publish(bus.subjects.kv_fetch_release(MODEL, WORKER), KvFetchRelease("bench", fetch_id))
             done.append(d)
         except Exception as e:
             print(f"  fetch failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -270,7 +281,8 @@ async def measure(args, bus: Bus, rng: random.Random, url: str) -> int:
         who += f", holder on cores {args.holder_cpus}, requester on the others"
     print(f"holder: {who}, {args.streams} decoding streams, fetches of {args.fetch_blocks} "
           f"blocks at {args.fetch_rate:g}/s in the 'on' phases ({args.rounds} x {args.seconds:g} s each)")
-    print(f"fetches served: {len(served)} of {len(done)} ({len(served) / on_seconds:.2f}/s, "
+    lent = sum(1 for d in served if d.lent)
+    print(f"fetches served: {len(served)} of {len(done)}, {lent} of them lent ({len(served) / on_seconds:.2f}/s, "
           f"{sum(d.num_blocks for d in served) / on_seconds:,.0f} blocks/s; by tier {tiers}); "
           f"holder-side time p50 {pct([d.transfer_ms for d in served], 0.5):.1f} ms")
     print("| phase | gaps | ITL p50 | ITL p90 | ITL p99 |")
