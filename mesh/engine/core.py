@@ -246,6 +246,8 @@ class EngineCore:
             return []
         sampled = self.execute(out)
         results = self.scheduler.update(out, sampled)
+        if self.grammar is not None and out.sampling_chunks:
+            self.grammar.tokens_taken([c.seq for c in out.sampling_chunks])  # their next masks start now
         self.num_steps += 1
         return results
 

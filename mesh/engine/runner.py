@@ -88,15 +88,15 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
         """Queue the step on the device; ``prev``: the step whose tokens some rows take as input."""
+        seqs = [c.seq for c in out.sampling_chunks]
+        # masks are filled while the inputs are built and the model runs; constrained rows never have
+        # a token in flight here (EngineCore.needs_resolved_tokens)
+        masks = self.grammar.begin_step(seqs) if self.grammar is not None and seqs else None
         step, sample_rows = self.inputs(out)
         if self.broadcast is not None:
             self.broadcast(step)
         if self._inputs_sent is not None:
             self._inputs_sent.synchronize()  # microseconds: the GPU finished the step before the last
-        seqs = [c.seq for c in out.sampling_chunks]
-        # masks are filled while the model runs; constrained rows never have a token in flight here
-        # (EngineCore.needs_resolved_tokens)
-        masks = self.grammar.begin_step(seqs) if self.grammar is not None and seqs else None
         hidden = self.forward(step, self._input_ids(step, prev))
         if self.capture_logits:
             self.last_logits = self.model.logits(hidden)

@@ -22,6 +22,7 @@ thread keeps that off the engine thread too.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 import weakref
@@ -86,6 +87,7 @@ class GrammarManager:
                                            self.config.threads, self.config.cache_size)
         self._keys = itertools.count(1)
         self._gone: deque[int] = deque()  # replicas to drop: their engine-side states were collected
+        self._predicted: tuple[int, list[Sequence]] | None = None  # (step number, batch): tokens_taken
 
     # -- compile ---------------------------------------------------------------------------
     @property
@@ -144,10 +146,48 @@ class GrammarManager:
         return StepMasks(partial(done.result, timeout=FILL_TIMEOUT), [i for i, _ in rows], bitmask, None, self.masks)
 
     def _begin_in_process(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]]) -> StepMasks:
-        """Send the grammar process this step's rows: each with the tokens its state took since the
-        last step it was sent (all of them for a state new to the process), new and gone replicas."""
+        """The masks ``tokens_taken`` started for this very batch (most decode steps: nothing to send),
+        or a step message with this batch's rows (their keys, the tokens the process has not seen)."""
+        predicted = self._predicted
+        self._predicted = None
+        if predicted is not None and len(predicted[1]) == len(seqs) and all(map(operator.is_, predicted[1], seqs)):
+            step_no = predicted[0]
+        else:
+            proc = self._process
+            keys, counts, tokens, new, gone = self._unsent(seqs, rows, proc.start())
+            step_no = proc.step(len(seqs), [i for i, _ in rows], keys, counts, tokens, new, gone)
+        return self._masks(step_no, len(seqs), [i for i, _ in rows])
+
+    def tokens_taken(self, seqs: list[Sequence]) -> None:
+        """After a step's tokens were taken: the grammar process gets those of the constrained
+        sequences that go on and fills their masks for a next step of the sequences that go on, in
+        this order, while this thread finishes the step and schedules the next one. ``begin_step``
+        uses them if the next step is that batch (a new or preempted sequence changes it: then the
+        process only rearranges the rows)."""
         proc = self._process
-        epoch = proc.start()
+        if proc is None or proc.pid is None:
+            return
+        going = [s for s in seqs if not s.is_finished]
+        rows = [(i, s.grammar) for i, s in enumerate(going) if s.grammar is not None and s.grammar.needs_mask]
+        if rows:
+            keys, counts, tokens, new, gone = self._unsent(going, rows, proc.epoch)
+            step_no = proc.step(len(going), [i for i, _ in rows], keys, counts, tokens, new, gone)
+            self._predicted = (step_no, going)
+
+    def _masks(self, step_no: int, batch: int, rows: list[int]) -> StepMasks:
+        proc = self._process
+        self.masks.steps += 1
+        self.masks.rows += len(rows)
+        out = torch.from_numpy(proc.view)  # the buffer the process writes this step into
+        wait = partial(self._wait_process, step_no)
+        if proc.layout == "bias":
+            return StepMasks(wait, rows, None, out[:batch, : self.vocab_size], self.masks)
+        return StepMasks(wait, rows, out[: len(rows)], None, self.masks)
+
+    def _unsent(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]], epoch: int) -> tuple:
+        """For the grammar process: the rows' keys, the tokens each took since it was last sent
+        (flat, with counts), the replicas to make (a state new to this process: all its tokens) and
+        those to drop."""
         keys, counts, tokens, new = [], [], [], []
         for i, state in rows:
             if state.epoch != epoch:
@@ -163,15 +203,7 @@ class GrammarManager:
         gone = []
         while self._gone:
             gone.append(self._gone.popleft())
-        logits_rows = [i for i, _ in rows]
-        step_no = proc.step(len(seqs), logits_rows, keys, counts, tokens, new, gone)
-        self.masks.steps += 1
-        self.masks.rows += len(rows)
-        out = torch.from_numpy(proc.buffer(len(seqs))[0])
-        wait = partial(self._wait_process, step_no)
-        if proc.layout == "bias":
-            return StepMasks(wait, logits_rows, None, out[: len(seqs), : self.vocab_size], self.masks)
-        return StepMasks(wait, logits_rows, out[: len(rows)], None, self.masks)
+        return keys, counts, tokens, new, gone
 
     def _wait_process(self, step_no: int) -> None:
         proc = self._process
@@ -198,6 +230,7 @@ class GrammarManager:
             "grammars_cached": len(self.cache), "compile_hits": s.hits, "compile_misses": s.misses,
             "compile_seconds": s.compile_seconds, "mask_steps": m.steps, "mask_rows": m.rows,
             "mask_fill_seconds": m.fill_seconds, "mask_wait_seconds": m.wait_seconds,
+            "process_replicas": self._process.replicas if self._process is not None else 0,
         }
 
     @property

@@ -35,7 +35,7 @@ import mmap
 import os
 import pickle
 import signal
-import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -51,6 +51,8 @@ from mesh.engine.constraints.spec import Constraint
 
 BIAS_MAX_VOCAB = 32_768  # up to this vocabulary the process writes float bias rows (<= 4 MB at batch 32)
 COMPILE, STEP = 0, 1
+# step number, seconds of work since the last reply, replicas alive; then an error's text
+_REPLY = struct.Struct("<qdq")
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory that holds ``mesh``
 
 
@@ -71,12 +73,15 @@ class GrammarProcess:
         self._args = (str(tokenizer_file), vocab_size, eos_token_ids, backend, threads, cache_size, self.layout)
         self._lock = threading.Lock()  # compile messages come from other threads than the steps
         self._proc = None
-        self._conn = None
+        self._conn = self._replies = None  # multiprocessing Connections over the two pipes
         self._shm: SharedMemory | None = None
         self._rows = 0  # rows the shared buffer holds
+        self._old: list[SharedMemory] = []
+        self._mapped = 0  # the epoch of the process that mapped the current buffer
         self.step_no = 0
         self.epoch = 0  # bumped with every process started: replicas of an older one are gone with it
         self.fill_seconds = 0.0  # in the grammar process
+        self.replicas = 0  # matchers alive in the process, as of its last reply
 
     @property
     def pid(self) -> int | None:
@@ -90,17 +95,23 @@ class GrammarProcess:
             return self.epoch
 
     def _start(self) -> None:
-        # a fresh interpreter (not multiprocessing's spawn: it re-imports the caller's __main__, which
-        # an unguarded script cannot take), on one end of a socket pair: the engine's end closing, or
-        # the engine dying, is its EOF
-        ours, theirs = socket.socketpair()
+        # A fresh interpreter (not multiprocessing's spawn: it re-imports the caller's __main__, which
+        # an unguarded script cannot take) on two pipes: the engine's write end closing, or the engine
+        # dying, is its EOF. Two pipes, not a socket pair: reading a reply from a socket pair also
+        # woke the process blocked on the other direction (~80 us a step on the engine thread here).
+        to_child, from_engine = os.pipe()[::-1]
+        from_child, to_engine = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (_SOURCE_ROOT, os.environ.get("PYTHONPATH"))))}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from mesh.engine.constraints.replica import main; main()",
-             str(theirs.fileno()), json.dumps(self._args)],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from mesh.engine.constraints.replica import main; main()",
+                 str(from_engine), str(to_engine), json.dumps(self._args)],
+                pass_fds=(from_engine, to_engine), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(from_engine)
+            os.close(to_engine)
+        self._conn = Connection(to_child, readable=False)
+        self._replies = Connection(from_child, writable=False)
         self.epoch += 1
 
     def _send(self, msg: tuple) -> None:
@@ -116,47 +127,55 @@ class GrammarProcess:
         """Warm the process's cache with ``c`` (no reply; a bad constraint fails there as it did here)."""
         self._send((COMPILE, c.kind.value, c.source))
 
-    def buffer(self, rows: int) -> tuple[np.ndarray, str | None]:
-        """The shared buffer for ``rows`` rows (bias rows padded to whole words), and its name when
-        the process has not mapped it yet."""
+    @property
+    def view(self) -> np.ndarray:
+        """The shared buffer of the last ``step``."""
+        return self._view
+
+    def buffer(self, rows: int) -> np.ndarray:
+        """The shared buffer, for at least ``rows`` rows (bias rows padded to whole words)."""
         if rows <= self._rows:
-            return self._view, None
+            return self._view
         old = self._shm
         self._rows = max(rows, 64)
         self._shm = SharedMemory(create=True, size=self._rows * self._row_floats * 4)
         dtype = np.float32 if self.layout == "bias" else np.int32
         self._view = np.ndarray((self._rows, self._row_floats), dtype, self._shm.buf)
         if old is not None:
-            old.close()
             old.unlink()
-        return self._view, self._shm.name
+            self._old.append(old)  # closed with the process: last step's tensors may still view it
+        self._mapped = 0
+        return self._view
 
     def step(self, batch: int, rows: list[int], keys: list[int], counts: list[int], tokens: list[int],
              new: list[tuple], gone: list[int]) -> int:
         """Start the fill of one step's rows (see the module docstring); its step number."""
-        n = max(batch, len(rows)) if self.layout == "bias" else len(rows)
-        _, name = self.buffer(n)
+        self.buffer(max(batch, len(rows)) if self.layout == "bias" else len(rows))
+        name = None
+        if self._mapped != self.epoch:  # a new buffer, or a new process: it maps the buffer first
+            name, self._mapped = self._shm.name, self.epoch
         self.step_no += 1
         self._send((STEP, self.step_no, batch, rows, keys, counts, tokens, new, gone, name))
         return self.step_no
 
     def wait(self, step_no: int, timeout: float) -> None:
         """Block (without the GIL) until the process filled step ``step_no``."""
-        conn = self._conn
+        replies = self._replies
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
+        try:
+            while True:
+                if not replies.poll(max(0.0, deadline - time.monotonic())):
                     self._kill()
                     raise GrammarProcessError(f"the grammar process did not fill the masks in {timeout:.0f} s")
-                done, error, seconds = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                self._died()
-            if done == step_no:
-                break  # earlier replies belong to steps whose masks were never applied (a failed step)
+                reply = replies.recv_bytes()
+                done, seconds, self.replicas = _REPLY.unpack_from(reply)
+                if done == step_no:
+                    break  # earlier replies belong to steps whose masks were never applied (a failed step)
+        except (EOFError, OSError):
+            self._died()
         self.fill_seconds += seconds
-        if error:
-            raise GrammarProcessError(f"the grammar process failed: {error}")
+        if len(reply) > _REPLY.size:
+            raise GrammarProcessError(f"the grammar process failed: {reply[_REPLY.size:].decode()}")
 
     def _died(self):
         code = None
@@ -178,110 +197,168 @@ class GrammarProcess:
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        self._proc = self._conn = None
+            self._replies.close()
+        self._proc = self._conn = self._replies = None
 
     def close(self) -> None:
         if self._proc is not None:
             self._conn.close()  # the process's EOF: it exits
+            self._replies.close()
             try:
                 self._proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(5.0)
-            self._proc = self._conn = None
+            self._proc = self._conn = self._replies = None
         if self._shm is not None:
-            self._view = None
-            self._shm.close()
             self._shm.unlink()
-            self._shm, self._rows = None, 0
+            self._old.append(self._shm)
+            self._shm, self._view, self._rows = None, None, 0
+        for shm in self._old:
+            with contextlib.suppress(BufferError):  # a tensor still views it: unmapped when collected
+                shm.close()
+        self._old.clear()
 
 
 # -- the grammar process ------------------------------------------------------------------------
 
 def main() -> None:
-    """The grammar process: ``argv``: the socket's fd, the JSON of ``GrammarProcess._args``."""
+    """The grammar process: ``argv``: its two pipes' fds (in, out), the JSON of ``GrammarProcess._args``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine ends it (a Ctrl-C reaches the whole group)
-    fd, args = int(sys.argv[1]), json.loads(sys.argv[2])
+    args = json.loads(sys.argv[3])
     args[2] = tuple(args[2])
-    serve(Connection(fd), *args)
+    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False), *args)
 
 
-def serve(conn, tokenizer_file: str, vocab_size: int, eos_token_ids: tuple[int, ...], backend_name: str,
-          threads: int, cache_size: int, layout: str) -> None:
+class _Replica:
+    __slots__ = ("ready", "slot", "state")
+
+    def __init__(self, state, slot: int):
+        self.state = state  # a GrammarState over this process's matcher
+        self.slot = slot  # its row of the mask scratch
+        self.ready = False  # the scratch row is the mask after its last token
+
+
+class _Replicas:
+    """The grammar process's side: replica matchers by key, their masks in a scratch bitmask (one row
+    each, filled as soon as a replica's token arrives), copied into the shared buffer in row order."""
+
+    def __init__(self, backend, cache_size: int, vocab_size: int, layout: str):
+        from mesh.engine.constraints.cache import GrammarCache
+
+        self.backend = backend
+        self.cache = GrammarCache(backend.compile, cache_size)
+        self.vocab_size = vocab_size
+        self.layout = layout
+        self.words = bitmask_words(vocab_size)
+        self.by_key: dict[int, _Replica] = {}
+        self.scratch = np.zeros((64, self.words), np.int32)
+        self.free = list(range(63, -1, -1))
+        self.out: np.ndarray | None = None  # the shared buffer
+        self._map = None
+
+    def take(self, keys: list[int], counts: list[int], tokens: list[int], new: list, gone: list[int]) -> None:
+        """Drop the gone replicas, make the new ones, give each its tokens, then fill the masks of
+        those that need one (one batch call)."""
+        from mesh.engine.constraints.state import GrammarState
+
+        for key in gone:
+            r = self.by_key.pop(key, None)
+            if r is not None:
+                self.free.append(r.slot)
+        for key, kind, source, start_after in new:
+            matcher = self.backend.matcher(self.cache.get(Constraint(kind, source)))
+            self.by_key[key] = _Replica(GrammarState(matcher, start_after), self._slot())
+        pos = 0
+        work = []
+        for key, n in zip(keys, counts, strict=True):
+            r = self.by_key[key]
+            if n:
+                if not r.state.replay(tokens[pos:pos + n]):
+                    raise ValueError(f"a replica rejects the engine's tokens: {r.state.error}")
+                pos += n
+                r.ready = False
+            if not r.ready and r.state.needs_mask:
+                work.append((r.state.matcher, r.slot))
+                r.ready = True
+        if work:
+            self.backend.fill(work, self.scratch)
+
+    def write(self, batch: int, rows: list[int], keys: list[int]) -> None:
+        """The masks of ``keys`` into the shared buffer: bias rows ``[:batch]`` (free rows 0) or
+        bitmask rows ``[:len(rows)]``."""
+        n = len(keys)
+        by_key = self.by_key
+        bits = self.scratch[[by_key[k].slot for k in keys]]
+        if self.layout == "bitmask":
+            self.out[:n] = bits
+            return
+        per_byte = bits.view(np.uint8)
+        if n == batch and rows == list(range(n)):  # every row constrained (most steps): straight into place
+            np.take(_TABLE, per_byte, axis=0, out=self.out[:n].reshape(n, -1, 8))
+        else:
+            self.out[:batch] = 0.0
+            self.out[rows] = _TABLE[per_byte].reshape(n, -1)
+
+    def attach(self, name: str) -> None:
+        if self._map is not None:
+            self.out = None
+            self._map.close()
+        self._map = _attach(name)
+        width = self.words * 32 if self.layout == "bias" else self.words
+        dtype = np.float32 if self.layout == "bias" else np.int32
+        self.out = np.ndarray((len(self._map) // (4 * width), width), dtype, self._map)
+
+    def _slot(self) -> int:
+        if not self.free:
+            n = self.scratch.shape[0]
+            self.scratch = np.concatenate([self.scratch, np.zeros_like(self.scratch)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+
+def serve(conn: Connection, replies: Connection, tokenizer_file: str, vocab_size: int,
+          eos_token_ids: tuple[int, ...], backend_name: str, threads: int, cache_size: int, layout: str) -> None:
     """The grammar process's loop: until the engine's end of the pipe closes."""
     from mesh.engine.constraints.backend import create_backend
-    from mesh.engine.constraints.cache import GrammarCache
-    from mesh.engine.constraints.state import GrammarState
 
     backend = create_backend(backend_name, Path(tokenizer_file).read_text(), vocab_size, eos_token_ids, threads)
-    cache = GrammarCache(backend.compile, cache_size)
-    words = bitmask_words(vocab_size)
-    width = words * 32 if layout == "bias" else words
-    replicas: dict[int, GrammarState] = {}
-    shm = view = None
-    bits = np.empty((0, words), np.int32)  # the bias layout's scratch bitmask
+    replicas = _Replicas(backend, cache_size, vocab_size, layout)
+    busy = 0.0  # seconds of work since the last reply
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return  # the engine closed the pipe or died
-        if msg[0] == COMPILE:
-            with contextlib.suppress(Exception):  # the engine refused it already; it is cached as refused
-                cache.get(Constraint(msg[1], msg[2]))
-            continue
-        _, step_no, batch, rows, keys, counts, tokens, new, gone, name = msg
         t0 = time.perf_counter()
-        error = ""
-        try:
-            if name is not None:
-                shm = _attach(name, shm)
-                dtype = np.float32 if layout == "bias" else np.int32
-                view = np.ndarray((len(shm) // (4 * width), width), dtype, shm)
-            for key in gone:
-                replicas.pop(key, None)
-            for key, kind, source, start_after in new:
-                replicas[key] = GrammarState(backend.matcher(cache.get(Constraint(kind, source))), start_after)
-            work, pos = [], 0
-            for j, (key, n) in enumerate(zip(keys, counts, strict=True)):
-                state = replicas[key]
-                if n and not state.replay(tokens[pos:pos + n]):
-                    raise ValueError(f"a replica rejects the engine's tokens: {state.error}")
-                pos += n
-                work.append((state.matcher, j))
-            if layout == "bitmask":
-                backend.fill(work, view)  # rows 0..len(rows)-1: the StepMasks maps them to logits rows
-            else:
-                bits = _fill_bias(backend, work, rows, batch, bits, view)
-        except Exception as e:  # the engine fails the step with it
-            error = f"{type(e).__name__}: {e}"
-        conn.send_bytes(pickle.dumps((step_no, error, time.perf_counter() - t0)))
+        kind = msg[0]
+        if kind == COMPILE:
+            with contextlib.suppress(Exception):  # the engine refused it already; it is cached as refused
+                replicas.cache.get(Constraint(msg[1], msg[2]))
+        else:
+            _, step_no, batch, rows, keys, counts, tokens, new, gone, name = msg
+            error = ""
+            try:
+                if name is not None:
+                    replicas.attach(name)
+                replicas.take(keys, counts, tokens, new, gone)
+                replicas.write(batch, rows, keys)
+            except Exception as e:  # the engine fails the step with it
+                error = f"{type(e).__name__}: {e}"
+            busy += time.perf_counter() - t0
+            replies.send_bytes(_REPLY.pack(step_no, busy, len(replicas.by_key)) + error[:2000].encode())
+            busy = 0.0
+            continue
+        busy += time.perf_counter() - t0
 
 
 _TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
                   np.float32(0), np.float32(-np.inf))  # a byte of the bitmask -> its eight tokens' bias
 
 
-def _fill_bias(backend, work: list, rows: list[int], batch: int, bits: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """The bias rows ``out[:batch]`` of one step: -inf where the row's grammar forbids the token, 0
-    elsewhere and in free rows. The bitmask goes through a scratch buffer (grown here: returned)."""
-    n = len(work)
-    if bits.shape[0] < n:
-        bits = np.empty((max(n, 64), bits.shape[1]), np.int32)
-    backend.fill(work, bits)
-    per_byte = bits[:n].view(np.uint8)
-    if n == batch and rows == list(range(n)):  # every row constrained (most steps): straight into place
-        np.take(_TABLE, per_byte, axis=0, out=out[:n].reshape(n, -1, 8))
-    else:
-        out[:batch] = 0.0
-        out[rows] = _TABLE[per_byte].reshape(n, -1)
-    return bits
-
-
-def _attach(name: str, old: mmap.mmap | None) -> mmap.mmap:
+def _attach(name: str) -> mmap.mmap:
     """Map the engine's shared buffer. Not through ``SharedMemory``: on 3.11 attaching registers the
     buffer with a resource tracker of this process too (one more process, and a second unlink)."""
-    if old is not None:
-        old.close()
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
