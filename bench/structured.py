@@ -31,10 +31,12 @@ the same machine state, and the median ignores the pairs a neighbour disturbed.
 The rows use four schemas (four compiles, the rest cache hits),
 and the report gives the compile time per schema over the 60-schema test corpus and the cache hit
 rate. ``mask wait`` is the time the sampler waited for masks: the part of the fill not hidden
-behind the forward pass. ``fill ms`` is the fill's wall time in the mask thread (it includes
-waiting for a core on a busy machine); ``grammar us/row`` is the CPU the process's other threads
-(the mask fill's) used per constrained token beyond the free run's, from /proc: the grammar's own
-cost, which another tenant's load does not inflate.
+behind the forward pass. ``fill ms`` is the fill's wall time per step in the grammar process
+(``--grammar-fill process``, the default: the replicas taking their tokens, the batch fill and the
+bias rows) or in the mask thread (``--grammar-fill thread``); it includes waiting for a core on a
+busy machine. ``grammar us/row`` is the CPU the engine process's other threads (the mask thread's)
+used per constrained token beyond the free run's, from /proc: with the grammar process it is 0, and
+the CPU columns count the engine process only (the grammar process's CPU is ``fill ms``).
 
 Part 3, end to end (``--e2e``, not part of the default run): ``mesh up --prefill 0 --decode 1``
 on the ``tiny`` model, ``--concurrency`` chat requests at once through the official ``openai``
@@ -264,12 +266,26 @@ def _other_threads_cpu() -> float:
     return total / tick
 
 
+def use_fill_thread(engine) -> None:
+    """The engine's masks filled in a thread of its process (GrammarConfig.process=False), as before
+    the grammar process: for comparison (EngineConfig has no switch for it)."""
+    import dataclasses
+
+    from mesh.engine.constraints.manager import GrammarManager
+
+    g = engine.grammar
+    g.close()
+    engine.grammar = engine.runner.grammar = GrammarManager(
+        g.tokenizer_file, g.vocab_size, g.eos_token_ids, dataclasses.replace(g.config, process=False), g.pin_memory)
+
+
 def engine_bench(args: argparse.Namespace) -> dict:
     from mesh.engine import Engine, EngineConfig, SamplingParams
     from mesh.tokenizer import Tokenizer
 
     out: dict = {"max_tokens": args.max_tokens, "rows": []}
-    print(f"\n== engine: tokens/s with and without a JSON-schema constraint, greedy, "
+    print(f"\n== engine: tokens/s with and without a JSON-schema constraint (masks filled in the grammar "
+          f"{args.grammar_fill}), greedy, "
           f"{args.max_tokens} new tokens per row, tok/s best of {args.reps}, cost the median of the {args.reps} interleaved pairs ==")
     print(f"{'model':6} {'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'cost':>7} {'free cpu':>10} "
           f"{'json cpu':>10} {'cpu cost':>8} {'fill ms':>10} {'wait ms':>10} {'grammar':>10}")
@@ -279,6 +295,8 @@ def engine_bench(args: argparse.Namespace) -> dict:
         d = model_dir(size)
         tok = Tokenizer(d)
         engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64, grammar_threads=args.grammar_threads))
+        if args.grammar_fill == "thread":
+            use_fill_thread(engine)
         prompt = tok.encode_chat([{"role": "user", "content": "List the items as JSON."}])
         schemas = [Constraint.json_schema(engine_schema(60 + k)) for k in range(4)]
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -485,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="the engine part's mask-fill threads (0: the engine's default)")
+    p.add_argument("--grammar-fill", choices=("process", "thread"), default="process",
+                   help="the engine part: masks filled in the grammar process (the default) or a thread")
     p.add_argument("--concurrency", type=int, default=32, help="--e2e: requests at once")
     p.add_argument("--port", type=int, default=8931, help="--e2e: the gateway's port")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

@@ -165,7 +165,7 @@ class GrammarManager:
         uses them if the next step is that batch (a new or preempted sequence changes it: then the
         process only rearranges the rows)."""
         proc = self._process
-        if proc is None or proc.pid is None:
+        if proc is None or proc.pid is None or all(s.grammar is None for s in seqs):
             return
         going = [s for s in seqs if not s.is_finished]
         rows = [(i, s.grammar) for i, s in enumerate(going) if s.grammar is not None and s.grammar.needs_mask]

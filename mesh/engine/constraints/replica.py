@@ -3,17 +3,25 @@
 A thread that fills masks in the engine process costs the engine thread GIL hand-overs even when
 the fill itself runs in native code (docs/benchmarks.md, "Structured output"); in another process it
 costs nothing. The engine keeps its own matchers (advance, ``is_done`` and errors are decided at
-once, as in-process); the grammar process keeps a replica of each one and is told, per step, which
-tokens each sequence took since the last step it was sent:
+once, as in-process); the grammar process keeps a replica of each one and is told which tokens
+each sequence took since it was last sent, and in which rows of which batch its masks go:
 
-    engine thread (GrammarManager)                    grammar process (serve)
-    ------------------------------                    -----------------------
-    prepare(c)  --- (COMPILE, kind, source) ------->  compile into its own cache
-    begin_step  --- (STEP, n, rows, keys, counts,     new replicas (replaying their tokens), gone
-                     tokens, new, gone, buffer) --->  ones dropped, tokens consumed, one batch fill
-    forward pass                                      -> shared memory (rows of the step)
-    StepMasks.wait  <-- (n, error, fill seconds) ---  (a pipe read: the GIL is free meanwhile)
+    engine thread (GrammarManager)                   grammar process (serve)
+    ------------------------------                   -----------------------
+    prepare(c)    --- (COMPILE, kind, source) --->   compile into its own cache
+    step N: update (tokens taken)
+    tokens_taken  --- (STEP, n, batch, rows, keys,   gone replicas dropped, new ones made (replaying
+                       counts, tokens, new, gone,    their tokens), tokens taken, the masks of the
+                       buffer) ------------------>   replicas that moved filled (one batch call) into
+    schedule step N+1                                their scratch rows, then written into shared
+    begin_step: the batch tokens_taken guessed       memory in the batch's row order
+      (the sequences that go on)? nothing to send;
+      else (STEP, n+1, ...) with this batch -->      (only rearranges: the masks are filled)
+    forward pass
+    StepMasks.wait  <-- (n, seconds, replicas) --    (a non-blocking read, or a select: no GIL held)
     apply: one add of the bias rows (or the bitmask lookup, large vocabularies)
+
+The fill overlaps the end of step N, the scheduling of N+1 and its forward pass.
 
 What the process writes (``layout``): for vocabularies up to ``BIAS_MAX_VOCAB`` the additive float
 bias of every logits row of the step (0 or -inf; free rows all 0), so that applying it is one
