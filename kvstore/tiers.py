@@ -312,6 +312,23 @@ class TieredCache:
         return out
 
 
+def gather_blocks(out: torch.Tensor, sources: Sequence, pool: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    """``out[i]`` (block-major, ``[n, layers, 2, block_size, heads, dim]``) <- block ``i`` of
+    ``sources``: a ``DeviceBlock`` of ``pool`` (a KV pool, layer-major), an ``int`` slot of
+    ``slots`` (block-major), or a bytes-like payload. One copy per block, straight into place:
+    the holder's staging (``BlockCopier.stage``) and a requester reading a lent run out of the
+    holder's files (``kvstore.transfer.fetch``) both copy this way."""
+    import torch
+
+    for i, src in enumerate(sources):
+        if isinstance(src, DeviceBlock):
+            out[i].copy_(pool[:, :, src.block_id])
+        elif isinstance(src, int):
+            out[i].copy_(slots[src])
+        else:
+            out[i].copy_(torch.frombuffer(src, dtype=torch.uint8).view(out.dtype).view(out.shape[1:]))
+
+
 class BlockCopier:
     """Moves whole blocks between the device KV cache and the host tier's slots.
 
@@ -366,13 +383,7 @@ class BlockCopier:
         if out is None:
             out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.sync()
-        for i, src in enumerate(sources):
-            if isinstance(src, DeviceBlock):
-                out[i].copy_(self.kv.tensor[:, :, src.block_id])
-            elif isinstance(src, int):
-                out[i].copy_(self.slots[src])
-            else:
-                out[i].copy_(torch.frombuffer(src, dtype=torch.uint8).view(self.dtype).view(self.block_shape))
+        gather_blocks(out, sources, self.kv.tensor, self.slots)
         return out
 
     def onboard(self, block_ids: list[int], data: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstore.tiers import DeviceBlock, gather_blocks
 from kvstore.transfer import Refused, host_id
 from kvstore.transfer.shm import PREFIX, open_kv_file, shm_dir
 from mesh.bus import Bus
@@ -198,7 +199,9 @@ class ShmChannel:
         if n <= 0 or n * bb != nbytes or len(where) < n or len(index) < n:
             raise Refused(f"a lent run of {len(where)} blocks of {bb} bytes does not make {nbytes} bytes")
         block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        sources: dict[int, Any] = {}  # kind -> its blocks as [count, ...] views (the pool: layer-major)
+        if any(not isinstance(index[i], int) for i in range(n)):
+            raise Refused("a lent block's index is not an integer")
+        files: dict[int, Any] = {}  # place -> the holder's file as blocks (the pool: layer-major)
         for kind in {where[i] for i in range(n)}:
             if kind == 2:
                 if any(index[i] != i for i in range(n) if where[i] == 2):
@@ -210,25 +213,21 @@ class ShmChannel:
             count = flat.numel() * flat.element_size() // bb
             if any(not 0 <= index[i] < count for i in range(n) if where[i] == kind):
                 raise Refused("a lent block is outside the holder's file")
-            sources[kind] = (flat.view(spec.num_layers, 2, count, *block_shape[2:]) if kind == 0
-                             else flat.view(count, *block_shape))
-        out = torch.empty((n, *block_shape), dtype=spec.dtype)
-        raw = out.view(n, -1).view(torch.uint8)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW) if 2 in where[:n] else -1
-        try:
-            for i in range(n):  # block by block, straight into place (no gathered copy in between)
-                if where[i] == 0:
-                    out[i].copy_(sources[0][:, :, index[i]])
-                elif where[i] == 1:
-                    out[i].copy_(sources[1][index[i]])
-                else:
-                    data = os.pread(fd, bb, i * bb)
-                    if len(data) != bb:
-                        return None
-                    raw[i].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        finally:
-            if fd >= 0:
+            files[kind] = (flat.view(spec.num_layers, 2, count, *block_shape[2:]) if kind == 0
+                           else flat.view(count, *block_shape))
+        sources: list = [DeviceBlock(index[i]) if where[i] == 0 else index[i] for i in range(n)]
+        if 2 in where[:n]:  # the holder's disk blocks, written into our buffer at their rows
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                for i in range(n):
+                    if where[i] == 2:
+                        sources[i] = bytearray(os.pread(fd, bb, i * bb))
+                        if len(sources[i]) != bb:
+                            return None
+            finally:
                 os.close(fd)
+        out = torch.empty((n, *block_shape), dtype=spec.dtype)
+        gather_blocks(out, sources, files.get(0), files.get(1))
         if time.time() >= until - LEASE_MARGIN:
             return None  # the holder may have unpinned (and reused) them while we read
         return memoryview(out.view(-1).view(torch.uint8).numpy())
