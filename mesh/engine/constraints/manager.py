@@ -128,7 +128,7 @@ class GrammarManager:
     # -- steps -----------------------------------------------------------------------------
     def begin_step(self, seqs: list[Sequence]) -> StepMasks | None:
         """Start filling the masks of the constrained rows of ``seqs`` (the rows that sample this step)."""
-        rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.needs_mask]
+        rows = _masked_rows(seqs)
         if not rows:
             return None
         if self._process is not None:
@@ -153,9 +153,7 @@ class GrammarManager:
         if predicted is not None and len(predicted[1]) == len(seqs) and all(map(operator.is_, predicted[1], seqs)):
             step_no = predicted[0]
         else:
-            proc = self._process
-            keys, counts, tokens, new, gone = self._unsent(seqs, rows, proc.start())
-            step_no = proc.step(len(seqs), [i for i, _ in rows], keys, counts, tokens, new, gone)
+            step_no = self._send_step(seqs, rows, self._process.start())
         return self._masks(step_no, len(seqs), [i for i, _ in rows])
 
     def tokens_taken(self, seqs: list[Sequence]) -> None:
@@ -168,11 +166,14 @@ class GrammarManager:
         if proc is None or proc.pid is None or all(s.grammar is None for s in seqs):
             return
         going = [s for s in seqs if not s.is_finished]
-        rows = [(i, s.grammar) for i, s in enumerate(going) if s.grammar is not None and s.grammar.needs_mask]
+        rows = _masked_rows(going)
         if rows:
-            keys, counts, tokens, new, gone = self._unsent(going, rows, proc.epoch)
-            step_no = proc.step(len(going), [i for i, _ in rows], keys, counts, tokens, new, gone)
-            self._predicted = (step_no, going)
+            self._predicted = (self._send_step(going, rows, proc.epoch), going)
+
+    def _send_step(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]], epoch: int) -> int:
+        """One step message to the grammar process for the batch ``seqs``; its step number."""
+        keys, counts, tokens, new, gone = self._unsent(seqs, rows, epoch)
+        return self._process.step(len(seqs), [i for i, _ in rows], keys, counts, tokens, new, gone)
 
     def _masks(self, step_no: int, batch: int, rows: list[int]) -> StepMasks:
         proc = self._process
@@ -244,3 +245,8 @@ class GrammarManager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _masked_rows(seqs: list[Sequence]) -> list[tuple[int, GrammarState]]:
+    """(row, state) of the sequences whose next token is constrained."""
+    return [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.needs_mask]
