@@ -230,13 +230,12 @@ class GrammarProcess:
     def close(self) -> None:
         if self._proc is not None:
             self._conn.close()  # the process's EOF: it exits
-            os.close(self._replies)
             try:
                 self._proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(5.0)
-            self._proc = self._conn = self._replies = None
+            self._drop()
         if self._shm is not None:
             self._shm.unlink()
             self._old.append(self._shm)
