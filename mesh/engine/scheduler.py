@@ -278,13 +278,13 @@ class Scheduler:
             return None
         seq.num_computed_tokens = seq.num_tokens
         self.kv.cache_computed(seq)
-        self.take_token(seq, first)
+        taken = self.take_token(seq, first)
         if seq.is_finished:
             self.retire(seq)
         else:
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-        return self.output_of(seq, first)
+        return self.output_of(seq, first if taken else None)
 
     def fail_remote(self, request_id: str) -> Sequence | None:
         """No KV came: drop the promised blocks and prefill locally, ahead of newer requests."""
@@ -336,7 +336,8 @@ class Scheduler:
             seq.num_placeholders -= 1
             if seq.status >= FINISHED:
                 continue
-            self.take_token(seq, tok)
+            if not self.take_token(seq, tok):
+                tok = None
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:
                 self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
             if seq.status >= FINISHED:
@@ -358,16 +359,22 @@ class Scheduler:
     # take_token, check_stop and output_of run once per row per step: they read the sequence's
     # lists directly rather than through its properties (bench/host_overhead.py).
 
-    def take_token(self, seq: Sequence, tok: SampledToken) -> None:
-        """A sampled token joins the sequence (and its grammar), then the stop conditions are checked."""
+    def take_token(self, seq: Sequence, tok: SampledToken) -> bool:
+        """A sampled token joins the sequence (and its grammar), then the stop conditions are checked.
+        False if the sequence ended without it: its grammar process found the grammar complete, or
+        broken, after the token before (GrammarState.verdict)."""
+        grammar = seq.grammar
+        if grammar is not None and grammar.verdict:
+            seq.status = SeqStatus.FINISHED_ERROR if grammar.error else SeqStatus.FINISHED_STOPPED
+            return False
         seq.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             seq.output_logprobs.append(tok.logprob)
-        grammar = seq.grammar
-        if grammar is not None and not grammar.advance(tok.token_id):
+        if grammar is not None and grammar.local and not grammar.advance(tok.token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
         else:
             self.check_stop(seq)
+        return True
 
     def check_stop(self, seq: Sequence) -> None:
         p = seq.params
@@ -395,8 +402,11 @@ class Scheduler:
             self.kv.free(seq)
 
     @staticmethod
-    def output_of(seq: Sequence, tok: SampledToken) -> StepOutput:
-        """What a step that sampled ``tok`` for ``seq`` (already taken) produced for its request."""
+    def output_of(seq: Sequence, tok: SampledToken | None) -> StepOutput:
+        """What a step that sampled ``tok`` for ``seq`` (taken; None: not taken) produced for its request."""
+        if tok is None:
+            return StepOutput(seq.request_id, [], [], seq.status.finish_reason, len(seq.prompt_token_ids),
+                              seq.num_cached_tokens, len(seq.output_token_ids))
         return StepOutput(seq.request_id, [tok.token_id], [] if tok.logprob is None else [tok.logprob],
                           seq.status.finish_reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
                           len(seq.output_token_ids))

@@ -295,3 +295,33 @@ def test_overlapped_scheduling_gives_the_same_constrained_outputs(tiny_model, pr
     assert eng.overlap is not None
     assert [s.output_token_ids for s in out[:3]] == [greedy[i].output_token_ids for i in picks]
     _check_valid(tok, out[:3], [CORPUS[i] for i in picks])
+
+
+
+def test_the_grammar_process_ends_rows_as_the_engines_own_matchers_would(engine, tiny_model, prompt, greedy):
+    """With the grammar process (the default) a replica's verdict ends a complete row one step after
+    its last token, without that step's token: the tokens and finish reasons are those of an engine
+    that checks every token itself (the mask thread), for complete rows and rows cut by max_tokens."""
+    import dataclasses
+
+    from mesh.engine.constraints.manager import GrammarManager
+
+    picks = list(range(0, len(CORPUS), 6))
+    short = [SamplingParams(max_tokens=7, temperature=0.0, constraint=Constraint.json_object()),
+             SamplingParams(max_tokens=9, temperature=0.0, constraint=Constraint.regex("a"))]
+    eng = Engine(EngineConfig(tiny_model, num_kv_blocks=1024))
+    try:
+        g = eng.grammar
+        g.close()
+        eng.grammar = eng.runner.grammar = GrammarManager(
+            g.tokenizer_file, g.vocab_size, g.eos_token_ids, dataclasses.replace(g.config, process=False))
+        threaded = eng.generate([prompt] * (len(picks) + 2), [_params(CORPUS[i]["schema"]) for i in picks] + short)
+        assert eng.grammar.process_pid is None
+    finally:
+        eng.close()
+    processed = [greedy[i] for i in picks] + engine.generate([prompt] * 2, short)
+    assert engine.grammar.process_pid is not None
+    assert [s.output_token_ids for s in processed] == [s.output_token_ids for s in threaded]
+    assert [s.status for s in processed] == [s.status for s in threaded]
+    assert threaded[-2].status == SeqStatus.FINISHED_LENGTH and threaded[-1].status == SeqStatus.FINISHED_STOPPED
+    assert len(processed[-1].output_token_ids) == 1  # "a": complete after one token, nothing more taken

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -201,3 +202,63 @@ def test_the_process_exits_when_the_engine_process_dies(tiny_model, vocab, tmp_p
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_a_replica_that_completes_or_breaks_gives_its_row_a_verdict_and_the_others_go_on(tiny_model, vocab):
+    """The replicas check the tokens the engine sampled: a complete grammar and a rejected token come
+    back as verdicts on those rows (their masks allow every token: the engine ends them without one),
+    and the other rows' masks are the thread fill's."""
+    size = vocab[0]
+    managers = {mode: _manager(tiny_model, vocab, mode) for mode in (True, False)}
+    try:
+        seqs, out = {}, {}
+        for mode, m in managers.items():
+            seqs[mode] = [_Seq(_Params(Constraint.regex("a"))), _Seq(_Params(Constraint.json_schema(SCHEMAS[0]))),
+                          _Seq(_Params(Constraint.json_schema(SCHEMAS[1])))]
+            list(map(m.attach, seqs[mode]))
+        for mode, m in managers.items():
+            first = _masked(m, seqs[mode], size)
+            allowed = [torch.isfinite(first[i]).nonzero().flatten().tolist() for i in range(3)]
+            seqs[mode][0].generated_token_ids.append(allowed[0][0])  # "a": the grammar is complete
+            seqs[mode][1].generated_token_ids.append(next(t for t in range(size) if t not in allowed[1]))  # broken
+            seqs[mode][2].generated_token_ids.append(allowed[2][0])
+            if mode is False:  # the thread fill: the engine's own matchers check each token
+                assert [s.grammar.advance(s.generated_token_ids[-1]) for s in seqs[mode]] == [True, False, True]
+            m.tokens_taken(seqs[mode])
+            out[mode] = _masked(m, seqs[mode], size)
+        done, broken, going = seqs[True]
+        assert done.grammar.verdict and done.grammar.is_done and not done.grammar.error
+        assert broken.grammar.verdict and broken.grammar.error and not broken.grammar.is_done
+        assert not going.grammar.verdict
+        assert torch.isfinite(out[True][:2]).all()  # every token allowed: the engine takes none of them
+        assert torch.equal(out[True][2], out[False][2]) and torch.isinf(out[True][2]).any()
+    finally:
+        for m in managers.values():
+            m.close()
+
+
+def test_frames_are_read_whole_across_reads_until_the_writer_closes():
+    """The framing both ends read (a 4-byte big-endian length, then the bytes), off a non-blocking
+    pipe: a frame split across writes comes back whole, a deadline with none pending gives None, and
+    the writer closing gives _EOF; with or without polling before it sleeps."""
+    for spin in (0.0, 0.005):
+        r, w = os.pipe()
+        frames = replica._Frames(r, spin)
+        try:
+            payload = b"x" * 70_000  # more than one read
+            frame = len(payload).to_bytes(4, "big") + payload
+            assert frames.next(time.monotonic() + 0.02) is None
+            os.write(w, frame[:3])
+            assert frames.next(time.monotonic() + 0.02) is None
+            for rest in (frame[3:] + frame[:10], frame[10:]):  # more than the pipe holds: written by a thread
+                writer = threading.Thread(target=lambda rest=rest, w=w: (time.sleep(0.05), os.write(w, rest)))
+                writer.start()
+                assert frames.next(time.monotonic() + 10) == payload
+                writer.join()
+            os.close(w)
+            w = None
+            assert frames.next(time.monotonic() + 10) is replica._EOF
+        finally:
+            frames.close()
+            if w is not None:
+                os.close(w)

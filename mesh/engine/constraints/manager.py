@@ -12,7 +12,9 @@
 The grammar process is the default where the backend allows it: a fill thread in this process
 costs the engine thread GIL hand-overs that slowed the 0.2M-parameter model's batch-32 decoding by
 ~25% (docs/benchmarks.md, "Structured output"); the process costs a small message per step. The
-engine's own matchers stay here: a token's acceptance, ``is_done`` and errors are known at once.
+engine's own matchers check only the tokens it did not sample under its masks (replayed ones, a
+prefill worker's first token); the process's replicas check the rest, and their verdict (complete,
+or broken) comes back with the next step's masks (state.py).
 
 Building the backend reads the whole vocabulary (seconds for 128k tokens), so it
 happens on the first constraint, not when a worker starts; ``prepare`` from a
@@ -57,6 +59,9 @@ class GrammarConfig:
     threads: int = 0  # mask-fill threads of the backend; 0: its default
     cache_size: int = 256  # compiled grammars kept
     process: bool = True  # fill masks in a grammar process where the backend can (PROCESS_BACKENDS)
+    # how long the grammar process polls for the next step before it sleeps (replica._Frames): a
+    # sleeping process costs each step's message a cross-core wake-up; 0: it always sleeps
+    spin_seconds: float = 0.003
 
 
 @dataclass
@@ -84,7 +89,7 @@ class GrammarManager:
         self._process: GrammarProcess | None = None
         if self.config.process and self.config.backend in PROCESS_BACKENDS and self.tokenizer_file is not None:
             self._process = GrammarProcess(self.tokenizer_file, vocab_size, eos_token_ids, self.config.backend,
-                                           self.config.threads, self.config.cache_size)
+                                           self.config.threads, self.config.cache_size, self.config.spin_seconds)
         self._keys = itertools.count(1)
         self._gone: deque[int] = deque()  # replicas to drop: their engine-side states were collected
         self._predicted: tuple[int, list[Sequence]] | None = None  # (step number, batch): tokens_taken
@@ -154,7 +159,7 @@ class GrammarManager:
             step_no = predicted[0]
         else:
             step_no = self._send_step(seqs, rows, self._process.start())
-        return self._masks(step_no, len(seqs), [i for i, _ in rows])
+        return self._masks(step_no, seqs, [i for i, _ in rows])
 
     def tokens_taken(self, seqs: list[Sequence]) -> None:
         """After a step's tokens were taken: the grammar process gets those of the constrained
@@ -175,12 +180,13 @@ class GrammarManager:
         keys, counts, tokens, new, gone = self._unsent(seqs, rows, epoch)
         return self._process.step(len(seqs), [i for i, _ in rows], keys, counts, tokens, new, gone)
 
-    def _masks(self, step_no: int, batch: int, rows: list[int]) -> StepMasks:
+    def _masks(self, step_no: int, seqs: list[Sequence], rows: list[int]) -> StepMasks:
         proc = self._process
         self.masks.steps += 1
         self.masks.rows += len(rows)
+        batch = len(seqs)
         out = torch.from_numpy(proc.view)  # the buffer the process writes this step into
-        wait = partial(self._wait_process, step_no)
+        wait = partial(self._wait_process, step_no, seqs)
         if proc.layout == "bias":
             return StepMasks(wait, rows, None, out[:batch, : self.vocab_size], self.masks)
         return StepMasks(wait, rows, out[: len(rows)], None, self.masks)
@@ -191,14 +197,17 @@ class GrammarManager:
         those to drop."""
         keys, counts, tokens, new = [], [], [], []
         for i, state in rows:
+            seq = seqs[i]
             if state.epoch != epoch:
-                c = seqs[i].params.constraint
+                c = seq.params.constraint
                 new.append((state.key, c.kind.value, c.source, c.start_after))
                 state.epoch, state.sent = epoch, 0
-            n = state.num_tokens - state.sent
+                state.local = False  # the replica checks the tokens from here on
+            generated = seq.generated_token_ids
+            n = len(generated) - state.sent
             if n:
-                tokens.extend(seqs[i].generated_token_ids[state.sent:state.num_tokens])
-                state.sent = state.num_tokens
+                tokens.extend(generated[state.sent:])
+                state.sent += n
             keys.append(state.key)
             counts.append(n)
         gone = []
@@ -206,13 +215,15 @@ class GrammarManager:
             gone.append(self._gone.popleft())
         return keys, counts, tokens, new, gone
 
-    def _wait_process(self, step_no: int) -> None:
+    def _wait_process(self, step_no: int, seqs: list[Sequence]) -> None:
         proc = self._process
         before = proc.fill_seconds
         try:
-            proc.wait(step_no, FILL_TIMEOUT)
+            verdicts = proc.wait(step_no, FILL_TIMEOUT)
         finally:
             self.masks.fill_seconds += proc.fill_seconds - before
+        for row, error in verdicts:  # rows whose grammar is complete, or broke: they end this step
+            seqs[row].grammar.settle_late(error)
 
     def _fill(self, fill) -> None:
         t0 = time.perf_counter()

@@ -2,9 +2,11 @@
 
 A thread that fills masks in the engine process costs the engine thread GIL hand-overs even when
 the fill itself runs in native code (docs/benchmarks.md, "Structured output"); in another process it
-costs nothing. The engine keeps its own matchers (advance, ``is_done`` and errors are decided at
-once, as in-process); the grammar process keeps a replica of each one and is told which tokens
-each sequence took since it was last sent, and in which rows of which batch its masks go:
+costs nothing. The grammar process keeps a replica of each sequence's matcher and is told which
+tokens each sequence took since it was last sent, and in which rows of which batch its masks go.
+The replicas check the tokens sampled under their masks (the engine's own matchers only those it
+did not sample so: state.py); a replica whose grammar is complete (or broke) gets a mask that allows
+every token, and its row a verdict in the reply: the engine ends the sequence without that token.
 
     engine thread (GrammarManager)                   grammar process (serve)
     ------------------------------                   -----------------------
@@ -18,10 +20,13 @@ each sequence took since it was last sent, and in which rows of which batch its 
       (the sequences that go on)? nothing to send;
       else (STEP, n+1, ...) with this batch -->      (only rearranges: the masks are filled)
     forward pass
-    StepMasks.wait  <-- (n, seconds, replicas) --    (a non-blocking read, or a select: no GIL held)
+    StepMasks.wait  <-- (n, seconds, replicas,   (a non-blocking read, or a select: no GIL held)
+                         verdicts) -------------
     apply: one add of the bias rows (or the bitmask lookup, large vocabularies)
 
-The fill overlaps the end of step N, the scheduling of N+1 and its forward pass.
+The fill overlaps the end of step N, the scheduling of N+1 and its forward pass. Between steps the
+process polls its pipe for a while (``spin``) before it sleeps: waking a sleeping process from the
+engine thread cost each message ~60 us on this 2-core machine.
 
 What the process writes (``layout``): for vocabularies up to ``BIAS_MAX_VOCAB`` the additive float
 bias of every logits row of the step (0 or -inf; free rows all 0), so that applying it is one
@@ -60,8 +65,10 @@ from mesh.engine.constraints.spec import Constraint
 
 BIAS_MAX_VOCAB = 32_768  # up to this vocabulary the process writes float bias rows (<= 4 MB at batch 32)
 COMPILE, STEP = 0, 1
-# step number, seconds of work since the last reply, replicas alive; then an error's text
-_REPLY = struct.Struct("<qdq")
+# step number, seconds of work since the last reply, replicas alive, bytes of verdicts; then the
+# verdicts (pickled: the rows whose grammar is complete or broke, with the error; most steps none),
+# then an error's text
+_REPLY = struct.Struct("<qdqq")
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory that holds ``mesh``
 
 
@@ -73,17 +80,17 @@ class GrammarProcess:
     """The engine's handle on its grammar process (started by the first call that needs it)."""
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 backend: str, threads: int, cache_size: int):
+                 backend: str, threads: int, cache_size: int, spin: float = 0.0):
         self.vocab_size = vocab_size
         self.layout = "bias" if vocab_size <= BIAS_MAX_VOCAB else "bitmask"
         # bias rows are padded to whole words (each byte of the bitmask is eight floats): the engine
         # reads the first vocab_size
         self._row_floats = bitmask_words(vocab_size) * (32 if self.layout == "bias" else 1)
-        self._args = (str(tokenizer_file), vocab_size, eos_token_ids, backend, threads, cache_size, self.layout)
+        self._args = (str(tokenizer_file), vocab_size, eos_token_ids, backend, threads, cache_size, self.layout, spin)
         self._lock = threading.Lock()  # compile messages come from other threads than the steps
         self._proc = None
         self._conn = None  # a multiprocessing Connection over the pipe to the process
-        self._replies: int | None = None  # the fd of the pipe from it
+        self._replies: _Frames | None = None  # the pipe from it
         self._shm: SharedMemory | None = None
         self._rows = 0  # rows the shared buffer holds
         self._old: list[SharedMemory] = []
@@ -121,9 +128,7 @@ class GrammarProcess:
             os.close(from_engine)
             os.close(to_engine)
         self._conn = Connection(to_child, readable=False)
-        os.set_blocking(from_child, False)
-        self._replies = from_child  # read by ``wait``: a plain read when the reply is there (most steps)
-        self._pending = b""
+        self._replies = _Frames(from_child)  # read by ``wait``: a plain read when the reply is there (most steps)
         self.epoch += 1
 
     def _send(self, msg: tuple) -> None:
@@ -170,39 +175,28 @@ class GrammarProcess:
         self._send((STEP, self.step_no, batch, rows, keys, counts, tokens, new, gone, name))
         return self.step_no
 
-    def wait(self, step_no: int, timeout: float) -> None:
-        """Block (without the GIL) until the process filled step ``step_no``."""
+    def wait(self, step_no: int, timeout: float) -> list[tuple[int, str]]:
+        """Block (without the GIL) until the process filled step ``step_no``; the verdicts of its rows:
+        (row, error), error empty where the grammar is complete."""
         while True:
             reply = self._next_reply(timeout)
-            done, seconds, self.replicas = _REPLY.unpack_from(reply)
+            done, seconds, self.replicas, n = _REPLY.unpack_from(reply)
             self.fill_seconds += seconds
             if done == step_no:
                 break  # earlier replies belong to steps whose masks were never applied (a failed step)
-        if len(reply) > _REPLY.size:
-            raise GrammarProcessError(f"the grammar process failed: {reply[_REPLY.size:].decode()}")
+        end = _REPLY.size + n
+        if len(reply) > end:
+            raise GrammarProcessError(f"the grammar process failed: {reply[end:].decode()}")
+        return pickle.loads(reply[_REPLY.size:end]) if n else []
 
     def _next_reply(self, timeout: float) -> bytes:
-        """One reply (multiprocessing's framing: a 4-byte big-endian length, then the bytes). A
-        non-blocking read first: Connection.poll and recv_bytes cost ~50 us a step more here."""
-        deadline = time.monotonic() + timeout
-        buf = self._pending
-        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
-            try:
-                chunk = os.read(self._replies, 65536)
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self._replies], [], [], left)[0]:
-                    self._kill()
-                    raise GrammarProcessError(f"the grammar process did not fill the masks in {timeout:.0f} s") from None
-                continue
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self._died()
-            buf += chunk
-        size = 4 + int.from_bytes(buf[:4], "big")
-        self._pending = buf[size:]
-        return buf[4:size]
+        frame = self._replies.next(time.monotonic() + timeout)
+        if frame is None:
+            self._kill()
+            raise GrammarProcessError(f"the grammar process did not fill the masks in {timeout:.0f} s")
+        if frame is _EOF:
+            self._died()
+        return frame
 
     def _died(self):
         code = None
@@ -224,7 +218,7 @@ class GrammarProcess:
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
-            os.close(self._replies)
+            self._replies.close()
         self._proc = self._conn = self._replies = None
 
     def close(self) -> None:
@@ -253,7 +247,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine ends it (a Ctrl-C reaches the whole group)
     args = json.loads(sys.argv[3])
     args[2] = tuple(args[2])
-    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False), *args)
+    spin = args.pop()
+    serve(_Frames(int(sys.argv[1]), spin), Connection(int(sys.argv[2]), readable=False), *args)
 
 
 class _Replica:
@@ -283,9 +278,10 @@ class _Replicas:
         self.out: np.ndarray | None = None  # the shared buffer
         self._map = None
 
-    def take(self, keys: list[int], counts: list[int], tokens: list[int], new: list, gone: list[int]) -> None:
+    def take(self, keys: list[int], counts: list[int], tokens: list[int], new: list, gone: list[int]) -> list[int]:
         """Drop the gone replicas, make the new ones, give each its tokens, then fill the masks of
-        those that need one (one batch call)."""
+        those that need one (one batch call). The positions in ``keys`` of the replicas whose grammar
+        is complete or broke (their masks allow every token: the engine ends them without one)."""
         from mesh.engine.constraints.state import GrammarState
 
         for key in gone:
@@ -297,18 +293,26 @@ class _Replicas:
             self.by_key[key] = _Replica(GrammarState(matcher, start_after), self._slot())
         pos = 0
         work = []
-        for key, n in zip(keys, counts, strict=True):
+        ended = []
+        for j, (key, n) in enumerate(zip(keys, counts, strict=True)):
             r = self.by_key[key]
+            state = r.state
             if n:
-                if not r.state.replay(tokens[pos:pos + n]):
-                    raise ValueError(f"a replica rejects the engine's tokens: {r.state.error}")
+                state.replay(tokens[pos:pos + n])  # False: it broke (state.error)
                 pos += n
                 r.ready = False
-            if not r.ready and r.state.needs_mask:
-                work.append((r.state.matcher, r.slot))
-                r.ready = True
+            if state.needs_mask:
+                if not r.ready:
+                    work.append((state.matcher, r.slot))
+                    r.ready = True
+            elif state.is_done or state.error:
+                ended.append(j)
+                if not r.ready:
+                    self.scratch[r.slot] = -1
+                    r.ready = True
         if work:
             self.backend.fill(work, self.scratch)
+        return ended
 
     def write(self, batch: int, rows: list[int], keys: list[int]) -> None:
         """The masks of ``keys`` into the shared buffer: bias rows ``[:batch]`` (free rows 0) or
@@ -343,7 +347,7 @@ class _Replicas:
         return self.free.pop()
 
 
-def serve(conn: Connection, replies: Connection, tokenizer_file: str, vocab_size: int,
+def serve(messages: _Frames, replies: Connection, tokenizer_file: str, vocab_size: int,
           eos_token_ids: tuple[int, ...], backend_name: str, threads: int, cache_size: int, layout: str) -> None:
     """The grammar process's loop: until the engine's end of the pipe closes."""
     from mesh.engine.constraints.backend import create_backend
@@ -352,10 +356,10 @@ def serve(conn: Connection, replies: Connection, tokenizer_file: str, vocab_size
     replicas = _Replicas(backend, cache_size, vocab_size, layout)
     busy = 0.0  # seconds of work since the last reply
     while True:
-        try:
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
+        frame = messages.next(None)
+        if frame is _EOF:
             return  # the engine closed the pipe or died
+        msg = pickle.loads(frame)
         t0 = time.perf_counter()
         kind = msg[0]
         if kind == COMPILE:
@@ -364,18 +368,69 @@ def serve(conn: Connection, replies: Connection, tokenizer_file: str, vocab_size
         else:
             _, step_no, batch, rows, keys, counts, tokens, new, gone, name = msg
             error = ""
+            verdicts = b""
             try:
                 if name is not None:
                     replicas.attach(name)
-                replicas.take(keys, counts, tokens, new, gone)
+                ended = replicas.take(keys, counts, tokens, new, gone)
                 replicas.write(batch, rows, keys)
+                if ended:
+                    verdicts = pickle.dumps([(rows[j], replicas.by_key[keys[j]].state.error) for j in ended])
             except Exception as e:  # the engine fails the step with it
                 error = f"{type(e).__name__}: {e}"
             busy += time.perf_counter() - t0
-            replies.send_bytes(_REPLY.pack(step_no, busy, len(replicas.by_key)) + error[:2000].encode())
+            replies.send_bytes(_REPLY.pack(step_no, busy, len(replicas.by_key), len(verdicts)) + verdicts
+                               + error[:2000].encode())
             busy = 0.0
             continue
         busy += time.perf_counter() - t0
+
+
+_EOF = object()  # ``_Frames.next``: the writer closed its end (or died)
+
+
+class _Frames:
+    """multiprocessing's framing (a 4-byte big-endian length, then the bytes) read off a pipe set
+    non-blocking: a plain read when a frame is there (Connection.poll and recv_bytes cost ~50 us a
+    step more here). ``spin``: seconds to keep polling (yielding the core to anyone who wants it)
+    before sleeping in ``select``: a message to a reader asleep on another core costs its writer
+    the wake-up, ~60 us here, more than a short step can spare."""
+
+    def __init__(self, fd: int, spin: float = 0.0):
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.spin = spin
+        self._buf = b""
+
+    def next(self, deadline: float | None) -> bytes | object | None:
+        """The next frame; None at ``deadline`` (``time.monotonic``; None: none), ``_EOF`` at the end."""
+        buf = self._buf
+        spin_until = time.monotonic() + self.spin if self.spin else 0.0
+        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                now = time.monotonic()
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                left = None if deadline is None else deadline - now
+                if (left is not None and left <= 0) or not select.select([self.fd], [], [], left)[0]:
+                    self._buf = buf
+                    return None
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._buf = buf
+                return _EOF
+            buf += chunk
+        size = 4 + int.from_bytes(buf[:4], "big")
+        self._buf = buf[size:]
+        return buf[4:size]
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 _TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,

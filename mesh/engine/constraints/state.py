@@ -15,6 +15,15 @@ after it.
 ``needs_mask`` and ``is_done`` are plain attributes, set when a token is taken:
 the engine reads them for every constrained row of every step, and asking the
 matcher each time was a native call per read.
+
+Where a grammar process fills the masks (replica.py), the engine's matcher checks only the tokens
+it did not sample under its own masks: those replayed when the state is attached and a prefill
+worker's first token (``local``, until the state's replica is made). The tokens sampled under the
+masks the replica checks, and its verdict (the grammar is complete, or broke) comes back with the
+next step's masks: the manager sets ``verdict`` (and ``is_done`` or ``error``), and the scheduler
+ends the sequence there, without that step's token. A constrained sequence so ends one step later
+than it would with the engine checking each token, the same tokens out; the engine thread saves a
+matcher call per row per step (bench/structured.py).
 """
 
 from __future__ import annotations
@@ -23,17 +32,19 @@ from mesh.engine.constraints.backend import TokenMatcher
 
 
 class GrammarState:
-    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "matcher", "needs_mask", "num_tokens", "sent",
-                 "start_after", "started")
+    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "local", "matcher", "needs_mask", "num_tokens",
+                 "sent", "start_after", "started", "verdict")
 
     def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
         self.matcher = matcher
         self.start_after = start_after
         self.started = start_after is None
-        self.num_tokens = 0  # generated tokens seen (before and after the start)
+        self.num_tokens = 0  # generated tokens this matcher saw (before and after the start)
         self.error = ""
         self.is_done = False  # the grammar is complete: the sequence ends here (finish reason ``stop``)
         self.needs_mask = False  # the next token is constrained
+        self.local = True  # the scheduler checks each token taken against this matcher (``advance``)
+        self.verdict = False  # the grammar process found it complete (is_done) or broken (error): it ends
         # the grammar process's replica (replica.py): its key, the process it lives in, the tokens it took
         self.key = 0
         self.epoch = 0  # 0: none yet
@@ -59,6 +70,13 @@ class GrammarState:
 
     def replay(self, token_ids: list[int]) -> bool:
         return all(self.advance(t) for t in token_ids)
+
+    def settle_late(self, error: str) -> None:
+        """The grammar process's verdict on the tokens so far: complete (``error`` empty) or broken."""
+        self.verdict = True
+        self.error = error
+        self.is_done = not error
+        self.needs_mask = False
 
     def _settle(self) -> None:
         if self.started:
