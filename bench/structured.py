@@ -294,7 +294,8 @@ def engine_bench(args: argparse.Namespace) -> dict:
     for size in args.sizes.split(","):
         d = model_dir(size)
         tok = Tokenizer(d)
-        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64, grammar_threads=args.grammar_threads))
+        engine = Engine(EngineConfig(d, num_kv_blocks=2048, max_num_seqs=64, grammar_threads=args.grammar_threads,
+                                     grammar_spin_ms=args.grammar_spin_ms))
         if args.grammar_fill == "thread":
             use_fill_thread(engine)
         prompt = tok.encode_chat([{"role": "user", "content": "List the items as JSON."}])
@@ -382,12 +383,12 @@ def corpus_compile_times(engine) -> dict:
 class MeshUp:
     """``mesh up`` on one model as a child process (its own NATS); stopped with SIGINT."""
 
-    def __init__(self, model: Path, port: int):
+    def __init__(self, model: Path, port: int, *flags: str):
         import subprocess
 
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--model", str(model), "--prefill", "0",
-                                      "--decode", "1", "--no-planner", "--port", str(port)],
+                                      "--decode", "1", "--no-planner", "--port", str(port), *flags],
                                      stdout=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, model: str, timeout: float = 180.0) -> None:
@@ -451,7 +452,7 @@ def e2e_bench(args: argparse.Namespace) -> dict:
 
     d = model_dir("tiny")
     model = d.name
-    mesh = MeshUp(d, args.port)
+    mesh = MeshUp(d, args.port, "--grammar-spin-ms", str(args.grammar_spin_ms))
     print(f"\n== end to end: mesh up (tiny, 1 decode worker), {args.concurrency} streamed chat requests at once, "
           f"{args.max_tokens} tokens each, best of {args.reps} ==")
     try:
@@ -505,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the engine part's mask-fill threads (0: the engine's default)")
     p.add_argument("--grammar-fill", choices=("process", "thread"), default="process",
                    help="the engine part: masks filled in the grammar process (the default) or a thread")
+    p.add_argument("--grammar-spin-ms", type=float, default=3.0,
+                   help="how long the grammar process polls for the next step before it sleeps (0: always sleeps)")
     p.add_argument("--concurrency", type=int, default=32, help="--e2e: requests at once")
     p.add_argument("--port", type=int, default=8931, help="--e2e: the gateway's port")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

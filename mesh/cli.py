@@ -100,6 +100,9 @@ def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> Non
                    help="grammar engine of constrained output (xgrammar: pip install pdmesh[xgrammar])")
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill the token masks of constrained rows (0: the grammar engine's default)")
+    p.add_argument("--grammar-spin-ms", type=float, default=3.0,
+                   help="how long the grammar process polls for the next step before it sleeps (0: it always "
+                        "sleeps; each step's message then wakes it, ~60 us of the engine thread on a small VM)")
     p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
     add_lora_flags(p)
     p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
@@ -485,7 +488,7 @@ def engine_config(args: argparse.Namespace, mock: bool = False):
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_kwargs(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
-        **{k: v for k, v in tiers.items() if v is not None}, **lora_config(args),
+        grammar_spin_ms=args.grammar_spin_ms, **{k: v for k, v in tiers.items() if v is not None}, **lora_config(args),
     )
     check_loras(config, mc)
     return config
@@ -656,6 +659,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         flags += ["--max-lora-rank", str(args.max_lora_rank)]
     if args.grammar_backend != "llguidance" or args.grammar_threads:
         flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
+    if args.grammar_spin_ms != 3.0:
+        flags += ["--grammar-spin-ms", str(args.grammar_spin_ms)]
     for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "host_kv_blocks", "disk_kv_blocks",
                  "dtype", "device", "served_name", "transports", "disagg_threshold"):
         value = getattr(args, name)

@@ -317,6 +317,7 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
     grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
     grammar_cache_size: int = 256  # compiled grammars kept per worker
+    grammar_spin_ms: float = 3.0  # the grammar process polls this long for the next step before it sleeps
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -341,8 +342,8 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.grammar_threads < 0 or self.grammar_cache_size < 1:
-            raise ValueError("grammar_threads must be >= 0 and grammar_cache_size >= 1")
+        if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
+            raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
         if self.tp > 1 and self.has_host_tier:
             raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         if self.max_loras is not None and self.max_loras < 0:

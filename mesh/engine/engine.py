@@ -104,7 +104,8 @@ class Engine(EngineCore):
             self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
         self.grammar = GrammarManager(
             Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
-            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size),
+            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size,
+                          spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
         graphs = None

@@ -84,3 +84,27 @@ def test_both_backends_allow_every_token_of_a_valid_document(tiny_model):
             assert (int(mask[0, t // 32]) >> (t % 32)) & 1, t
         assert all(m.consume(t) for m in matchers)
     assert matchers[0].is_done  # llguidance: the object is closed, nothing but EOS may follow
+
+
+def test_llguidance_fills_the_same_masks_in_the_calling_thread_as_in_its_pool(tiny_model):
+    """``threads=1`` fills matcher by matcher in the calling thread (the grammar process on a host
+    with a core or two to spare), into each row's place; the pool fills the same masks."""
+    from tokenizers import Tokenizer
+
+    text = (tiny_model / "tokenizer.json").read_text()
+    ids = Tokenizer.from_str(text).encode('{"name": "ab", "tags": ["x"]}', add_special_tokens=False).ids
+    c = Constraint.json_schema({"type": "object", "properties": {"name": {"type": "string"},
+                                                                 "tags": {"type": "array", "items": {"type": "string"}}}})
+    masks = {}
+    for threads in (1, 2):
+        b = create_backend("llguidance", text, 4096, (2,), threads=threads)
+        assert (b.executor is None) == (threads == 1)
+        matchers = [b.matcher(b.compile(c)) for _ in range(4)]
+        for k, m in enumerate(matchers):  # each row a few tokens further into the document
+            assert all(m.consume(t) for t in ids[: 2 * k])
+        mask = torch.zeros(6, bitmask_words(4096), dtype=torch.int32)
+        b.fill([(m, r) for m, r in zip(matchers, (4, 0, 2, 1), strict=True)], mask)
+        masks[threads] = mask
+    assert torch.equal(masks[1], masks[2])
+    assert (masks[1][[0, 1, 2, 4]] != 0).any(dim=1).all() and (masks[1][[3, 5]] == 0).all()
+    assert len({tuple(row.tolist()) for row in masks[1][[0, 1, 2, 4]]}) == 4  # four places, four masks

@@ -262,3 +262,29 @@ def test_frames_are_read_whole_across_reads_until_the_writer_closes():
             frames.close()
             if w is not None:
                 os.close(w)
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="the polling gate reads /proc/loadavg")
+def test_the_process_polls_only_while_the_host_has_a_core_to_spare():
+    """More runnable threads than cores, sample after sample, ends the polling (a crowd); a crowded
+    sample among spare ones does not; once the host calms down it polls again."""
+    r, w = os.pipe()
+    frames = replica._Frames(r, 0.01)
+    try:
+        frames._cores = 10**6  # never crowded
+        assert all(frames._spare() for _ in range(100))
+        frames._cores = 0  # always crowded
+        assert frames._spare()  # one sample is a blip
+        assert not [frames._spare() for _ in range(30)][-1]  # a run of them is a crowd
+        frames._cores = 10**6
+        assert not frames._spare()  # ...that a single spare sample does not end
+        assert any(frames._spare() for _ in range(100))
+    finally:
+        frames.close()
+        os.close(w)
+    r, w = os.pipe()
+    quiet = replica._Frames(r)
+    assert quiet._load is None  # no spin: it always sleeps, /proc is not read
+    quiet.close()
+    os.close(w)

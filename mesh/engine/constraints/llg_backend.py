@@ -43,7 +43,9 @@ class LLGuidanceBackend:
                                              eos_token=list(eos_token_ids) or None)
         except Exception as e:
             raise ConstraintError(f"llguidance cannot use this tokenizer: {e}") from None
-        self.executor = llg.LLExecutor(threads or None)
+        # one thread: the fill runs in the calling thread, matcher by matcher (no pool whose idle
+        # workers keep polling for work on a core the engine thread may want)
+        self.executor = llg.LLExecutor(threads or None) if threads != 1 else None
 
     def grammar_text(self, c: Constraint) -> str:
         """The constraint as llguidance's grammar JSON (no tokenizer needed)."""
@@ -82,6 +84,14 @@ class LLGuidanceBackend:
         else:
             assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
             ptr = bitmask.data_ptr()
-        work = [(m.raw, r) for m, r in rows]
         words, n = bitmask.shape[1], bitmask.shape[0]
+        if self.executor is None:
+            fills = [partial(m.raw.unsafe_compute_mask_ptr, ptr + r * words * 4, words * 4) for m, r in rows]
+            return partial(_each, fills)
+        work = [(m.raw, r) for m, r in rows]
         return partial(self.executor.unsafe_compute_mask_ptr, work, ptr, words * 4, n)
+
+
+def _each(calls) -> None:
+    for call in calls:
+        call()

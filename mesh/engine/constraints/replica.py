@@ -352,6 +352,8 @@ def serve(messages: _Frames, replies: Connection, tokenizer_file: str, vocab_siz
     """The grammar process's loop: until the engine's end of the pipe closes."""
     from mesh.engine.constraints.backend import create_backend
 
+    # the engine thread has a core of its own: the fill takes the others (on 2 cores, it runs in this thread)
+    threads = threads or max(1, min(32, len(os.sched_getaffinity(0)) - 1))
     backend = create_backend(backend_name, Path(tokenizer_file).read_text(), vocab_size, eos_token_ids, threads)
     replicas = _Replicas(backend, cache_size, vocab_size, layout)
     busy = 0.0  # seconds of work since the last reply
@@ -387,33 +389,53 @@ def serve(messages: _Frames, replies: Connection, tokenizer_file: str, vocab_siz
 
 
 _EOF = object()  # ``_Frames.next``: the writer closed its end (or died)
+_LOAD_EVERY = 100e-6  # seconds between two samples of the host's runnable threads while polling
 
 
 class _Frames:
     """multiprocessing's framing (a 4-byte big-endian length, then the bytes) read off a pipe set
     non-blocking: a plain read when a frame is there (Connection.poll and recv_bytes cost ~50 us a
-    step more here). ``spin``: seconds to keep polling (yielding the core to anyone who wants it)
-    before sleeping in ``select``: a message to a reader asleep on another core costs its writer
-    the wake-up, ~60 us here, more than a short step can spare."""
+    step more here).
+
+    ``spin``: seconds to keep polling before sleeping in ``select``, while the host has a core to
+    spare. A message to a reader asleep on another core costs its writer the wake-up (~60 us here,
+    more than a short step can spare); but a poller keeps its core from looking idle, so that other
+    threads wait behind busy ones (end to end through the gateway on 2 cores, the constraint's cost
+    went from 13% to 31%). So it polls only while the host's runnable threads (``/proc/loadavg``,
+    itself included), sampled every ``_LOAD_EVERY`` and smoothed (a kernel thread's blip is not a
+    crowd), mostly fit its cores, and it yields its core at every poll."""
 
     def __init__(self, fd: int, spin: float = 0.0):
         os.set_blocking(fd, False)
         self.fd = fd
         self.spin = spin
         self._buf = b""
+        self._cores = os.cpu_count() or 1
+        self._crowd = 0.0  # the smoothed share of samples with more runnable threads than cores
+        self._load = None  # /proc/loadavg, kept open (a sample is a pread); none: no polling
+        if spin:
+            with contextlib.suppress(OSError):
+                self._load = os.open("/proc/loadavg", os.O_RDONLY)
 
     def next(self, deadline: float | None) -> bytes | object | None:
         """The next frame; None at ``deadline`` (``time.monotonic``; None: none), ``_EOF`` at the end."""
         buf = self._buf
-        spin_until = time.monotonic() + self.spin if self.spin else 0.0
+        sampled = time.monotonic()
+        spin_until = sampled + self.spin if self._load is not None and self._spare() else 0.0
         while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
             try:
                 chunk = os.read(self.fd, 65536)
             except BlockingIOError:
                 now = time.monotonic()
                 if now < spin_until:
-                    os.sched_yield()
-                    continue
+                    if now - sampled >= _LOAD_EVERY:
+                        sampled = now
+                        if not self._spare():
+                            spin_until = 0.0
+                    if spin_until:
+                        os.sched_yield()
+                        continue
+                spin_until = 0.0  # the rest of this wait sleeps
                 left = None if deadline is None else deadline - now
                 if (left is not None and left <= 0) or not select.select([self.fd], [], [], left)[0]:
                     self._buf = buf
@@ -429,8 +451,20 @@ class _Frames:
         self._buf = buf[size:]
         return buf[4:size]
 
+    def _spare(self) -> bool:
+        """Sample the runnable threads (the fourth field of /proc/loadavg, ``running/total``): does
+        the host mostly have a core to spare?"""
+        try:
+            crowded = int(os.pread(self._load, 128, 0).split()[3].split(b"/")[0]) > self._cores
+        except (OSError, IndexError, ValueError):
+            crowded = True
+        self._crowd += 0.05 * (crowded - self._crowd)
+        return self._crowd < 0.5
+
     def close(self) -> None:
         os.close(self.fd)
+        if self._load is not None:
+            os.close(self._load)
 
 
 _TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
