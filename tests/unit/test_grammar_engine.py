@@ -122,11 +122,11 @@ def test_a_prefix_hit_gives_the_same_valid_output(engine, tok, greedy):
 @pytest.mark.parametrize("index, sampling", [(30, {"temperature": 0.0}), (58, {"temperature": 0.8, "seed": 5})])
 def test_a_rebuilt_request_continues_exactly_as_the_uninterrupted_run(engine, prompt, index, sampling):
     """Migration: a new sequence of prompt + the first k tokens (output_offset k) rebuilds its matcher
-    from those tokens and continues token for token."""
+    from those tokens and continues token for token; all of them: it ends (stop) with none more."""
     schema = CORPUS[index]["schema"]
     (whole,) = engine.generate([prompt], _params(schema, **sampling))
     out = whole.output_token_ids
-    for k in (1, len(out) - 2):
+    for k in (1, len(out) - 2, len(out)):  # the last: the stream was cut after its last token
         resumed = engine.new_sequence(prompt + out[:k], _params(schema, max_tokens=MAX_TOKENS - k, **sampling))
         resumed.output_offset = k
         engine.add(resumed)

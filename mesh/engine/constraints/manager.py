@@ -125,6 +125,8 @@ class GrammarManager:
         state = GrammarState(self.backend.matcher(self.cache.get(c)), c.start_after)
         if not state.replay(seq.generated_token_ids):
             raise ConstraintError(f"the tokens generated so far do not match the constraint: {state.error}")
+        if state.is_done:  # they complete it (a stream cut between its last token and its end): it ends
+            state.settle_late("")  # at its first step, without a token
         if self._process is not None:
             state.key = next(self._keys)
             weakref.finalize(state, self._gone.append, state.key)
