@@ -352,6 +352,13 @@ class WorkerBase:
         self.metrics_port = serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
 
     def close_engine(self) -> None:
+        """After the engine loop stopped: the real engine closes its grammar process (and its shared
+        buffer), host-tier copier (its slots file), tensor-parallel ranks and KV cache; the mocker
+        has only a KV cache."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+            return
         kv = getattr(self.engine, "kv_cache", None)
         if kv is not None:
             kv.close(unlink=True)

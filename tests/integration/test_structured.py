@@ -362,6 +362,53 @@ async def test_a_constraint_a_worker_cannot_enforce_is_a_400_chunk(split, model,
         await bus.close()
 
 
+# -- a worker stopped ------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+
+
+async def _one_constrained_request(nats_url: str, ns: str, worker: str, model: Path) -> None:
+    await _wait_ready(nats_url, ns, [worker])
+    bus = await Bus.connect(nats_url, f"{worker}-test", ns=ns)
+    try:
+        req = GenerateRequest(f"{worker}-1", "tiny", Tokenizer(model).encode("hello"), SamplingOptions(
+            max_tokens=8, constraint=ConstraintSpec("json_object")))
+        chunks = [c async for c in generate(bus, worker, req, first_timeout=60)]
+        assert chunks[-1].finish_reason == "length" and not chunks[-1].error
+    finally:
+        await bus.close()
+
+
+def test_a_stopped_worker_ends_its_grammar_process_and_frees_its_shared_memory(cluster, model):
+    """Ctrl-C on a worker that served a constrained request: it closes its engine, so its grammar
+    process exits and the masks' shared buffer is unlinked by the worker itself (not left to the
+    resource tracker, which warns about a leak)."""
+    import subprocess
+    import sys
+
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "worker", "decode", "--nats", cluster.nats_url,
+                             "--ns", "st-stop", "--model", str(model), "--worker-id", "st-stop",
+                             "--device-kv-blocks", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        asyncio.run(_one_constrained_request(cluster.nats_url, "st-stop", "st-stop", model))
+        grammar = [c for c in _children(proc.pid) if "replica" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(grammar) == 1
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert "leaked shared_memory" not in err, err
+    assert not os.path.exists(f"/proc/{grammar[0]}")
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("psm_")]
+
+
 # -- a worker killed mid-stream (last: it leaves agg with one worker) ---------------------------------
 
 
