@@ -370,7 +370,8 @@ class Scheduler:
         seq.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             seq.output_logprobs.append(tok.logprob)
-        if grammar is not None and grammar.local and not grammar.advance(tok.token_id):
+        # no replica in a grammar process yet (epoch 0): the engine's own matcher checks the token
+        if grammar is not None and not grammar.epoch and not grammar.advance(tok.token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
         else:
             self.check_stop(seq)

@@ -203,8 +203,7 @@ class GrammarManager:
             if state.epoch != epoch:
                 c = seq.params.constraint
                 new.append((state.key, c.kind.value, c.source, c.start_after))
-                state.epoch, state.sent = epoch, 0
-                state.local = False  # the replica checks the tokens from here on
+                state.epoch, state.sent = epoch, 0  # the replica checks the tokens from here on
             generated = seq.generated_token_ids
             n = len(generated) - state.sent
             if n:

@@ -18,7 +18,7 @@ matcher each time was a native call per read.
 
 Where a grammar process fills the masks (replica.py), the engine's matcher checks only the tokens
 it did not sample under its own masks: those replayed when the state is attached and a prefill
-worker's first token (``local``, until the state's replica is made). The tokens sampled under the
+worker's first token (until the state's replica is made: ``epoch`` 0). The tokens sampled under the
 masks the replica checks, and its verdict (the grammar is complete, or broke) comes back with the
 next step's masks: the manager sets ``verdict`` (and ``is_done`` or ``error``), and the scheduler
 ends the sequence there, without that step's token. A constrained sequence so ends one step later
@@ -32,8 +32,8 @@ from mesh.engine.constraints.backend import TokenMatcher
 
 
 class GrammarState:
-    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "local", "matcher", "needs_mask", "num_tokens",
-                 "sent", "start_after", "started", "verdict")
+    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "matcher", "needs_mask", "num_tokens", "sent",
+                 "start_after", "started", "verdict")
 
     def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
         self.matcher = matcher
@@ -43,11 +43,10 @@ class GrammarState:
         self.error = ""
         self.is_done = False  # the grammar is complete: the sequence ends here (finish reason ``stop``)
         self.needs_mask = False  # the next token is constrained
-        self.local = True  # the scheduler checks each token taken against this matcher (``advance``)
         self.verdict = False  # the grammar process found it complete (is_done) or broken (error): it ends
         # the grammar process's replica (replica.py): its key, the process it lives in, the tokens it took
         self.key = 0
-        self.epoch = 0  # 0: none yet
+        self.epoch = 0  # 0: none yet, and the scheduler checks each token taken against this matcher
         self.sent = 0
         self._settle()
 
