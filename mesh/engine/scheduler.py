@@ -406,8 +406,8 @@ class Scheduler:
     def output_of(seq: Sequence, tok: SampledToken | None) -> StepOutput:
         """What a step that sampled ``tok`` for ``seq`` (taken; None: not taken) produced for its request."""
         if tok is None:
-            return StepOutput(seq.request_id, [], [], seq.status.finish_reason, len(seq.prompt_token_ids),
-                              seq.num_cached_tokens, len(seq.output_token_ids))
-        return StepOutput(seq.request_id, [tok.token_id], [] if tok.logprob is None else [tok.logprob],
-                          seq.status.finish_reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
-                          len(seq.output_token_ids))
+            ids, logprobs = [], []
+        else:
+            ids, logprobs = [tok.token_id], [] if tok.logprob is None else [tok.logprob]
+        return StepOutput(seq.request_id, ids, logprobs, seq.status.finish_reason, len(seq.prompt_token_ids),
+                          seq.num_cached_tokens, len(seq.output_token_ids))
