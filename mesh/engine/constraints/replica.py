@@ -81,7 +81,6 @@ class GrammarProcess:
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: tuple[int, ...],
                  backend: str, threads: int, cache_size: int, spin: float = 0.0):
-        self.vocab_size = vocab_size
         self.layout = "bias" if vocab_size <= BIAS_MAX_VOCAB else "bitmask"
         # bias rows are padded to whole words (each byte of the bitmask is eight floats): the engine
         # reads the first vocab_size
@@ -269,7 +268,6 @@ class _Replicas:
 
         self.backend = backend
         self.cache = GrammarCache(backend.compile, cache_size)
-        self.vocab_size = vocab_size
         self.layout = layout
         self.words = bitmask_words(vocab_size)
         self.by_key: dict[int, _Replica] = {}
