@@ -58,11 +58,15 @@ RUN pip install "torch==${TORCH_VERSION}"
 WORKDIR /src
 # Only what the package build reads (see [tool.setuptools.packages.find] in pyproject.toml).
 COPY pyproject.toml README.md ./
+COPY kvstore ./kvstore
 COPY mesh ./mesh
+COPY engine ./engine
+COPY worker ./worker
+COPY mocker ./mocker
 COPY prefill ./prefill
 COPY decode ./decode
-COPY kvstore ./kvstore
 COPY gateway ./gateway
+COPY cli ./cli
 RUN extras="$EXTRAS" \
     && if [ "$extras" = auto ]; then extras="$PDMESH_EXTRAS_DEFAULT"; fi \
     && if [ -n "$extras" ] && [ "$extras" != none ]; then spec=".[${extras}]"; else spec="."; fi \

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import trace_replay as tr
 
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from kvstore.hashing import block_hashes, model_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
 from kvstore.tiers import HostTier, TieredCache
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.sequence import Sequence
-from mesh.hashing import block_hashes, model_seed
 
 
 def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, seed: int = 0,

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from mesh.mocker.engine import MockConfig
 from mesh.natsserver import EmbeddedNats, free_port
 from mesh.procutil import die_with_parent
+from mocker.engine import MockConfig
 
 VOCAB = MockConfig().vocab_size
 
@@ -142,7 +142,7 @@ async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float 
     store = tempfile.mkdtemp(prefix="pdmesh-chaos-")
     port = free_port()
     nats = EmbeddedNats(port=port, store_dir=store).start()
-    py = [sys.executable, "-m", "mesh.cli"]
+    py = [sys.executable, "-m", "cli"]
     bus = ["--nats", nats.url, "--ns", "chaos"]
     common = ["--mock-speedup", "20", "--prefill-timeout", "4"]
     workers = [Proc("decode", [*py, "worker", "mock", *bus, *common, "--worker-id", f"chaos-dec-{i}",

@@ -43,7 +43,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def spawn(core: int, *args: str, nice: int = 0) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = ["taskset", "-c", str(core), "nice", "-n", str(nice), sys.executable, "-m", "mesh.cli", "worker", *args]
+    cmd = ["taskset", "-c", str(core), "nice", "-n", str(nice), sys.executable, "-m", "cli", "worker", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -145,7 +145,7 @@ async def main_async(args) -> None:
     model = args.model
     tmp = None
     if model is None:
-        from mesh.engine.tiny import write_tiny_model
+        from engine.tiny import write_tiny_model
 
         tmp = tempfile.mkdtemp(prefix="pdmesh-bench-")
         model = str(write_tiny_model(Path(tmp) / "small", size="small"))

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine.config import EngineConfig, ModelConfig
-from mesh.engine.engine import Engine
-from mesh.engine.sampling import SamplingParams
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 BLOCK_SIZE = 16
 TARGET_RATIO_B32 = 3.0  # the CPU target: decode at batch 32 >= 3x transformers
@@ -313,7 +313,7 @@ def _ratio_cell(x: float) -> str:
 
 
 def default_model_dir() -> Path:
-    from mesh.engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / "bench-small"
     if not (cache / "model.safetensors").is_file():

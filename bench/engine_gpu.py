@@ -46,11 +46,11 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine import engine as engine_module
-from mesh.engine.config import EngineConfig, ModelConfig
-from mesh.engine.engine import Engine
-from mesh.engine.loader import build_model
-from mesh.engine.sampling import SamplingParams
+from engine import engine as engine_module
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.loader import build_model
+from engine.sampling import SamplingParams
 
 BLOCK_SIZE = 16
 TARGET_ROOFLINE = 0.60  # the target share of the HBM roofline for decode

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine.config import EngineConfig
-from mesh.engine.engine import Engine
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.tiny import write_tiny_model
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
 
 
 class Timers:

@@ -11,7 +11,7 @@ of the timing model's ``ms`` takes ``ms / speedup`` ms), so TTFT and TPOT compar
 through the mesh, less its host overheads (gateway, bus, Python): what the policy itself does,
 on any machine, however busy, in a minute.
 
-Peer fetch as ``mesh.mocker.worker`` does it: the holder pins at its next step boundary, sends
+Peer fetch as ``mocker.worker`` does it: the holder pins at its next step boundary, sends
 for ``TimingModel.fetch_ms`` (one fetch at a time per NIC), unpins; the requester stages the
 blocks and admits the request. Not modelled: the gateway and bus latency (~ms), the decision's
 broadcast, events arriving a little after the step that made them.
@@ -30,13 +30,13 @@ from pathlib import Path
 import trace_replay as tr
 from replay_report import attribution, balance, issue_table, reuse_table, summarize, table
 
+from engine.sampling import SamplingParams
 from kvstore.events import to_wire
-from mesh.engine.sampling import SamplingParams
-from mesh.hashing import block_hashes, model_seed
-from mesh.mocker.engine import MockConfig, MockEngine
+from kvstore.hashing import block_hashes, model_seed
 from mesh.protocol import KvEventBatch
 from mesh.router.index import KvIndex
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_worker
+from mocker.engine import MockConfig, MockEngine
 
 REPORT_S = 1.0  # load reports, as workers send them
 REPORT_MARGIN = 0.25  # mesh/router/router.py: a report this much newer than a decision shows it

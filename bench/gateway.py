@@ -374,7 +374,7 @@ class MeshUp:
         self.root_pid = 0
         self.env = {**os.environ, **(env or {})}
         self.port = port
-        self.argv = [sys.executable, "-m", "mesh.cli", "up", "--mock", "--mock-speedup", str(speedup),
+        self.argv = [sys.executable, "-m", "cli", "up", "--mock", "--mock-speedup", str(speedup),
                      "--prefill", "0", "--decode", str(decode), "--port", str(port)]
         self.proc: subprocess.Popen | None = None
         self.nats_url = ""

@@ -120,7 +120,7 @@ what, dtype, head_dim, t0 = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.ar
 cuda = torch.device("cuda")
 if what == "attention":
     from kvstore.cache import KVCache, KVCacheSpec
-    from mesh.engine.attention import AttentionBatch, create_backend
+    from engine.attention import AttentionBatch, create_backend
     kv = KVCache(KVCacheSpec(1, 4, 16, 1, head_dim, dtype), cuda)
     for name in ("flashinfer", "flashinfer-ragged"):  # one FA2 module serves paged, ragged and decode
         attn = create_backend(name, kv, head_dim**-0.5)
@@ -129,7 +129,7 @@ if what == "attention":
             x = torch.zeros(qlen, 1, head_dim, dtype=dtype, device=cuda)
             attn.forward(0, x, x, x)
 else:
-    from mesh.engine import kernels as k
+    from engine import kernels as k
     x = torch.randn(4, 1024, dtype=dtype, device=cuda)
     k.flashinfer_add_rmsnorm(x.clone(), x.clone(), torch.ones(1024, dtype=dtype, device=cuda), 1e-5)
     k.flashinfer_silu_and_mul(torch.randn(4, 2048, dtype=dtype, device=cuda))

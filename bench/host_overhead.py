@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode.worker import DecodeWorker
 from mesh.bus import Bus
-from mesh.mocker.engine import MockConfig
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import GenerateRequest, SamplingOptions
-from mesh.worker import WorkerSettings
+from mocker.engine import MockConfig
+from worker.base import WorkerSettings
 
 REPLY_PREFIX = "bench.replies"
 
@@ -149,8 +149,8 @@ def bare_step_ms(batch: int, steps: int = 200) -> float:
     import random
     import statistics
 
-    from mesh.engine.sampling import SamplingParams
-    from mesh.mocker.engine import MockEngine
+    from engine.sampling import SamplingParams
+    from mocker.engine import MockEngine
 
     eng = MockEngine(MockConfig(speedup=1000, block_size=16, max_num_seqs=batch, num_blocks=8 * batch * 32,
                                 max_num_batched_tokens=1 << 16))

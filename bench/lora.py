@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mesh.engine.config import EngineConfig, ModelConfig
-from mesh.engine.engine import Engine
-from mesh.engine.sampling import SamplingParams
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 BATCH = 32
 RANK = 16
@@ -46,7 +46,7 @@ def cache_dir() -> Path:
 
 
 def small_model() -> Path:
-    from mesh.engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model
 
     out = cache_dir() / "bench-small"
     if not (out / "model.safetensors").is_file():

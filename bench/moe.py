@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine import engine as engine_module
-from mesh.engine.config import EngineConfig, ModelConfig
-from mesh.engine.engine import Engine
-from mesh.engine.loader import build_model, use_default_experts
+from engine import engine as engine_module
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.loader import build_model, use_default_experts
 
 MOE_8B_ACTIVE_SHAPE = {
     "architectures": ["MixtralForCausalLM"],
@@ -59,7 +59,7 @@ MOE_8B_ACTIVE_SHAPE = {
 
 
 def moe_model(size: str) -> Path:
-    from mesh.engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / f"bench-{size}"
     if not (cache / "model.safetensors").is_file():
@@ -124,7 +124,7 @@ def run_moe(args, bench) -> dict:
 def random_moe_weights(experts: str, seed: int = 0):
     """Let ``Engine`` build the model with random weights on its device (as ``bench/engine.py``'s
     ``random_weights``), then give its MoE layers ``experts`` ("default": the device's choice)."""
-    from mesh.engine.moe import create_experts
+    from engine.moe import create_experts
 
     def load_random(cfg: ModelConfig, device, dtype, max_positions, **kwargs):
         model = build_model(cfg, device, dtype, max_positions, **kwargs)

@@ -68,7 +68,7 @@ async def run_cluster_chaos(seconds: float = 120.0, clients: int = 6, kills: int
     """(outcome, seconds from each kill to the next request that completed after it)."""
     cluster = EmbeddedNatsCluster(3).start()
     LoggedProc.log_dir = log_dir
-    py = [sys.executable, "-m", "mesh.cli"]
+    py = [sys.executable, "-m", "cli"]
     bus = ["--nats", cluster.url, "--ns", "cluster", "--js-replicas", "3", "--nats-connect-timeout", "30"]
     common = ["--mock-speedup", "20", "--prefill-timeout", "4"]
     workers = [LoggedProc("decode", [*py, "worker", "mock", *bus, *common, "--worker-id", f"cl-dec-{i}",

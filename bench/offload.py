@@ -42,10 +42,10 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine.config import EngineConfig
-from mesh.engine.engine import Engine
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.tiny import write_tiny_model
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.tiny import write_tiny_model
 
 BLOCK_SIZE = 16
 TARGET = 0.5  # TTFT p50 with offload <= 0.5x without

@@ -41,9 +41,9 @@ import time
 import uuid
 from pathlib import Path
 
+from kvstore.hashing import block_hashes, model_seed
 from mesh.bus import Bus
 from mesh.client import generate
-from mesh.hashing import block_hashes, model_seed
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import (
     GenerateRequest,
@@ -134,8 +134,8 @@ async def fetch_load(bus: Bus, prefixes: list[list[int]], rate: float, blocks: i
 
 def model_dir(name: str) -> Path:
     if name in ("tiny", "tiny-small"):
-        from mesh.engine.tiny import write_tiny_model
-        from mesh.up import default_model_dir
+        from cli.up import default_model_dir
+        from engine.tiny import write_tiny_model
 
         path = default_model_dir().parent / name
         if not (path / "config.json").is_file():
@@ -156,7 +156,7 @@ def split_cpus(args) -> tuple[set[int], set[int]] | None:
 
 
 def worker_command(args, url: str) -> list[str]:
-    base = [sys.executable, "-m", "mesh.cli", "worker"]
+    base = [sys.executable, "-m", "cli", "worker"]
     common = ["--nats", url, "--worker-id", WORKER, "--device-kv-blocks", str(args.device_blocks),
               "--host-kv-blocks", str(args.host_blocks), "--metrics-port", "-1"]
     if args.model is None:
@@ -169,7 +169,7 @@ async def run(args) -> int:
     global MODEL, VOCAB
     rng = random.Random(args.seed)
     if args.model is not None:
-        from mesh.engine.config import ModelConfig
+        from engine.config import ModelConfig
 
         path = model_dir(args.model)
         MODEL, VOCAB = path.name, ModelConfig.from_dir(path).vocab_size

@@ -561,7 +561,7 @@ def start_mesh(args) -> tuple[subprocess.Popen, str, str]:
                   "--min-prefill", str(args.min_prefill), "--max-prefill", str(args.max_prefill),
                   "--min-decode", str(args.min_decode), "--max-decode", str(args.max_decode),
                   "--planner-window", str(args.window), "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)]
-    cmd = [sys.executable, "-m", "mesh.cli", "up", *flags]
+    cmd = [sys.executable, "-m", "cli", "up", *flags]
     print("$", " ".join(["mesh", *cmd[3:]]), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

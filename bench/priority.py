@@ -25,9 +25,9 @@ import time
 
 import httpx
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from cli.up import default_model_dir, ensure_tiny_model
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.natsserver import free_port
-from mesh.up import default_model_dir, ensure_tiny_model
 
 
 def pct(xs, q):
@@ -52,7 +52,7 @@ async def ttft(client: httpx.AsyncClient, url: str, prompt: list[int], headers=N
 async def run(args) -> None:
     model = str(ensure_tiny_model(default_model_dir()))
     port = free_port()
-    argv = [sys.executable, "-m", "mesh.cli", "up", "--model", model, "--prefill", "0", "--decode", "1",
+    argv = [sys.executable, "-m", "cli", "up", "--model", model, "--prefill", "0", "--decode", "1",
             "--no-planner", "--port", str(port), "--device-kv-blocks", str(args.device_blocks),
             "--host-kv-gb", "0.5", "--max-num-seqs", str(args.max_num_seqs)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from mesh.hashing import block_hashes, model_seed
+from kvstore.hashing import block_hashes, model_seed
 from mesh.protocol import KvEvent, KvEventBatch, decode, encode
 from mesh.router.index import KvIndex
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_worker

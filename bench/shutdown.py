@@ -103,7 +103,7 @@ async def wait_workers(base: str, n: int, timeout: float = 600.0) -> None:
 
 async def run(args) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "mesh.cli", "up", "--mock", "--decode", str(args.decode), "--prefill", "0",
+    cmd = [sys.executable, "-m", "cli", "up", "--mock", "--decode", str(args.decode), "--prefill", "0",
            "--no-planner", "--port", str(port), "--mock-speedup", "4"]
     t0 = time.monotonic()
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)

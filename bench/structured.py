@@ -8,7 +8,7 @@
     python bench/structured.py --e2e            # through the gateway: mesh up, the openai client
 
 Part 1, the grammar engines (``--mask-only``), through the same backend Protocol the engine uses
-(mesh/engine/constraints/backend.py), on a 128k-token byte-level BPE vocabulary (trained once from
+(engine/constraints/backend.py), on a 128k-token byte-level BPE vocabulary (trained once from
 the Python standard library's sources and cached under ~/.cache/pdmesh; Llama 3's is 128,256):
 
 * compile: the cold compile of each schema (no cache), best of ``--reps``;
@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-from mesh.engine.constraints.backend import BACKENDS, bitmask_words, create_backend
-from mesh.engine.constraints.masks import apply_bitmask
-from mesh.engine.constraints.spec import Constraint
+from engine.constraints.backend import BACKENDS, bitmask_words, create_backend
+from engine.constraints.masks import apply_bitmask
+from mesh.constraints.spec import Constraint
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh"
 CORPUS = Path(__file__).parents[1] / "tests" / "data" / "json_schemas.json"
@@ -236,7 +236,7 @@ def engine_schema(items: int) -> dict:
 
 
 def model_dir(size: str) -> Path:
-    from mesh.engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model
 
     d = CACHE / f"bench-{size}"
     if not (d / "model.safetensors").is_file():
@@ -271,7 +271,7 @@ def use_fill_thread(engine) -> None:
     the grammar process: for comparison (EngineConfig has no switch for it)."""
     import dataclasses
 
-    from mesh.engine.constraints.manager import GrammarManager
+    from engine.constraints.manager import GrammarManager
 
     g = engine.grammar
     g.close()
@@ -280,7 +280,7 @@ def use_fill_thread(engine) -> None:
 
 
 def engine_bench(args: argparse.Namespace) -> dict:
-    from mesh.engine import Engine, EngineConfig, SamplingParams
+    from engine import Engine, EngineConfig, SamplingParams
     from mesh.tokenizer import Tokenizer
 
     out: dict = {"max_tokens": args.max_tokens, "rows": []}
@@ -387,7 +387,7 @@ class MeshUp:
         import subprocess
 
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--model", str(model), "--prefill", "0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", str(model), "--prefill", "0",
                                       "--decode", "1", "--no-planner", "--port", str(port), *flags],
                                      stdout=subprocess.DEVNULL, start_new_session=True)
 

@@ -66,8 +66,8 @@ from replay_report import (
     table,
 )
 
+from kvstore.hashing import block_hashes, model_seed
 from mesh.bus import Bus
-from mesh.hashing import block_hashes, model_seed
 from mesh.natsserver import free_port
 from mesh.protocol import LoadReport, RouterDecision
 
@@ -169,7 +169,7 @@ def mesh_env(root: Path) -> dict[str, str]:
 
 
 def _help(root: Path, *cmd: str) -> str:
-    return subprocess.run([sys.executable, "-m", "mesh.cli", *cmd, "--help"], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *cmd, "--help"], capture_output=True, text=True,
                           cwd=root, env=mesh_env(root), check=False).stdout
 
 
@@ -270,7 +270,7 @@ class Mesh:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats_url = ""
-        self.argv = [sys.executable, "-m", "mesh.cli", "up", "--mock", "--prefill", "0", "--decode", str(decode),
+        self.argv = [sys.executable, "-m", "cli", "up", "--mock", "--prefill", "0", "--decode", str(decode),
                      "--device-kv-blocks", str(kv_blocks), "--block-size", str(BLOCK_SIZE),
                      "--mock-speedup", str(mock_speedup), "--port", str(self.port), *extra]
         if router is not None:

@@ -55,10 +55,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.cache import KVCache
+from kvstore.hashing import block_hashes
 from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
 from kvstore.transfer.shm import segment_name
-from mesh.hashing import block_hashes
 from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRelease, KvFetchRequest
 
 if TYPE_CHECKING:

@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from decode.lifecycle import Event, ReqState, advance
+from engine.core import EngineCore
+from engine.scheduler import StepOutput
+from engine.sequence import SampledToken, Sequence
 from kvstore.transfer import KvReceiver, host_id, make_receiver
 from mesh import metrics
-from mesh.engine.core import EngineCore
-from mesh.engine.errors import RequestError, UnknownAdapterError
-from mesh.engine.scheduler import StepOutput
-from mesh.engine.sequence import SampledToken, Sequence
+from mesh.errors import RequestError, UnknownAdapterError
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import (
     Cancel,
@@ -63,7 +63,7 @@ from mesh.protocol import (
 from mesh.registry import Membership
 from mesh.telemetry import tracer
 from mesh.tracing import child_context, context_from
-from mesh.worker import (
+from worker.base import (
     Window,
     WorkerBase,
     build_engine,
@@ -275,7 +275,7 @@ class DecodeWorker(WorkerBase):
         rec.span = TRACER.start_span(
             "decode.request", context=context_from(raw.headers), kind=trace.SpanKind.SERVER,
             attributes={"pdmesh.request_id": req.request_id, "pdmesh.model": req.model,
-                        "pdmesh.worker": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
+                        "pdworker.base": self.worker_id, "pdmesh.prompt_tokens": len(req.token_ids)},
         )
         self.active[req.request_id] = rec
         if seq.params.constraint is not None and not await self._grammar_ready(rec):

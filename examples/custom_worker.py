@@ -40,13 +40,13 @@ import sys
 from collections import OrderedDict
 
 from decode.worker import DecodeWorker
+from engine.core import CoreConfig, EngineCore
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SampledToken, Sequence
 from mesh.config import settings
-from mesh.engine.core import CoreConfig, EngineCore
-from mesh.engine.scheduler import SchedulerOutput
-from mesh.engine.sequence import SampledToken, Sequence
 from mesh.protocol import WorkerCard
 from mesh.tokenizer import Tokenizer
-from mesh.worker import WorkerSettings, new_worker_id
+from worker.base import WorkerSettings, new_worker_id
 
 ARITHMETIC = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)")
 

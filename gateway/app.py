@@ -44,7 +44,7 @@ from gateway.streaming import (
     sse_events,
     unless_disconnected,
 )
-from mesh.engine.constraints.spec import Constraint
+from mesh.constraints.spec import Constraint
 from mesh.procutil import settle_heap
 from mesh.protocol import ConstraintSpec, SamplingOptions
 from mesh.telemetry import tracer

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from mesh.engine.constraints.validate import schema_problem
+from mesh.constraints.validate import schema_problem
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 

@@ -20,7 +20,7 @@ from gateway.reasoning import ReasoningFormat, ReasoningParser, reasoning_format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.toolcalls import ToolCallParser
 from gateway.tools import FunctionSpec, ToolFormat, forcing_constraint, tool_format
-from mesh.engine.constraints.spec import Constraint
+from mesh.constraints.spec import Constraint
 from mesh.tokenizer import Tokenizer
 
 

@@ -138,4 +138,4 @@ def child_argv(argv: list[str]) -> list[str]:
         if a.startswith("--workers="):
             continue
         out.append(a)
-    return [sys.executable, "-m", "mesh.cli", *out, "--workers", "1", "--reuse-port"]
+    return [sys.executable, "-m", "cli", *out, "--workers", "1", "--reuse-port"]

@@ -197,7 +197,7 @@ class Gateway:
             except LookupError:
                 span.set_attribute("pdmesh.error", "no live worker")
                 raise APIError(503, f"no live worker for {adapter or model!r}") from None
-            span.set_attributes({"pdmesh.worker": d.worker_id, "pdmesh.mode": d.mode,
+            span.set_attributes({"pdworker.base": d.worker_id, "pdmesh.mode": d.mode,
                                  "pdmesh.overlap_blocks": d.overlap_blocks, "pdmesh.new_blocks": d.new_blocks})
         mode = self.config.router.mode
         metrics.ROUTER_DECISIONS.labels(model, mode).inc()
@@ -316,7 +316,7 @@ class Gateway:
             req.token_ids = prompt_ids + generated
             req.sampling = msgspec.structs.replace(sampling, max_tokens=max(1, left))
             req.output_offset = len(generated)
-        span.set_attribute("pdmesh.worker", worker_id)
+        span.set_attribute("pdworker.base", worker_id)
         run.sent(worker_id)
         await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
         return stream

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.toolcalls import CallSyntax, ToolCallParser, openai_call_id
-from mesh.engine.constraints.spec import Constraint, lark_json
+from mesh.constraints.spec import Constraint, lark_json
 
 _ALNUM = string.ascii_letters + string.digits
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -11,7 +11,7 @@ With tiers (``kvstore.tiers``), a prefix match walks device, host, disk block by
 block; blocks found below the device are onboarded into fresh device blocks in
 ``admit``, so the sequence starts with all of them computed.
 
-The manager works on anything shaped like ``mesh.engine.sequence.Sequence``
+The manager works on anything shaped like ``engine.sequence.Sequence``
 (``block_table``, ``num_cached_blocks``, ``num_computed_tokens``, ``block_hashes()``).
 """
 

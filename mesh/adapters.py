@@ -18,7 +18,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from mesh.bus import Bus
-from mesh.engine.errors import LoraError
+from mesh.errors import LoraError
 from mesh.protocol import DecodeError, LoraReply, LoraRequest, decode, encode
 
 log = logging.getLogger(__name__)

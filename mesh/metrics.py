@@ -149,7 +149,7 @@ class LoadCollector:
         yield from (blocks, hits, queue, running, waiting, fetch)
 
 
-# load-report counters of peer fetch (decode/peerfetch.py, mesh/mocker/worker.py)
+# load-report counters of peer fetch (decode/peerfetch.py, mocker/worker.py)
 PEER_FETCH_COUNTERS = ("peer_fetch_requests", "peer_fetch_ok", "peer_fetch_empty", "peer_fetch_failed",
                        "peer_fetch_blocks", "peer_serve_requests", "peer_serve_blocks", "peer_serve_refused",
                        "peer_serve_failed")

@@ -551,6 +551,6 @@ class ConstraintSpec(Part):
     tokens already generated (``output_offset``, a prefill worker's first token), rebuilds the
     matcher from them. A worker that cannot enforce it answers 400; it never ignores it."""
 
-    kind: str  # json_schema | json_object | regex | lark (mesh.engine.constraints.spec.ConstraintKind)
+    kind: str  # json_schema | json_object | regex | lark (mesh.constraints.spec.ConstraintKind)
     source: str = ""  # the JSON schema (JSON text), the regex, or the Lark grammar; "" for json_object
     start_after: int | None = None  # a token id: the output is free until it is generated, constrained after

@@ -19,7 +19,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from mesh.engine.errors import ModelError
+from mesh.errors import ModelError
 
 
 class ChatTemplateError(ValueError):

@@ -21,19 +21,19 @@ from dataclasses import dataclass
 import nats.errors
 from opentelemetry import trace
 
+from engine.scheduler import StepOutput
+from engine.sequence import Sequence
 from kvstore.manager import blocks_for
 from kvstore.transfer import KvSender, Refused, make_sender
 from mesh import metrics
 from mesh.adapters import adapter_names
 from mesh.config import settings
-from mesh.engine.errors import RequestError
-from mesh.engine.scheduler import StepOutput
-from mesh.engine.sequence import Sequence
+from mesh.errors import RequestError
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
 from mesh.telemetry import tracer
 from mesh.tracing import child_context, context_from
-from mesh.worker import Window, WorkerBase, prepare_grammar, sampling_params, wire_logprob
+from worker.base import Window, WorkerBase, prepare_grammar, sampling_params, wire_logprob
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class PrefillWorker(WorkerBase):
             await m.ack()
         span = TRACER.start_span(
             "prefill.job", context=context_from(m.headers), kind=trace.SpanKind.CONSUMER,
-            attributes={"pdmesh.request_id": job.request_id, "pdmesh.worker": self.worker_id,
+            attributes={"pdmesh.request_id": job.request_id, "pdworker.base": self.worker_id,
                         "pdmesh.prompt_tokens": len(job.token_ids), "pdmesh.cached_tokens": job.num_cached_tokens},
         )
         if job.created:

@@ -1,4 +1,4 @@
-"""Train the byte-level BPE shipped as mesh/assets/tokenizer.json.
+"""Train the byte-level BPE shipped as engine/assets/tokenizer.json.
 
 Run once; the result is committed so that `mesh model tiny` is deterministic
 and needs no training at run time. The corpus is English text this machine's
@@ -37,7 +37,7 @@ def corpus() -> list[str]:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "mesh/assets/tokenizer.json")
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "engine/assets/tokenizer.json")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -15,7 +15,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from mesh.engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 

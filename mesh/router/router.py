@@ -22,9 +22,9 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvstore.hashing import block_hashes, model_seed
 from mesh import metrics
 from mesh.bus import Bus
-from mesh.hashing import block_hashes, model_seed
 from mesh.protocol import (
     KvEventBatch,
     KvSnapshot,

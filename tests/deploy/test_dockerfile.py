@@ -51,6 +51,6 @@ def test_both_variants_and_the_entrypoint():
     assert {"base-cpu", "base-cuda", "runtime"} <= stages
     cuda_extras = re.search(r'PDMESH_EXTRAS_DEFAULT="(\w+)"', DOCKERFILE.split("AS base-cuda", 1)[1]).group(1)
     assert cuda_extras in PYPROJECT["project"]["optional-dependencies"]
-    assert PYPROJECT["project"]["scripts"]["mesh"] == "mesh.cli:entry"
+    assert PYPROJECT["project"]["scripts"]["mesh"] == "cli:entry"
     assert 'ENTRYPOINT ["mesh"]' in DOCKERFILE
     assert re.search(r"^USER 10001:10001$", DOCKERFILE, re.M)  # the chart's runAsUser

@@ -26,7 +26,7 @@ import helm_python as helm
 import httpx
 import pytest
 
-from mesh.cli import build_parser
+from cli import build_parser
 from mesh.natsserver import find_binary, free_port
 from tests.integration.conftest import wait_http_ok
 
@@ -172,7 +172,7 @@ class Runner:
                .replace("localhost:8000", f"127.0.0.1:{self.http_port}")
                .replace("/path/to/Qwen2.5-0.5B-Instruct", str(self.model)).replace("models/tiny", str(self.model)))
         argv = shlex.split(cmd)
-        head = {"mesh": [sys.executable, "-m", "mesh.cli"], "nats-server": [find_binary()],
+        head = {"mesh": [sys.executable, "-m", "cli"], "nats-server": [find_binary()],
                 "python": [sys.executable]}.get(argv[0], [argv[0]])
         return head + argv[1:]
 

@@ -29,7 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mesh.cli import build_parser
+from cli import build_parser
 from mesh.natsperms import ROLES, chart_table, permissions
 from mesh.natsserver import EmbeddedNats, find_binary, free_port
 

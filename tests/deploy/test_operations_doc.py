@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.cli import build_parser
+from cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "operations.md").read_text()

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mesh.hashing import block_hashes, model_seed
+from kvstore.hashing import block_hashes, model_seed
 from mesh.prefill_queue import JOB_MAX_AGE
 from mesh.protocol import MESSAGE_TYPES, Cancel, Subjects, encode
 from mesh.registry import DEFAULT_TTL

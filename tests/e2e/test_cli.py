@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.tokenizer import Tokenizer
 
 
 def mesh(*args, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "mesh.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

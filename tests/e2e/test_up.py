@@ -37,7 +37,7 @@ def descendants(pid: int) -> set[int]:
 def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mesh.cli", "up", "--port", str(port), *flags],
+        [sys.executable, "-m", "cli", "up", "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mesh.engine import Engine, SamplingParams
+from engine import Engine, SamplingParams
 
 
 def greedy(n: int) -> SamplingParams:

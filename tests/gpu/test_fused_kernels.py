@@ -1,6 +1,6 @@
 """Each FlashInfer fused kernel (``--fused-kernels``) against the plain PyTorch path, on CUDA.
 
-Op level: the same inputs through ``mesh.engine.kernels``' plain and fused implementations,
+Op level: the same inputs through ``engine.kernels``' plain and fused implementations,
 compared to a float32 reference with the plain path's own bf16 error as the yardstick. Sampling:
 top-k 1 is the argmax, no token ever comes from outside the top-k / top-p set, and the draws
 follow the filtered distribution. Engine level: the ``small`` checkpoint with every fused
@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.config import ModelConfig
-from mesh.engine.kernels import (
+from engine import Engine, EngineConfig, SamplingParams
+from engine.config import ModelConfig
+from engine.kernels import (
     FUSED_KERNELS,
     FlashInferRope,
     Kernels,
@@ -33,8 +33,8 @@ from mesh.engine.kernels import (
     torch_add_rmsnorm,
     torch_silu_and_mul,
 )
-from mesh.engine.model import Rotary
-from mesh.engine.tiny import write_tiny_model
+from engine.model import Rotary
+from engine.tiny import write_tiny_model
 from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin
 
 pytestmark = pytest.mark.gpu

@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.constraints import Constraint
-from mesh.engine.constraints.masks import apply_bitmask
+from engine import Engine, EngineConfig, SamplingParams
+from engine.constraints import Constraint
+from engine.constraints.masks import apply_bitmask
 from mesh.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu

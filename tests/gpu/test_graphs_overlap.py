@@ -23,10 +23,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.cuda_graphs import graph_memory_bytes
-from mesh.engine.kernels import FUSED_KERNELS
-from mesh.engine.tiny import write_tiny_model
+from engine import Engine, EngineConfig, SamplingParams
+from engine.cuda_graphs import graph_memory_bytes
+from engine.kernels import FUSED_KERNELS
+from engine.tiny import write_tiny_model
 from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin, greedy
 
 pytestmark = pytest.mark.gpu

@@ -23,11 +23,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-import mesh.engine.loader as loader
-from mesh.engine import Engine, EngineConfig, ModelConfig, SamplingParams
-from mesh.engine.moe import FlashInferExperts, GroupedExperts, SparseMoE
-from mesh.engine.tiny import write_tiny_model
-from mesh.engine.tp import Shard
+import engine.loader as loader
+from engine import Engine, EngineConfig, ModelConfig, SamplingParams
+from engine.moe import FlashInferExperts, GroupedExperts, SparseMoE
+from engine.tiny import write_tiny_model
+from engine.tp import Shard
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -41,13 +41,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("cupy")
 
+from engine import Engine, EngineConfig, SamplingParams
 from kvstore.cache import KVCache, KVCacheSpec
 from kvstore.transfer import make_receiver, make_sender
 from kvstore.transfer import nccl as nccl_transport
 from kvstore.transfer.cuda_ipc import device_uuid, export_tensor
 from mesh.bus import Bus
 from mesh.client import generate
-from mesh.engine import Engine, EngineConfig, SamplingParams
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import GenerateRequest, LoadReport, PrefillJob, SamplingOptions
 from mesh.registry import Membership
@@ -267,7 +267,7 @@ async def test_nccl_moves_blocks_bytewise_in_chunks_one_transfer_at_a_time(nats_
 
 def spawn_worker(role: str, *flags: str, env: dict) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "mesh.cli", "worker", role, *flags],
+        [sys.executable, "-m", "cli", "worker", role, *flags],
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, stdout=subprocess.DEVNULL, stderr=None,
     )
 

@@ -38,7 +38,7 @@ class Cluster:
     def spawn(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mesh.cli", *args], env=full_env,
+            [sys.executable, "-m", "cli", *args], env=full_env,
             stdout=subprocess.DEVNULL, stderr=None,
         )
         self.procs.append(proc)

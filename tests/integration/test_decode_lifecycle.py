@@ -16,13 +16,13 @@ import pytest
 
 from decode.lifecycle import ReqState
 from decode.worker import DecodeRequest, DecodeWorker
+from engine.scheduler import StepOutput
 from mesh.bus import Bus
 from mesh.client import StreamError, cancel, generate
-from mesh.engine.scheduler import StepOutput
-from mesh.mocker.engine import MockConfig
 from mesh.protocol import GenerateRequest, SamplingOptions, TokenChunk, decode
-from mesh.worker import WorkerSettings, sampling_params
+from mocker.engine import MockConfig
 from tests.integration.conftest import Watcher
+from worker.base import WorkerSettings, sampling_params
 
 MODEL = "life"
 THRESHOLD = 256  # prompts at least this long prefill remotely

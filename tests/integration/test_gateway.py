@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.tokenizer import Tokenizer
 from tests.integration.conftest import Watcher, wait_http_ok
 

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import time
 
+from engine.loop import InlineEngineLoop
+from engine.sampling import SamplingParams
 from mesh.bus import Bus
-from mesh.engine.loop import InlineEngineLoop
-from mesh.engine.sampling import SamplingParams
 from mesh.kvevents import KvEventPublisher
-from mesh.mocker.engine import MockConfig, MockEngine
 from mesh.protocol import KvEventBatch
 from mesh.router.index import KvIndex
+from mocker.engine import MockConfig, MockEngine
 
 
 async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server):

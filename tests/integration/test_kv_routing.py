@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
+from kvstore.hashing import block_hashes, model_seed
 from mesh.client import generate
-from mesh.hashing import block_hashes, model_seed
 from mesh.protocol import GenerateRequest, SamplingOptions
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter

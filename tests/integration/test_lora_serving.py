@@ -215,7 +215,7 @@ def test_a_broken_adapter_directory_is_one_line_naming_the_file(tiny_model, tmp_
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{not json")
-    r = subprocess.run([sys.executable, "-m", "mesh.cli", "worker", "decode", "--nats", "nats://127.0.0.1:9",
+    r = subprocess.run([sys.executable, "-m", "cli", "worker", "decode", "--nats", "nats://127.0.0.1:9",
                         "--model", str(tiny_model), "--lora", f"x={broken}"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
@@ -227,7 +227,7 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
     """Last in the module (it kills a decode worker): the adapter is loaded on both decode
     workers; the one streaming is killed; the gateway resumes the request on the other, on the
     same adapter, and the client sees the engine's output unbroken."""
-    from mesh.engine import Engine, EngineConfig, SamplingParams
+    from engine import Engine, EngineConfig, SamplingParams
 
     dirs, _ = adapters
     url, nats_url = mesh

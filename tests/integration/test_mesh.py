@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.client import generate
-from mesh.engine import Engine, EngineConfig, SamplingParams
 from mesh.protocol import GenerateRequest, SamplingOptions
 from tests.integration.conftest import Watcher
 

@@ -63,7 +63,7 @@ async def ask(bus, worker_id, tokens, request_id, router=None, max_tokens=4):
 async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster):
     import random
 
-    from mesh.hashing import block_hashes, model_seed
+    from kvstore.hashing import block_hashes, model_seed
     from mesh.router.policy import RouterConfig
     from mesh.router.router import KvRouter
 
@@ -115,7 +115,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
     import random
     import signal
 
-    from mesh.hashing import block_hashes, model_seed
+    from kvstore.hashing import block_hashes, model_seed
     from mesh.router.policy import RouterConfig
     from mesh.router.router import KvRouter
 

@@ -8,8 +8,8 @@ import random
 import httpx
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.tiny import write_tiny_model
+from engine import Engine, EngineConfig, SamplingParams
+from engine.tiny import write_tiny_model
 from tests.e2e.test_up import start_up
 
 

@@ -84,7 +84,7 @@ async def test_one_request_is_one_trace_across_three_processes(cluster, traced):
     generate = gw["generate"]
     assert generate["parent_id"] == sid(server)
     assert gw["route"]["parent_id"] == sid(generate)
-    assert gw["route"]["attributes"]["pdmesh.worker"] == "obs-dec"
+    assert gw["route"]["attributes"]["pdworker.base"] == "obs-dec"
     # the decode worker continues the gateway's generate span
     request = dec["decode.request"]
     assert request["parent_id"] == sid(generate)
@@ -162,7 +162,7 @@ def test_mesh_top_shows_the_workers(cluster, traced):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "mesh.cli", "top", "--nats", cluster.nats_url, "--ns", NS, "--once"],
+    r = subprocess.run([sys.executable, "-m", "cli", "top", "--nats", cluster.nats_url, "--ns", NS, "--once"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "model tiny" in r.stdout

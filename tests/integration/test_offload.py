@@ -4,7 +4,7 @@ from the host tier: the usage reports it as cached tokens, the greedy output equ
 unlimited in-process engine's, the worker's KV events carry the host tier, its load report
 counts host hits, and its snapshot lists its host blocks.
 
-The load-report and snapshot checks need the two hooks in mesh/worker.py (``load()``:
+The load-report and snapshot checks need the two hooks in worker/base.py (``load()``:
 ``**engine.kv_counters()``) and mesh/kvevents.py (``take_snapshot``: ``engine.kv_snapshot()``).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 import uuid
 
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.client import generate
-from mesh.engine import Engine, EngineConfig, SamplingParams
 from mesh.protocol import (
     GenerateRequest,
     KvEventBatch,

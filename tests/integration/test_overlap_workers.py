@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.client import cancel, generate
-from mesh.engine import Engine, EngineConfig, SamplingParams
 from mesh.protocol import GenerateRequest, SamplingOptions
 from tests.integration.conftest import Watcher
 

@@ -21,9 +21,9 @@ import uuid
 import pytest
 from nats.errors import NoRespondersError
 
+from kvstore.hashing import block_hashes, model_seed
 from mesh.bus import Bus
 from mesh.client import generate
-from mesh.hashing import block_hashes, model_seed
 from mesh.protocol import (
     GenerateRequest,
     KvFetchDone,

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.natsserver import free_port
 from tests.integration.conftest import Watcher, wait_http_ok
 

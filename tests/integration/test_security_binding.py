@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from mesh.protocol import (
     Cancel,
     GenerateRequest,

@@ -27,7 +27,7 @@ ROLES = {
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
-    return subprocess.run([sys.executable, "-m", "mesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**env, "TOKENIZERS_PARALLELISM": "false"})
 
 
@@ -85,7 +85,7 @@ def test_wrong_password(role, with_password):
 def test_right_password_then_serves(with_password, tmp_path):
     # the same server, the right password: the worker joins (it runs until stopped)
     url = f"nats://mesh:right@127.0.0.1:{with_password.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "worker", "mock", "--nats", url,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "mock", "--nats", url,
                              "--metrics-port", "-1"], stderr=subprocess.PIPE, text=True)
     try:
         with pytest.raises(subprocess.TimeoutExpired):

@@ -20,9 +20,9 @@ import uuid
 
 import pytest
 
+from engine import Engine, EngineConfig
 from kvstore.transfer import host_id
 from kvstore.transfer.shm import shm_dir
-from mesh.engine import Engine, EngineConfig
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import PrefillDone, PrefillJob
 from tests.integration.conftest import Watcher

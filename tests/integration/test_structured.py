@@ -390,7 +390,7 @@ def test_a_stopped_worker_ends_its_grammar_process_and_frees_its_shared_memory(c
     import sys
 
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "worker", "decode", "--nats", cluster.nats_url,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "decode", "--nats", cluster.nats_url,
                              "--ns", "st-stop", "--model", str(model), "--worker-id", "st-stop",
                              "--device-kv-blocks", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -19,9 +19,9 @@ import nats
 import pytest
 
 from mesh.bus import Bus
-from mesh.mocker.engine import MockConfig
 from mesh.protocol import Subjects, WorkerCard
 from mesh.registry import CardPublisher
+from mocker.engine import MockConfig
 from tests.integration.conftest import Watcher, wait_http_ok
 
 N_STREAMS = 24

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
+from engine import Engine, EngineConfig, SamplingParams
 from kvstore.transfer.shm import PREFIX, remove_stale_files, shm_dir
-from mesh.engine import Engine, EngineConfig, SamplingParams
 from tests.integration.conftest import Watcher
 from tests.integration.test_mesh import run_all
 from tests.procs import alive, stop_processes
@@ -42,7 +42,7 @@ def expected(tiny_model):
 
 
 def rank_processes(pid: int) -> list[int]:
-    """The helper ranks a worker started (its children running mesh.engine.tp)."""
+    """The helper ranks a worker started (its children running engine.tp)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -54,7 +54,7 @@ def rank_processes(pid: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"mesh.engine.tp" in cmd:
+        if ppid == pid and b"engine.tp" in cmd:
             out.append(int(entry))
     return out
 

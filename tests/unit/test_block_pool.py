@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
 from kvstore.events import BlockRemoved, BlockStored
+from kvstore.hashing import block_hashes, model_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool, NoFreeBlocks
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.sequence import Sequence
-from mesh.hashing import block_hashes, model_seed
 
 
 def seq(tokens, bs=4, rid="r"):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.attention import AttentionBatch
-from mesh.engine.cuda_graphs import StaticDecodeBatch, batch_sizes
+from engine import Engine, EngineConfig, SamplingParams
+from engine.attention import AttentionBatch
+from engine.cuda_graphs import StaticDecodeBatch, batch_sizes
 
 PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12], [3] * 20)  # the third spans two blocks
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from mesh.engine.loop import EngineLoop, InlineEngineLoop
-from mesh.engine.sampling import SamplingParams
-from mesh.mocker.engine import MockConfig, MockEngine
+from engine.loop import EngineLoop, InlineEngineLoop
+from engine.sampling import SamplingParams
+from mocker.engine import MockConfig, MockEngine
 
 
 class Flaky(MockEngine):

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.sequence import SeqStatus
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sequence import SeqStatus
 
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
 
@@ -119,8 +119,8 @@ def test_prefix_cache_hit_is_token_identical(llama_reference):
 def test_cpu_linears_run_packed_and_agree_with_the_plain_path(hf_checkpoints, dtype, monkeypatch):
     """The logits test above runs the packed path; this one checks that it is the packed path, and
     that packing changes nothing beyond rounding (also in bfloat16, which transformers is not run in)."""
-    import mesh.engine.loader as loader
-    from mesh.engine.model import PackedLinear
+    import engine.loader as loader
+    from engine.model import PackedLinear
 
     path = hf_checkpoints["qwen2"]  # q/k/v biases: the packed path takes them too
     if not torch.backends.mkldnn.is_available():

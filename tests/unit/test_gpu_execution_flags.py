@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from mesh import cli
-from mesh.engine import Engine, EngineConfig
-from mesh.engine import config as engine_config_module
-from mesh.engine.kernels import FUSED_KERNELS, Kernels, parse_fused_kernels
+from engine import Engine, EngineConfig
+from engine import config as engine_config_module
+from engine.kernels import FUSED_KERNELS, Kernels, parse_fused_kernels
+import cli.main as cli
 
 
 def worker_args(model, *flags):

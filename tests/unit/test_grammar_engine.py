@@ -13,9 +13,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from mesh.engine import Engine, EngineConfig, RequestError, SamplingParams
-from mesh.engine.constraints import Constraint, ConstraintError
-from mesh.engine.sequence import SampledToken, SeqStatus
+from engine import Engine, EngineConfig, RequestError, SamplingParams
+from engine.constraints import Constraint, ConstraintError
+from engine.sequence import SampledToken, SeqStatus
 from mesh.tokenizer import Tokenizer
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
@@ -265,7 +265,7 @@ def test_compiled_grammars_are_cached_with_counters(engine, prompt, greedy):
 
 
 def test_the_mocker_refuses_constraints_it_cannot_enforce():
-    from mesh.mocker.engine import MockConfig, MockEngine
+    from mocker.engine import MockConfig, MockEngine
 
     eng = MockEngine(MockConfig(speedup=1000, num_blocks=64))
     seq = eng.new_sequence([1, 2, 3], _params({"type": "integer"}))
@@ -304,7 +304,7 @@ def test_the_grammar_process_ends_rows_as_the_engines_own_matchers_would(engine,
     that checks every token itself (the mask thread), for complete rows and rows cut by max_tokens."""
     import dataclasses
 
-    from mesh.engine.constraints.manager import GrammarManager
+    from engine.constraints.manager import GrammarManager
 
     picks = list(range(0, len(CORPUS), 6))
     short = [SamplingParams(max_tokens=7, temperature=0.0, constraint=Constraint.json_object()),

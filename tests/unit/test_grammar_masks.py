@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.engine.constraints import Constraint, ConstraintError
-from mesh.engine.constraints.backend import bitmask_words, create_backend
-from mesh.engine.constraints.cache import GrammarCache
-from mesh.engine.constraints.masks import apply_bitmask
+from engine.constraints import Constraint, ConstraintError
+from engine.constraints.backend import bitmask_words, create_backend
+from engine.constraints.cache import GrammarCache
+from engine.constraints.masks import apply_bitmask
 
 
 def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The grammar process (mesh/engine/constraints/replica.py): its masks are the in-process fill's,
+"""The grammar process (engine/constraints/replica.py): its masks are the in-process fill's,
 whatever the rows' order; replicas of gone sequences are dropped there; a killed process fails the
 step with a clear error (and the next step starts a new one); the process exits with its engine."""
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mesh.engine.config import EngineConfig
-from mesh.engine.constraints import Constraint, replica
-from mesh.engine.constraints.manager import GrammarConfig, GrammarManager
-from mesh.engine.constraints.replica import GrammarProcessError
-from mesh.engine.engine import Engine
+from engine.config import EngineConfig
+from engine.constraints import Constraint, replica
+from engine.constraints.manager import GrammarConfig, GrammarManager
+from engine.constraints.replica import GrammarProcessError
+from engine.engine import Engine
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
@@ -182,8 +182,8 @@ def _alive(pid: int) -> bool:
 def test_the_process_exits_when_the_engine_process_dies(tiny_model, vocab, tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from mesh.engine.constraints import Constraint
-        from mesh.engine.constraints.manager import GrammarConfig, GrammarManager
+        from engine.constraints import Constraint
+        from engine.constraints.manager import GrammarConfig, GrammarManager
         class P:
             constraint = Constraint.json_object()
         class S:

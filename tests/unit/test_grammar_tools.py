@@ -9,11 +9,11 @@ import json
 import jsonschema
 import pytest
 
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sequence import SeqStatus
 from gateway.toolcalls import ToolCallParser
 from gateway.tools import TOOL_FORMATS, FunctionSpec, forcing_constraint
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.constraints.validate import grammar_problem
-from mesh.engine.sequence import SeqStatus
+from mesh.constraints.validate import grammar_problem
 from mesh.tokenizer import Tokenizer
 
 FUNCTIONS = [

@@ -1,6 +1,6 @@
 import xxhash
 
-from mesh.hashing import block_hashes, model_seed
+from kvstore.hashing import block_hashes, model_seed
 
 
 def test_chained_hash_definition():

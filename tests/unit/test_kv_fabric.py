@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
 from kvstore.events import KvEventLog
+from kvstore.hashing import model_seed
 from kvstore.manager import KVCacheManager
 from kvstore.peer import PeerStage
 from kvstore.pins import KvPins
 from kvstore.pool import BlockPool, NoFreeBlocks
 from kvstore.tiers import HostTier, TieredCache
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.sequence import Sequence
-from mesh.hashing import model_seed
 
 BS = 4
 
@@ -166,7 +166,7 @@ def test_staged_blocks_nobody_admitted_expire():
 
 
 def mock_engine(**kw):
-    from mesh.mocker.engine import MockConfig, MockEngine
+    from mocker.engine import MockConfig, MockEngine
 
     return MockEngine(MockConfig(block_size=16, speedup=1e9, **kw))
 
@@ -249,7 +249,7 @@ def test_a_holder_serving_from_device_memory_steps_slower():
 
 
 def test_the_mockers_costs_for_the_router_follow_its_timing():
-    from mesh.mocker.engine import MockConfig, TimingModel
+    from mocker.engine import MockConfig, TimingModel
 
     engine = mock_engine()
     assert engine.kv_costs.prefill_block_ms == pytest.approx(0.96)
@@ -263,7 +263,7 @@ def test_the_mockers_costs_for_the_router_follow_its_timing():
 
 
 def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
-    from mesh.cli import CliError, build_parser, engine_config, main
+    from cli import CliError, build_parser, engine_config, main
 
     def mock(*flags):
         return engine_config(build_parser().parse_args(["worker", "mock", *flags]), mock=True)
@@ -281,7 +281,7 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
     with pytest.raises(CliError, match="needs a host KV tier"):  # model workers stage fetched blocks there
         engine_config(build_parser().parse_args(["worker", "decode", "--model", "m", "--peer-fetch"]))
 
-    import mesh.up
+    import cli.up
 
     plans = []
 
@@ -289,7 +289,7 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(mesh.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
     assert main(["up", "--mock", "--decode", "2", "--host-kv-blocks", "64", "--disk-kv-blocks", "128",
                  "--peer-fetch", "--mock-timing", "host_gb_per_s=50", "--no-planner"]) == 0
     flags, gateway = plans[0].worker_flags, plans[0].gateway_flags
@@ -302,8 +302,8 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
 async def test_a_mock_worker_takes_the_routers_decision_whenever_it_arrives():
     import asyncio
 
-    from mesh.mocker.worker import FetchHints
     from mesh.protocol import RouterDecision
+    from mocker.worker import FetchHints
 
     def decision(rid, worker="me", source="peer"):
         return RouterDecision("r", "mock", worker, rid, 10, 2, 0.0, "kv", 0.0, fetch_source=source, fetch_blocks=8)

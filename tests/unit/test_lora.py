@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.errors import LoraError, UnknownAdapterError
-from mesh.engine.lora_layers import LoraBatch, LoraSlots, Projection, TableEntry, add_lora
-from mesh.hashing import model_seed
+from engine import Engine, EngineConfig, SamplingParams
+from engine.lora_layers import LoraBatch, LoraSlots, Projection, TableEntry, add_lora
+from kvstore.hashing import model_seed
+from mesh.errors import LoraError, UnknownAdapterError
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -293,7 +293,7 @@ def test_a_broken_adapter_is_one_clear_error_naming_the_file(lora_reference, tmp
     assert expect in message and "\n" not in message
     assert engine.lora.names == []  # nothing half-loaded
     if case == "truncated":  # and the CLI says it in one line, exit status 2
-        r = subprocess.run([sys.executable, "-m", "mesh.cli", "generate", "--model", str(model),
+        r = subprocess.run([sys.executable, "-m", "cli", "generate", "--model", str(model),
                             "--lora", f"x={bad}", "--adapter", "x", "hi"], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"mesh: error: {message}"]
@@ -301,7 +301,7 @@ def test_a_broken_adapter_is_one_clear_error_naming_the_file(lora_reference, tmp
 
 def test_generate_cli_runs_prompts_on_their_adapters(lora_reference):
     model, dirs, _ = lora_reference
-    r = subprocess.run([sys.executable, "-m", "mesh.cli", "generate", "--model", str(model), "--json",
+    r = subprocess.run([sys.executable, "-m", "cli", "generate", "--model", str(model), "--json",
                         "--max-tokens", "8", "--ignore-eos", "--lora", f"all={dirs['all']}",
                         "--lora", f"mlp={dirs['mlp']}", "--adapter", "all", "--adapter", "", "--adapter", "mlp",
                         "Hello there", "Hello there", "Hello there"], capture_output=True, text=True, timeout=120)

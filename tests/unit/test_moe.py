@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import mesh.engine.loader as loader
-from mesh.engine import Engine, EngineConfig, ModelConfig, ModelError, SamplingParams
-from mesh.engine.moe import GroupedExperts, SparseMoE, TopKRouter
-from mesh.engine.sequence import SeqStatus
-from mesh.engine.tiny import write_tiny_model
+import engine.loader as loader
+from engine import Engine, EngineConfig, ModelConfig, ModelError, SamplingParams
+from engine.moe import GroupedExperts, SparseMoE, TopKRouter
+from engine.sequence import SeqStatus
+from engine.tiny import write_tiny_model
 
 FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.sequence import SampledToken
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sequence import SampledToken
 
 CONVS = 4
 FIRST = 120  # tokens of a conversation's first prompt
@@ -241,7 +241,7 @@ def test_corrupt_and_truncated_disk_blocks_are_recomputed(tiny_model, reference,
 
 
 def test_tier_flags_reach_the_engine_config(tiny_model, tmp_path, monkeypatch):
-    from mesh.cli import CliError, build_parser, engine_config
+    from cli import CliError, build_parser, engine_config
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--device-kv-blocks", "64",
                                       "--host-kv-gb", "0.5", "--disk-kv-dir", str(tmp_path), "--disk-kv-gb", "2"])
@@ -257,8 +257,8 @@ def test_tier_flags_reach_the_engine_config(tiny_model, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="host"):
         EngineConfig(tiny_model, disk_kv_dir=str(tmp_path))
 
-    import mesh.up
-    from mesh.cli import main
+    import cli.up
+    from cli import main
 
     plans = []
 
@@ -266,7 +266,7 @@ def test_tier_flags_reach_the_engine_config(tiny_model, tmp_path, monkeypatch):
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(mesh.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
     assert main(["up", "--model", str(tiny_model), "--device-kv-blocks", "64", "--host-kv-gb", "0.5",
                  "--disk-kv-dir", str(tmp_path), "--disk-kv-gb", "2"]) == 0
     flags = plans[0].worker_flags
@@ -301,8 +301,8 @@ def test_offload_on_cuda_is_token_identical_through_host_and_disk(tiny_model, tm
 
 
 def test_model_workers_take_their_tiers_in_blocks_too(tiny_model, tmp_path):
+    from cli import build_parser, engine_config
     from kvstore.disk import HEADER
-    from mesh.cli import build_parser, engine_config
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--device-kv-blocks", "64",
                                       "--host-kv-blocks", "32", "--disk-kv-dir", str(tmp_path),

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from mesh.engine.core import CoreConfig, EngineCore
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.scheduler import SchedulerOutput
-from mesh.engine.sequence import SampledToken, Sequence
+from engine.core import CoreConfig, EngineCore
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SampledToken, Sequence
 
 VOCAB = 1000
 EOS = 7
@@ -189,7 +189,7 @@ def test_a_request_stopping_on_eos_costs_one_dropped_row_not_a_token():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    from mesh.engine import Engine, EngineConfig
+    from engine import Engine, EngineConfig
 
     def make(async_scheduling: bool, **kw):
         cfg = dict(device="cpu", num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=6, block_size=4)

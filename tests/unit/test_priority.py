@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.sequence import SeqStatus
-from mesh.mocker.engine import MockConfig, MockEngine
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sequence import SeqStatus
+from mocker.engine import MockConfig, MockEngine
 
 LOW, HIGH = -1, 1
 

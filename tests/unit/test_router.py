@@ -333,7 +333,7 @@ async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
 
 
 async def test_lora_requests_go_where_the_adapter_is_hot_and_its_prefix_cached():
-    from mesh.hashing import block_hashes, model_seed
+    from kvstore.hashing import block_hashes, model_seed
     from mesh.protocol import LoadReport, WorkerCard
     from mesh.router.router import KvRouter
 
@@ -370,7 +370,7 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     cards[3].fetches_kv = False  # a worker that does not fetch (a model worker, before phase B)
     router = KvRouter(None, _Cards(cards), RouterConfig(peer_fetch=True))
     tokens = list(range(1000, 1000 + 16 * 30 + 1))
-    from mesh.hashing import block_hashes, model_seed
+    from kvstore.hashing import block_hashes, model_seed
 
     hashes = block_hashes(tokens, 16, model_seed("m"))
     idx = router.index("m")

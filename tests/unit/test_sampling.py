@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.engine import Engine, EngineConfig, SamplingParams
-from mesh.engine.sampler import Sampler
-from mesh.engine.sequence import SeqStatus, Sequence
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sampler import Sampler
+from engine.sequence import SeqStatus, Sequence
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import shutil
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from engine.constraints import ConstraintKind
 from gateway.detok import IncrementalDetokenizer
 from gateway.formats import ChatFormat
 from gateway.outputs import ChoiceOutput, OutputPlan, plan_chat
@@ -18,10 +19,9 @@ from gateway.reasoning import REASONING_FORMATS, ReasoningParser
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import ChoiceDelta
 from gateway.tools import HERMES, MISTRAL, ToolFormat
-from mesh.engine.constraints import ConstraintKind
 from mesh.protocol import ConstraintSpec, GenerateRequest, SamplingOptions, decode, encode
 from mesh.tokenizer import Tokenizer
-from mesh.worker import sampling_params
+from worker.base import sampling_params
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}\n</tool_call>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -175,9 +175,9 @@ def test_the_markers_that_are_special_tokens_are_kept_and_the_others_dropped(mis
 async def test_a_worker_prepares_the_grammar_off_the_loop_and_says_why_it_cannot():
     import time
 
-    from mesh.engine.sampling import SamplingParams
-    from mesh.mocker.engine import MockConfig, MockEngine
-    from mesh.worker import prepare_grammar
+    from engine.sampling import SamplingParams
+    from mocker.engine import MockConfig, MockEngine
+    from worker.base import prepare_grammar
 
     eng = MockEngine(MockConfig(speedup=1000, num_blocks=64))
     free = eng.new_sequence([1, 2], SamplingParams(max_tokens=2))

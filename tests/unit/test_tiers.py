@@ -7,14 +7,14 @@ import os
 
 import pytest
 
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
 from kvstore.disk import HEADER, DiskTier
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+from kvstore.hashing import model_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool, EvictedBlock, NoFreeBlocks
 from kvstore.tiers import HostTier, TieredCache
-from mesh.engine.sampling import SamplingParams
-from mesh.engine.sequence import Sequence
-from mesh.hashing import model_seed
 
 BS = 4
 
@@ -317,7 +317,7 @@ def test_spill_writes_only_reused_blocks(tmp_path):
 
 
 def test_mocker_models_host_hits_without_bytes():
-    from mesh.mocker.engine import MockConfig, MockEngine
+    from mocker.engine import MockConfig, MockEngine
 
     engine = MockEngine(MockConfig(num_blocks=24, block_size=16, host_kv_blocks=256, speedup=1e9))
     convs = [list(range(c * 1000, c * 1000 + 150)) for c in range(4)]

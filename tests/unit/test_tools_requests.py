@@ -10,12 +10,12 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from engine.constraints import ConstraintKind
 from gateway import errors
 from gateway.errors import APIError
 from gateway.output_schemas import REFUSED
 from gateway.outputs import plan_chat, plan_completion
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from mesh.engine.constraints import ConstraintKind
 from mesh.tokenizer import Tokenizer
 from tests.unit.test_tools_templates import make_dir
 

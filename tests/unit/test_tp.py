@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import kvstore.cache
+from engine import Engine, EngineConfig, ModelError, SamplingParams
+from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
-from mesh.engine import Engine, EngineConfig, ModelError, SamplingParams
-from mesh.engine.tp import TensorParallelError
 from mesh.protocol import PrefillJob
 from tests.procs import alive
 
@@ -150,8 +150,8 @@ def test_tp_must_divide_heads_and_excludes_kv_tiers(tiny_model):
 
 
 def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypatch):
-    import mesh.up
-    from mesh.cli import CliError, build_parser, engine_config, main
+    import cli.up
+    from cli import CliError, build_parser, engine_config, main
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2"])
     assert engine_config(args).tp == 2
@@ -165,7 +165,7 @@ def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypat
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(mesh.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
     assert main(["up", "--model", str(tiny_model), "--tp", "2"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--tp") + 1] == "2"

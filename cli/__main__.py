@@ -1,0 +1,5 @@
+"""``python -m cli``: the ``mesh`` command."""
+
+from cli.main import entry
+
+entry()

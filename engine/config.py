@@ -1,0 +1,423 @@
+"""Model and engine configuration, validated once when an engine starts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mesh.errors import ModelError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What sets a family's decoder apart from plain Llama (one row per family, no if-chains)."""
+
+    qkv_bias: bool = False  # q/k/v projections carry biases
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation
+    sliding_window_default: bool = False  # ``use_sliding_window`` when a config leaves it out
+    moe: bool = False  # sparse mixture-of-experts MLPs (``MoeConfig``)
+
+
+FAMILY_TRAITS = {
+    "llama": FamilyTraits(),
+    "mistral": FamilyTraits(sliding_window_default=True),
+    "qwen2": FamilyTraits(qkv_bias=True),
+    "qwen3": FamilyTraits(qk_norm=True),
+    "mixtral": FamilyTraits(sliding_window_default=True, moe=True),
+    "qwen2_moe": FamilyTraits(qkv_bias=True, moe=True),
+    "qwen3_moe": FamilyTraits(qk_norm=True, moe=True),
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> RopeConfig:
+        # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        merged = {**scaling, **params}
+        kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return cls(
+            theta=float(theta),
+            kind=kind,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP: each token runs ``top_k`` of ``num_experts`` SwiGLU experts.
+
+    Routing is softmax over the router logits, top-k, and (``norm_topk_prob``) the k weights
+    renormalised to sum to one: Mixtral always renormalises, Qwen2/3-MoE per config.
+    ``shared_expert_intermediate_size`` > 0: a dense SwiGLU expert every token also runs
+    (Qwen2-MoE), scaled by ``sigmoid(shared_expert_gate(x))``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the layers with a sparse MLP; the others are dense
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.intermediate_size <= 0:
+            raise ModelError("the experts' intermediate size must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, family: str, num_layers: int) -> MoeConfig:
+        # Qwen checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 may write either
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+        if family == "mixtral":
+            return cls(
+                num_experts=experts,
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,
+                sparse_layers=tuple(range(num_layers)),
+            )
+        # Qwen2-MoE / Qwen3-MoE: ``decoder_sparse_step`` and ``mlp_only_layers`` leave some layers dense
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return cls(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_moe")),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # sparse MLPs (mixture of experts); None: every MLP is dense
+
+    def is_sparse(self, layer: int) -> bool:
+        """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelError(f"model directory {path} does not exist")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelError(f"{path} has no config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{cfg_file} is not a JSON object")
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        family = SUPPORTED_ARCHITECTURES.get(arch) if arch else cfg.get("model_type")
+        if family not in SUPPORTED_ARCHITECTURES.values():
+            name = arch or cfg.get("model_type") or "unknown"
+            raise ModelError(
+                f"unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        traits = FAMILY_TRAITS[family]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            num_layers = int(cfg["num_hidden_layers"])
+            model = cls(
+                path=path,
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
+                num_layers=num_layers,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position=_max_position(cfg, traits),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=bool(cfg.get("qkv_bias", traits.qkv_bias)) or bool(cfg.get("attention_bias", False)),
+                qk_norm=traits.qk_norm,
+                rope=RopeConfig.from_hf(cfg),
+                eos_token_ids=_eos_ids(path, cfg),
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ModelError):
+                raise
+            raise ModelError(f"{cfg_file} is malformed: {type(e).__name__}: {e}") from None
+        if model.intermediate_size <= 0 and len(model.moe.sparse_layers if model.moe else ()) < num_layers:
+            raise ModelError(f"{cfg_file} has dense MLP layers but no intermediate_size")
+        if model.num_heads % model.num_kv_heads:
+            raise ModelError(
+                f"num_attention_heads {model.num_heads} is not a multiple of num_key_value_heads {model.num_kv_heads}"
+            )
+        return model
+
+    def check_tp(self, tp: int) -> None:
+        """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
+        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size}
+        if self.moe is not None:  # every expert (and the shared one) is split like the dense MLP
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+            sizes["shared_expert_intermediate_size"] = self.moe.shared_expert_intermediate_size
+        bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
+        if bad:
+            raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _max_position(cfg: dict, traits: FamilyTraits) -> int:
+    n = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", traits.sliding_window_default)
+    if window and uses_window:
+        # Sliding-window attention is not implemented: serve contexts that fit the window.
+        n = min(n, int(window))
+    return n
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    sources = [cfg]
+    if gen.is_file():
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            sources.insert(0, json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        if eos is None:
+            continue
+        for e in eos if isinstance(eos, list) else [eos]:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)
+
+
+# GPU execution defaults (issue 21). Off until bench/gpu_check.sh has run tests/gpu on a device;
+# each is the one line to change once it has.
+CUDA_GRAPHS_DEFAULT = False  # CUDA: decode steps replay CUDA graphs (--cuda-graphs / --enforce-eager)
+ASYNC_SCHEDULING_DEFAULT_CUDA = False  # CUDA: overlap scheduling with the device (--async-scheduling)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path
+    served_name: str | None = None  # the model name on the bus; defaults to the directory name
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda if available
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: what memory allows
+    kv_memory_fraction: float = 0.85  # GPU: share of the whole device this worker may use (weights + KV)
+    cpu_kv_gib: float = 4.0  # CPU: cap for the KV pool when num_kv_blocks is not given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
+    cuda_graphs: bool | None = None  # CUDA: replay decode steps from CUDA graphs; None: CUDA_GRAPHS_DEFAULT
+    kv_shm_path: str | None = None  # CPU: put the KV pool in this shared-memory file
+    host_kv_gb: float = 0.0  # host tier (pinned RAM on CUDA): offloaded blocks; 0 = no tiers
+    host_kv_blocks: int | None = None  # the host tier in blocks (overrides host_kv_gb)
+    disk_kv_dir: str | None = None  # disk tier under this directory (needs a host tier)
+    disk_kv_gb: float = 8.0  # cap of the disk tier
+    disk_kv_blocks: int | None = None  # the disk tier's cap in blocks (overrides disk_kv_gb)
+    disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
+    tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
+    seed: int = 0
+    loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
+    max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    # -- GPU execution (issue 21) --
+    enforce_eager: bool = False  # never CUDA graphs, whatever the default
+    async_scheduling: bool | None = None  # overlap host and device steps; None: on CUDA as the default says
+    fused_kernels: tuple[str, ...] = ()  # FlashInfer kernels for these ops (engine.kernels.FUSED_KERNELS)
+    grammar_backend: str = "llguidance"  # constrained output: llguidance or xgrammar
+    grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
+    grammar_cache_size: int = 256  # compiled grammars kept per worker
+    grammar_spin_ms: float = 3.0  # the grammar process polls this long for the next step before it sleeps
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.host_kv_gb < 0 or (self.host_kv_blocks is not None and self.host_kv_blocks < 0):
+            raise ValueError("the host KV tier cannot be negative")
+        if self.disk_kv_gb <= 0 or self.disk_min_hits < 0:
+            raise ValueError("disk_kv_gb must be > 0 and disk_min_hits >= 0")
+        if self.disk_kv_blocks is not None and self.disk_kv_blocks <= 0:
+            raise ValueError(f"disk_kv_blocks must be > 0, got {self.disk_kv_blocks}")
+        if self.disk_kv_blocks is not None and not self.disk_kv_dir:
+            raise ValueError("the disk KV tier needs a directory: give --disk-kv-dir too")
+        if self.disk_kv_dir and not self.has_host_tier:
+            raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
+            raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
+        if self.tp > 1 and self.has_host_tier:
+            raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
+        if self.max_loras is not None and self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in 1..1024, got {self.max_lora_rank}")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must be unique, got {', '.join(names)}")
+        if self.loras and self.max_loras == 0:
+            raise ValueError("LoRA adapters were given but max_loras is 0 (LoRA off)")
+        if self.tp > 1 and self.lora_slots:
+            raise ValueError("LoRA adapters are not supported with --tp > 1 yet")
+        if self.disk_kv_dir and self.lora_slots:
+            # adapter blocks are named by the adapter's name; the disk tier outlives this process,
+            # and a name loaded with other weights after a restart would hit stale blocks
+            raise ValueError("LoRA adapters are not supported with a disk KV tier yet (--disk-kv-dir)")
+        if self.lora_slots and self.async_scheduling:
+            raise ValueError("LoRA adapters are not supported with --async-scheduling yet")
+        self._check_gpu_execution()
+
+    def _check_gpu_execution(self) -> None:
+        from engine.attention import backend_names
+        from engine.kernels import FUSED_KERNELS
+
+        if self.attention_backend is not None and self.attention_backend not in backend_names():
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} "
+                             f"(available: {', '.join(backend_names())})")
+        if self.enforce_eager and self.cuda_graphs:
+            raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
+        if self.async_scheduling and self.tp > 1:
+            raise ValueError("--async-scheduling is not supported with --tp > 1 yet (other ranks would need "
+                             "the sampled tokens)")
+        unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
+        if unknown:
+            raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs (where the device and attention backend allow)."""
+        if self.enforce_eager:
+            return False
+        return CUDA_GRAPHS_DEFAULT if self.cuda_graphs is None else self.cuda_graphs
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
+                and not self.lora_slots)  # LoRA steps run the blocking loop
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for LoRA adapters; 0: LoRA is off."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return 4 if self.loras else 0
+
+    @property
+    def has_host_tier(self) -> bool:
+        return bool(self.host_kv_blocks) if self.host_kv_blocks is not None else self.host_kv_gb > 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or Path(self.model).name

@@ -1,0 +1,83 @@
+"""One sequence's place in its grammar.
+
+``GrammarState`` advances with every token the sequence accepts, wherever that
+token was sampled: the scheduler calls ``advance`` for a decoded token and for
+the first token a prefill worker sent. A sequence that arrives with tokens
+already generated (migration, a disaggregated first token, a rebuilt
+request) replays them through the same ``advance`` when it is attached, so a
+rebuilt state is the state an uninterrupted run would have. Preemption keeps
+the state: recompute re-reads tokens, it does not re-accept them.
+
+While ``start_after`` is pending (a reasoning model's thinking block) the
+output is free and no mask is computed; the grammar starts with the token
+after it.
+
+``needs_mask`` and ``is_done`` are plain attributes, set when a token is taken:
+the engine reads them for every constrained row of every step, and asking the
+matcher each time was a native call per read.
+
+Where a grammar process fills the masks (replica.py), the engine's matcher checks only the tokens
+it did not sample under its own masks: those replayed when the state is attached and a prefill
+worker's first token (until the state's replica is made: ``epoch`` 0). The tokens sampled under the
+masks the replica checks, and its verdict (the grammar is complete, or broke) comes back with the
+next step's masks: the manager sets ``verdict`` (and ``is_done`` or ``error``), and the scheduler
+ends the sequence there, without that step's token. A constrained sequence so ends one step later
+than it would with the engine checking each token, the same tokens out; the engine thread saves a
+matcher call per row per step (bench/structured.py).
+"""
+
+from __future__ import annotations
+
+from engine.constraints.backend import TokenMatcher
+
+
+class GrammarState:
+    __slots__ = ("__weakref__", "epoch", "error", "is_done", "key", "matcher", "needs_mask", "num_tokens", "sent",
+                 "start_after", "started", "verdict")
+
+    def __init__(self, matcher: TokenMatcher, start_after: int | None = None):
+        self.matcher = matcher
+        self.start_after = start_after
+        self.started = start_after is None
+        self.num_tokens = 0  # generated tokens this matcher saw (before and after the start)
+        self.error = ""
+        self.is_done = False  # the grammar is complete: the sequence ends here (finish reason ``stop``)
+        self.needs_mask = False  # the next token is constrained
+        self.verdict = False  # the grammar process found it complete (is_done) or broken (error): it ends
+        # the grammar process's replica (replica.py): its key, the process it lives in, the tokens it took
+        self.key = 0
+        self.epoch = 0  # 0: none yet, and the scheduler checks each token taken against this matcher
+        self.sent = 0
+        self._settle()
+
+    def advance(self, token_id: int) -> bool:
+        """Take one generated token; False if the grammar rejects it (``error`` says why)."""
+        self.num_tokens += 1
+        if not self.started:
+            if token_id == self.start_after:
+                self.started = True
+                self._settle()
+            return True
+        if self.error:
+            return False
+        if not self.matcher.consume(token_id):
+            self.error = self.matcher.error or f"token {token_id} does not match the grammar"
+            self.is_done = self.needs_mask = False
+            return False
+        self._settle()
+        return True
+
+    def replay(self, token_ids: list[int]) -> bool:
+        return all(self.advance(t) for t in token_ids)
+
+    def settle_late(self, error: str) -> None:
+        """The grammar process's verdict on the tokens so far: complete (``error`` empty) or broken."""
+        self.verdict = True
+        self.error = error
+        self.is_done = not error
+        self.needs_mask = False
+
+    def _settle(self) -> None:
+        if self.started:
+            self.is_done = self.matcher.is_done
+            self.needs_mask = not self.is_done

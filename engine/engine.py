@@ -1,0 +1,255 @@
+"""The model engine: ``EngineCore`` plus a model, its paged KV cache and a sampler.
+
+Workers run ``step()`` in a thread of their own (see ``engine.loop``);
+``generate()`` runs prompts to completion in the calling thread (the CLI, tests,
+benchmarks).
+
+With ``tp > 1`` this process is rank 0 of a tensor-parallel group
+(``engine.tp``): it holds its share of the model and of the KV heads,
+and ``kv_cache`` is the full head set over every rank's share (what the
+transports move), while attention here runs on its own share only.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine.attention import create_backend, default_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.constraints.manager import GrammarConfig, GrammarManager
+from engine.core import CoreConfig, EngineCore
+from engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
+from engine.kernels import Kernels
+from engine.loader import load_model
+from engine.lora import start_lora
+from engine.model import use_kernels
+from engine.overlap import OverlappedSteps
+from engine.runner import ModelRunner, PendingStep
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SampledToken
+from engine.tp import TensorParallel, shard_spec
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache
+from kvstore.disk import HEADER, DiskTier, layout_fingerprint, model_identity
+from kvstore.tiers import BlockCopier
+
+log = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+class Engine(EngineCore):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = mc = ModelConfig.from_dir(config.model)
+        mc.check_tp(config.tp)
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if config.fused_kernels and self.device.type != "cuda":
+            raise ValueError(f"fused kernels ({', '.join(config.fused_kernels)}) run on CUDA only, not {self.device}")
+        kernels = Kernels.select(config.fused_kernels)
+        max_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        bs = config.block_size
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
+        want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1
+        # One rank: load the weights first, so the automatic KV size sees what they took. Several:
+        # rank 0 starts the other ranks first (they load their shards while it loads its own),
+        # and they need the pool size to start.
+        self.model = None
+        if config.tp == 1:
+            self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
+        super().__init__(
+            CoreConfig(
+                model_name=config.model_name,
+                vocab_size=mc.vocab_size,
+                block_size=bs,
+                num_blocks=num_blocks,
+                max_model_len=max_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                eos_token_ids=mc.eos_token_ids,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_loras=config.lora_slots,
+                async_scheduling=config.use_async_scheduling,
+            )
+        )
+        self.tp = None
+        if config.tp > 1:
+            self.tp = TensorParallel(replace(config, attention_backend=backend), num_blocks, max_len,
+                                     _rank_kv_files(config, self.device))
+        try:
+            if self.model is None:
+                self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, shard=self.tp.shard)
+            own_kv = KVCache(shard_spec(mc, config, num_blocks, self.dtype), self.device,
+                             shm_path=config.kv_shm_path)
+            self.kv_cache = ShardedKVCache([own_kv, *self.tp.join()]) if self.tp else own_kv
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.kv_spec = self.kv_cache.spec  # the full head set
+        if config.has_host_tier:
+            self._enable_tiers()
+        use_kernels(self.model, kernels)
+        self._own_kv = own_kv
+        self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
+        self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
+        if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
+            self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
+        self.grammar = GrammarManager(
+            Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
+            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size,
+                          spin_seconds=config.grammar_spin_ms / 1000),
+            pin_memory=self.device.type == "cuda",
+        )
+        graphs = None
+        if want_graphs and getattr(self.attention, "supports_cuda_graphs", False):
+            # Pad rows of a graphed batch write this block; it is never freed (see cuda_graphs).
+            scratch = self.pool.allocate(1)[0]
+            graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device, scratch, bs)
+        self._graphs = graphs
+        self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
+                                  broadcast=self.tp.broadcast if self.tp else None, graphs=graphs,
+                                  lora=self.lora, grammar=self.grammar)
+        log.info(
+            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s%s%s",
+            config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
+            num_blocks, bs, backend, f", tensor parallel over {config.tp} ranks" if self.tp else "",
+            ", CUDA graphs for decode" if graphs else "",
+            ", overlapped scheduling" if self.overlap is not None else "",
+            f", fused kernels: {', '.join(sorted(kernels.names))}" if kernels.names else "",
+        )
+
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
+        if self.tiers is not None:
+            self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
+        if self.tp is None:
+            return self.runner.launch(out, prev)
+        try:
+            return self.runner.launch(out, prev)
+        except Exception as e:
+            self.tp.abort(f"{type(e).__name__}: {e}")
+            raise
+
+    def set_execution(self, *, cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
+                      fused_kernels: tuple[str, ...] | None = None, attention_backend: str | None = None) -> None:
+        """Switch how this engine runs its steps (None: leave as is). For benchmarks that compare
+        execution modes on one copy of the weights; the engine must be idle. Graphs can only be
+        switched back on in an engine built with them; a change of kernels or attention backend
+        recaptures them."""
+        if self.has_work:
+            raise RuntimeError("set_execution on an engine with requests in it")
+        if self.tp is not None:
+            raise ValueError("set_execution is not supported with --tp > 1")
+        graphs = self._graphs
+        if cuda_graphs and graphs is None:
+            raise ValueError("this engine was built without CUDA graphs (cuda_graphs=True, on CUDA)")
+        if attention_backend is not None and attention_backend != self.attention.name:
+            self.attention = create_backend(attention_backend, self._own_kv, self.model_config.head_dim**-0.5)
+            self.runner = ModelRunner(self.model, self.attention, self.sampler, self.block_size,
+                                      graphs=self.runner.graphs)
+            if graphs is not None:
+                if not getattr(self.attention, "supports_cuda_graphs", False):
+                    raise ValueError(f"attention {attention_backend!r} cannot run in CUDA graphs")
+                graphs.attention = self.attention
+                graphs.graphs.clear()
+        if fused_kernels is not None:
+            if fused_kernels and self.device.type != "cuda":
+                raise ValueError(f"fused kernels run on CUDA only, not {self.device}")
+            kernels = Kernels.select(fused_kernels)
+            use_kernels(self.model, kernels)
+            self.sampler.kernels = kernels
+            if graphs is not None:
+                graphs.graphs.clear()  # captured with the other kernels
+        if cuda_graphs is not None:
+            self.runner.graphs = graphs if cuda_graphs else None
+        if async_scheduling is not None:
+            self.overlap = OverlappedSteps(self) if async_scheduling else None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
+        if self.tp is not None:
+            self.tp.close()
+        self.grammar.close()
+        if self.tiers is not None and self.tiers.copier is not None:
+            self.tiers.copier.close()
+        self.kv_cache.close(unlink=True)
+
+    def _enable_tiers(self) -> None:
+        cfg, spec = self.config, self.kv_spec
+        slots = cfg.host_kv_blocks if cfg.host_kv_blocks is not None else int(cfg.host_kv_gb * _GIB // spec.block_bytes)
+        if slots <= 0:
+            raise ValueError(f"--host-kv-gb {cfg.host_kv_gb} holds no KV block of {spec.block_bytes} bytes")
+        disk = None
+        if cfg.disk_kv_dir:
+            identity = model_identity(cfg.model, cfg.model_name)
+            layout = {k: v for k, v in spec.to_dict().items() if k != "num_blocks"}
+            cap = (cfg.disk_kv_blocks * (HEADER.size + spec.block_bytes) if cfg.disk_kv_blocks is not None
+                   else int(cfg.disk_kv_gb * _GIB))
+            disk = DiskTier(cfg.disk_kv_dir, cap, layout_fingerprint(identity, layout), spec.block_bytes,
+                            self.pool.events)
+        kv = self.kv_cache
+        # beside a KV pool in shared memory, the host tier's slots too: a peer on this host reads
+        # the blocks it fetches out of both (kvstore/transfer/fetch.py, lent runs)
+        slots_path = kv.shm_path + ".host" if isinstance(kv, KVCache) and kv.shm_path else None
+        self.enable_tiers(slots, copier=BlockCopier(kv, slots, shm_path=slots_path), disk=disk,
+                          disk_min_hits=cfg.disk_min_hits)
+        log.info("KV tiers: host %d blocks (%.2f GiB)%s", slots, slots * spec.block_bytes / _GIB,
+                 f", disk {disk.dir} up to {cap / _GIB:g} GiB ({len(disk)} blocks found)" if disk else "")
+
+    def _auto_num_blocks(self, max_len: int, graphs: bool = False) -> int:
+        mc = self.model_config
+        block_bytes = KVCacheSpec(
+            mc.num_layers, 1, self.config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+        ).block_bytes
+        if self.device.type == "cuda":
+            block_bytes //= self.config.tp  # each GPU holds its share of the heads
+            free, total = torch.cuda.mem_get_info(self.device)
+            # This worker may use ``kv_memory_fraction`` of the whole device (weights, KV, activations),
+            # so several workers (two models, say) share one GPU by giving each a fraction.
+            # Leave room for the activations and logits of a full step, and the decode graphs' pool.
+            reserve = _GIB + self.config.max_num_seqs * mc.vocab_size * 8
+            if graphs:
+                elem = torch.empty((), dtype=self.dtype).element_size()
+                qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+                reserve += graph_memory_bytes(mc.hidden_size, mc.intermediate_size, qkv,
+                                              self.config.max_num_seqs, elem)
+            own = torch.cuda.memory_allocated(self.device)  # the weights, with one rank
+            budget = min(free, total * self.config.kv_memory_fraction - own) - reserve
+            budget = max(budget, block_bytes * 64)
+        else:
+            budget = min(self.config.cpu_kv_gib * _GIB, _available_memory() * 0.25)
+        want = self.config.max_num_seqs * -(-max_len // self.config.block_size)
+        return max(16, min(int(budget // block_bytes), want))
+
+
+def _rank_kv_files(config: EngineConfig, device: torch.device) -> str | None:
+    """Where the other ranks put their KV shards (``{this}.r{rank}``): on CPU, files rank 0
+    maps (next to its own in shared memory, if it has one); on CUDA, nowhere."""
+    if device.type != "cpu":
+        return None
+    if config.kv_shm_path:
+        return config.kv_shm_path
+    from kvstore.transfer.shm import shm_path
+
+    return shm_path(f"tp-{secrets.token_hex(4)}")
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * _GIB

@@ -1,0 +1,155 @@
+"""``mesh model tiny DIR``: a random-weight Llama (or Qwen3-MoE) checkpoint with a real tokenizer.
+
+The embedded default and the model of the test suite. Weights come from a
+fixed seed, so every machine writes the same bytes. They are scaled so that
+each layer changes the residual stream (outputs depend on the whole context,
+which is what the KV paths are tested on) and the logits are peaked (greedy
+choices are not knife-edge ties that float noise could flip).
+
+``--size moe`` and ``small-moe`` write a ``Qwen3MoeForCausalLM`` instead (q/k norms, every
+MLP a mixture of experts), with the same tokenizer and chat template; ``small-moe`` runs as
+many MLP columns per token as ``small`` (top-2 of 8 experts of half its width).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SIZES = {
+    # ~0.2M params: the test model
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # ~52M params: the benchmark model
+    "small": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
+                  num_attention_heads=10, num_key_value_heads=5, tie_word_embeddings=False),
+    # ~0.7M params, Qwen3-MoE: top-2 of 8 experts
+    "moe": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # ~160M params (~52M active per token), Qwen3-MoE: the MoE benchmark model
+    "small-moe": dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=10,
+                      num_attention_heads=10, num_key_value_heads=5, tie_word_embeddings=False,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=896),
+}
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+}
+
+VOCAB_SIZE = 4096
+EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
+MAX_POSITIONS = 16384
+
+
+def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = SIZES[size]
+    moe = "num_experts" in shape
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": EOS_IDS,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+        **shape,
+    }
+    if moe:
+        config |= QWEN3_MOE | {"head_dim": shape["hidden_size"] // shape["num_attention_heads"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
+    save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with resources.as_file(resources.files("engine.assets") / "tokenizer.json") as tok:
+        shutil.copyfile(tok, out / "tokenizer.json")
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": MAX_POSITIONS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out
+
+
+def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = h // heads
+
+    def linear(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+    # Small embeddings: the normalized sublayers dominate the residual stream, so the
+    # next token depends on the context, not just on the last token.
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.2}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, h)
+        w[p + "self_attn.k_proj.weight"] = linear(kv_heads * head_dim, h)
+        w[p + "self_attn.v_proj.weight"] = linear(kv_heads * head_dim, h)
+        w[p + "self_attn.o_proj.weight"] = linear(h, heads * head_dim)
+        if "num_experts" in cfg:
+            w |= _moe_weights(p, cfg, linear)
+        else:
+            w[p + "mlp.gate_proj.weight"] = linear(inter, h)
+            w[p + "mlp.up_proj.weight"] = linear(inter, h)
+            w[p + "mlp.down_proj.weight"] = linear(h, inter)
+    w["model.norm.weight"] = torch.ones(h)
+    if not cfg["tie_word_embeddings"]:
+        # logits with a std of ~12: peaked, like a trained model's
+        w["lm_head.weight"] = torch.randn(vocab, h, generator=g) * (12 / math.sqrt(h))
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def _moe_weights(p: str, cfg: dict, linear) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE layer's q/k norms, router and experts (one tensor per expert and projection,
+    the layout Hugging Face checkpoints ship)."""
+    h, inter, head_dim = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
+    w = {p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim),
+         # router logits with a std of ~2: tokens spread over the experts, each with a clear top 2
+         p + "mlp.gate.weight": linear(cfg["num_experts"], h) * 2}
+    for e in range(cfg["num_experts"]):
+        q = f"{p}mlp.experts.{e}."
+        w[q + "gate_proj.weight"] = linear(inter, h)
+        w[q + "up_proj.weight"] = linear(inter, h)
+        w[q + "down_proj.weight"] = linear(h, inter)
+    return w

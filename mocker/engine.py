@@ -1,0 +1,209 @@
+"""``MockEngine``: ``EngineCore`` with a timing model instead of a model.
+
+Every step is scheduled by the real scheduler over the real block pool and
+prefix cache, then "executed" by sleeping for what the step would take on a
+GPU (prefill cost per token, decode cost per step, per sequence and per KV
+token, and the onboarding of prefix hits from the host or disk tier at that
+tier's bandwidth), divided by ``speedup``. Tokens are a deterministic function
+of the sequence, so outputs are reproducible. No torch: a mock worker is a
+cheap process, and dozens run on two cores.
+
+KV tiers are the real bookkeeping with no bytes: ``kvstore.tiers.HostTier`` and
+``kvstore.disk.VirtualDiskTier``, so KV events, hit counters and eviction order
+are what a real worker's would be. A peer fetch (``mocker.worker``) moves no
+bytes either; its time comes from ``TimingModel.fetch_ms``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.core import CoreConfig, EngineCore
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SampledToken, Sequence
+from kvstore.disk import VirtualDiskTier
+from mesh.router import costs as ref
+from mesh.router.costs import KvCosts, transfer_ms
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """Milliseconds, roughly an 8B model (Llama-3-8B's KV shape) on one H100.
+
+    Transfer rates (GB/s) and their sources are in ``mesh/router/costs.py``: pinned host
+    memory over PCIe Gen4 (~25 effective), an NVMe Gen4 SSD (~5), a 100 Gb/s RDMA NIC (12.5),
+    HBM3 (3,350). A block's bytes come from the model shape: 2 (K, V) x layers x KV heads x
+    head dim x bytes per value x block size.
+    """
+
+    prefill_base_ms: float = 2.0
+    prefill_ms_per_token: float = ref.PREFILL_MS_PER_TOKEN
+    prefill_ms_per_token_ctx: float = 2e-7  # attention: grows with tokens x context
+    decode_base_ms: float = ref.DECODE_STEP_MS
+    decode_ms_per_seq: float = 0.06
+    decode_ms_per_kv_token: float = 2e-5
+    # the KV shape (Llama-3-8B: 128 KiB per token in bf16)
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    kv_dtype_bytes: int = 2
+    # where blocks come from
+    host_gb_per_s: float = ref.HOST_GB_PER_S
+    disk_gb_per_s: float = ref.DISK_GB_PER_S
+    network_gb_per_s: float = ref.NETWORK_GB_PER_S
+    fetch_base_ms: float = ref.FETCH_BASE_MS  # per peer fetch: request, pin, completion
+    hbm_gb_per_s: float = 3350.0  # a holder sending from device memory takes this share of its bandwidth
+
+    def __post_init__(self) -> None:
+        if min(self.host_gb_per_s, self.disk_gb_per_s, self.network_gb_per_s, self.hbm_gb_per_s) <= 0:
+            raise ValueError("transfer rates must be > 0")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+    def step_ms(self, out: SchedulerOutput) -> float:
+        ms = 0.0
+        decodes = 0
+        kv_tokens = 0
+        for c in out.chunks:
+            if c.num_tokens == 1 and c.start > 0:
+                decodes += 1
+                kv_tokens += c.end
+            else:
+                ms += (
+                    self.prefill_base_ms
+                    + self.prefill_ms_per_token * c.num_tokens
+                    + self.prefill_ms_per_token_ctx * c.num_tokens * c.end
+                )
+        if decodes:
+            ms += self.decode_base_ms + self.decode_ms_per_seq * decodes + self.decode_ms_per_kv_token * kv_tokens
+        return ms
+
+    def onboard_ms(self, host_blocks: int, disk_blocks: int, block_size: int) -> float:
+        """Copying prefix hits from the host and disk tiers into device blocks (the step waits)."""
+        block = self.block_bytes(block_size)
+        return transfer_ms(host_blocks * block, self.host_gb_per_s) + transfer_ms(disk_blocks * block, self.disk_gb_per_s)
+
+    def fetch_ms(self, tier_counts: dict[str, int], block_size: int) -> float:
+        """Sending blocks to a peer: the round trips, then each block at the slower of the network
+        and the tier it is read from (the holder's side; its wait for a step boundary is real time)."""
+        block = self.block_bytes(block_size)
+        ms = self.fetch_base_ms
+        for tier, n in tier_counts.items():
+            rate = min(self.network_gb_per_s, self.disk_gb_per_s) if tier == "disk" else self.network_gb_per_s
+            ms += transfer_ms(n * block, rate)
+        return ms
+
+    def serve_slowdown(self) -> float:
+        """A holder's steps while it sends from device memory: the NIC reads HBM alongside them."""
+        return 1.0 + self.network_gb_per_s / self.hbm_gb_per_s
+
+    def kv_costs(self, block_size: int, max_step_tokens: int) -> KvCosts:
+        """What the router needs of this timing (published on the worker's card)."""
+        return KvCosts.from_rates(
+            block_size, kv_bytes_per_token=self.kv_bytes_per_token, prefill_ms_per_token=self.prefill_ms_per_token,
+            host_gb_per_s=self.host_gb_per_s, disk_gb_per_s=self.disk_gb_per_s,
+            network_gb_per_s=self.network_gb_per_s, fetch_base_ms=self.fetch_base_ms,
+            decode_step_ms=self.decode_base_ms, max_step_tokens=max_step_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    model_name: str = "mock"
+    vocab_size: int = 32000
+    block_size: int = 16
+    num_blocks: int = 16384
+    max_model_len: int = 131072
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    speedup: float = 1.0
+    timing: TimingModel = TimingModel()
+    host_kv_blocks: int = 0  # a virtual host tier: bookkeeping and KV events, no bytes; onboarding costs time
+    disk_kv_blocks: int = 0  # a virtual disk tier below it (blocks reused at least disk_min_hits times)
+    disk_min_hits: int = 2
+    peer_fetch: bool = False  # fetch prefix blocks from the peer a router's decision names
+    fetch_timeout: float = 5.0  # seconds (wall) before a peer fetch is given up for prefill
+    hint_wait: float = 0.05  # seconds (wall) to wait for the router's decision about a request
+
+    def __post_init__(self) -> None:
+        if self.speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        if self.host_kv_blocks < 0 or self.disk_kv_blocks < 0:
+            raise ValueError("the host and disk KV tiers cannot be negative")
+        if self.disk_kv_blocks and not self.host_kv_blocks:
+            raise ValueError("the disk KV tier is fed by the host tier: give host KV blocks too")
+        if self.fetch_timeout <= 0 or self.hint_wait < 0:
+            raise ValueError("fetch_timeout must be > 0 and hint_wait >= 0")
+
+
+class MockEngine(EngineCore):
+    def __init__(self, config: MockConfig):
+        self.config = config
+        super().__init__(
+            CoreConfig(
+                model_name=config.model_name,
+                vocab_size=config.vocab_size,
+                block_size=config.block_size,
+                num_blocks=config.num_blocks,
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        )
+        if config.host_kv_blocks or config.peer_fetch:  # host_kv_blocks 0: only the stage of fetched blocks
+            disk = VirtualDiskTier(config.disk_kv_blocks, self.pool.events) if config.disk_kv_blocks else None
+            self.enable_tiers(config.host_kv_blocks, disk=disk, disk_min_hits=config.disk_min_hits)
+        self.simulated_seconds = 0.0  # wall: the simulated time divided by the speedup
+        self.simulated_ms = 0.0  # the timing model's own clock (what the GPU would have taken)
+        self._onboarded = {"host": 0, "disk": 0}  # tier hit counters as of the last step
+
+    @property
+    def kv_costs(self) -> KvCosts:
+        return self.config.timing.kv_costs(self.block_size, self.config.max_num_batched_tokens)
+
+    def step_ms(self, out: SchedulerOutput) -> float:
+        """The simulated time of a scheduled step: compute, plus onboarding the hits it admitted."""
+        timing = self.config.timing
+        ms = timing.step_ms(out)
+        if self.tiers is not None:
+            hits = self.tiers.hit_blocks
+            host, disk = hits["host"] - self._onboarded["host"], hits["disk"] - self._onboarded["disk"]
+            self._onboarded = {"host": hits["host"], "disk": hits["disk"]}
+            ms += timing.onboard_ms(host, disk, self.block_size)
+        if self.pins.serving_device:
+            ms *= timing.serve_slowdown()
+        return ms
+
+    # Run by an InlineEngineLoop (engine.loop): steps on the event loop, and the step's pause
+    # is owed to the loop (``take_owed_seconds``) instead of slept here.
+    steps_inline = True
+    paced = False
+    owed_seconds = 0.0
+
+    def take_owed_seconds(self) -> float:
+        owed, self.owed_seconds = self.owed_seconds, 0.0
+        return owed
+
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        ms = self.step_ms(out)
+        self.simulated_ms += ms
+        seconds = ms / 1000.0 / self.config.speedup
+        self.simulated_seconds += seconds
+        if self.paced:
+            self.owed_seconds += seconds
+        elif seconds > 0:
+            time.sleep(seconds)
+        return [SampledToken(self.token_for(c.seq)) for c in out.chunks if c.samples]
+
+    def token_for(self, seq: Sequence) -> int:
+        """The next token: a fixed function of the last token and the length (once per row per step:
+        the sequence's lists read directly, not through its properties)."""
+        outs = seq.output_token_ids
+        last = outs[-1] if outs else seq.prompt_token_ids[-1]
+        return (last * 31 + (len(seq.prompt_token_ids) + len(outs)) * 17 + 7) % self.vocab_size

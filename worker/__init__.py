@@ -1,0 +1,1 @@
+"""The worker base every role's worker builds on: bus, card, engine thread, load reports."""
