@@ -26,7 +26,9 @@ import time
 import httpx
 
 from cli.up import default_model_dir, ensure_tiny_model
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
 
 

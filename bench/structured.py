@@ -280,7 +280,9 @@ def use_fill_thread(engine) -> None:
 
 
 def engine_bench(args: argparse.Namespace) -> dict:
-    from engine import Engine, EngineConfig, SamplingParams
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
     from mesh.tokenizer import Tokenizer
 
     out: dict = {"max_tokens": args.max_tokens, "rows": []}

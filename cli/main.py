@@ -383,7 +383,9 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import Engine, EngineConfig, ModelConfig, SamplingParams
+    from engine.config import EngineConfig, ModelConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
     from mesh.tokenizer import Tokenizer
 
     model = Path(args.model)
@@ -775,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=(args.log_level or settings().log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from engine import ModelError, RequestError
+    from mesh.errors import ModelError, RequestError
 
     try:
         return args.func(args)

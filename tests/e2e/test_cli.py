@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.tokenizer import Tokenizer
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import Engine, SamplingParams
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 
 def greedy(n: int) -> SamplingParams:

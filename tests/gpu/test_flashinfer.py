@@ -27,8 +27,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from engine import Engine, EngineConfig
 from engine.attention import AttentionBatch, create_backend, default_backend
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.tiny import write_tiny_model
 from kvstore.cache import KVCache, KVCacheSpec
 from tests.gpu.greedy_checks import assert_greedy_agree, greedy, step_logits

@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.kernels import (
     FUSED_KERNELS,
     FlashInferRope,
@@ -34,6 +34,7 @@ from engine.kernels import (
     torch_silu_and_mul,
 )
 from engine.model import Rotary
+from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin
 

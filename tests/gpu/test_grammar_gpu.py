@@ -11,9 +11,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
 from engine.constraints import Constraint
 from engine.constraints.masks import apply_bitmask
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu

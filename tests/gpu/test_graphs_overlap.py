@@ -23,9 +23,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
 from engine.cuda_graphs import graph_memory_bytes
+from engine.engine import Engine
 from engine.kernels import FUSED_KERNELS
+from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin, greedy
 

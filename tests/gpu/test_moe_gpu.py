@@ -24,8 +24,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 import engine.loader as loader
-from engine import Engine, EngineConfig, ModelConfig, SamplingParams
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.moe import FlashInferExperts, GroupedExperts, SparseMoE
+from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from engine.tp import Shard
 

@@ -41,7 +41,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("cupy")
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from kvstore.cache import KVCache, KVCacheSpec
 from kvstore.transfer import make_receiver, make_sender
 from kvstore.transfer import nccl as nccl_transport

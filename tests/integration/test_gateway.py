@@ -19,7 +19,9 @@ import httpx
 import openai
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.tokenizer import Tokenizer
 from tests.integration.conftest import Watcher, wait_http_ok
 

@@ -227,7 +227,9 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
     """Last in the module (it kills a decode worker): the adapter is loaded on both decode
     workers; the one streaming is killed; the gateway resumes the request on the other, on the
     same adapter, and the client sees the engine's output unbroken."""
-    from engine import Engine, EngineConfig, SamplingParams
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
 
     dirs, _ = adapters
     url, nats_url = mesh

@@ -16,7 +16,9 @@ import uuid
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions
 from tests.integration.conftest import Watcher

@@ -8,7 +8,9 @@ import random
 import httpx
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
 from tests.e2e.test_up import start_up
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import random
 import uuid
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.client import generate
 from mesh.protocol import (
     GenerateRequest,

@@ -14,7 +14,9 @@ import time
 import httpx
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
 from tests.integration.conftest import Watcher, wait_http_ok
 

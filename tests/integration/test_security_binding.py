@@ -21,7 +21,9 @@ import uuid
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from mesh.protocol import (
     Cancel,
     GenerateRequest,

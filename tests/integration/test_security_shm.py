@@ -20,7 +20,8 @@ import uuid
 
 import pytest
 
-from engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from kvstore.transfer import host_id
 from kvstore.transfer.shm import shm_dir
 from mesh.prefill_queue import PrefillQueue

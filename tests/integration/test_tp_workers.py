@@ -18,7 +18,9 @@ import time
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from kvstore.transfer.shm import PREFIX, remove_stale_files, shm_dir
 from tests.integration.conftest import Watcher
 from tests.integration.test_mesh import run_all

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
 from engine.attention import AttentionBatch
+from engine.config import EngineConfig
 from engine.cuda_graphs import StaticDecodeBatch, batch_sizes
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12], [3] * 20)  # the third spans two blocks
 

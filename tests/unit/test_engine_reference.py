@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus
 
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]

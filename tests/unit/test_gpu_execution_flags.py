@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineConfig
-from engine import config as engine_config_module
-from engine.kernels import FUSED_KERNELS, Kernels, parse_fused_kernels
 import cli.main as cli
+from engine import config as engine_config_module
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kernels import FUSED_KERNELS, Kernels, parse_fused_kernels
 
 
 def worker_args(model, *flags):

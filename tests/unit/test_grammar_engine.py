@@ -13,9 +13,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine import Engine, EngineConfig, RequestError, SamplingParams
+from engine.config import EngineConfig
 from engine.constraints import Constraint, ConstraintError
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.sequence import SampledToken, SeqStatus
+from mesh.errors import RequestError
 from mesh.tokenizer import Tokenizer
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())

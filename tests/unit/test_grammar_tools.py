@@ -9,7 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus
 from gateway.toolcalls import ToolCallParser
 from gateway.tools import TOOL_FORMATS, FunctionSpec, forcing_constraint

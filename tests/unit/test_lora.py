@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.lora_layers import LoraBatch, LoraSlots, Projection, TableEntry, add_lora
+from engine.sampling import SamplingParams
 from kvstore.hashing import model_seed
 from mesh.errors import LoraError, UnknownAdapterError
 

@@ -14,10 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine.loader as loader
-from engine import Engine, EngineConfig, ModelConfig, ModelError, SamplingParams
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.moe import GroupedExperts, SparseMoE, TopKRouter
+from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus
 from engine.tiny import write_tiny_model
+from mesh.errors import ModelError
 
 FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,9 @@ import shutil
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.sequence import SampledToken
 
 CONVS = 4

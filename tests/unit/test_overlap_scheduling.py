@@ -189,7 +189,8 @@ def test_a_request_stopping_on_eos_costs_one_dropped_row_not_a_token():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    from engine import Engine, EngineConfig
+    from engine.config import EngineConfig
+    from engine.engine import Engine
 
     def make(async_scheduling: bool, **kw):
         cfg = dict(device="cpu", num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=6, block_size=4)

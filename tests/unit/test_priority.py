@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus
 from mocker.engine import MockConfig, MockEngine
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.sampler import Sampler
+from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus, Sequence
 
 

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 import kvstore.cache
-from engine import Engine, EngineConfig, ModelError, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
+from mesh.errors import ModelError
 from mesh.protocol import PrefillJob
 from tests.procs import alive
 
