@@ -1,13 +1,17 @@
-"""Shared fixtures: the tiny model, HF reference checkpoints."""
+"""Shared fixtures: the tiny and small models, HF reference checkpoints."""
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# the shared checks assert too: report their failures as pytest does a test's own asserts
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers.checkpoints import HF_FAMILIES, make_hf_checkpoint  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -20,52 +24,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    """The ``small`` checkpoint (head_dim 64, which FlashInfer serves; the tiny one's 16 it does not)."""
+    from engine.tiny import write_tiny_model
 
-
-def make_hf_checkpoint(family: str, out: Path, tie: bool = False, seed: int = 0) -> Path:
-    """A small random HF checkpoint of ``family``, with weights scaled for peaked, context-dependent logits."""
-    import transformers as tf
-
-    common = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=tie, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )
-    if family == "llama":
-        cfg = tf.LlamaConfig(**common, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
-        }, rope_theta=50000.0)
-        cls = tf.LlamaForCausalLM
-    elif family == "qwen2":
-        cfg = tf.Qwen2Config(**common)
-        cls = tf.Qwen2ForCausalLM
-    elif family == "qwen3":
-        cfg = tf.Qwen3Config(**common, head_dim=32)  # head_dim != hidden / heads
-        cls = tf.Qwen3ForCausalLM
-    elif family == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=None)
-        cls = tf.MistralForCausalLM
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if not tie else 1.0))
-            elif "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 12 / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "small", size="small")
 
 
 @pytest.fixture(scope="session")

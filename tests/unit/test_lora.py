@@ -4,7 +4,6 @@ adapter-seeded prefix caching, and broken adapter directories."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
@@ -17,65 +16,19 @@ from engine.lora_layers import LoraBatch, LoraSlots, Projection, TableEntry, add
 from engine.sampling import SamplingParams
 from kvstore.hashing import model_seed
 from mesh.errors import LoraError, UnknownAdapterError
+from tests.helpers.lora import peft_references
+from tests.helpers.references import prompts_of
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-# name -> PEFT settings: every projection; attention only with a per-module alpha; MLP only, rsLoRA
-ADAPTERS = {
-    "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                     "up_proj", "down_proj"]),
-    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], alpha_pattern={"o_proj": 2}),
-    "mlp": dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
-}
-
-
-def make_adapter(base_dir, out, seed: int, **settings):
-    """A PEFT adapter with random, non-zero A and B (``init_lora_weights=False``), saved as PEFT does."""
-    import transformers as tf
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **settings))
-    with torch.no_grad():  # scale B up so that every adapter changes the greedy choices
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0)
-    peft_model.save_pretrained(out)
-    return out
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
-def prompts_of(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(8, 4096) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = prompts_of([5, 40, 70])
+PROMPTS = prompts_of([5, 40, 70], 4096, low=8)
 
 
 @pytest.fixture(scope="module")
 def lora_reference(tiny_model, tmp_path_factory):
     """Adapters made by peft on the tiny model, and transformers + peft greedy outputs of every
     prompt under each adapter (key None: the base model)."""
-    import transformers as tf
-    from peft import PeftModel
-
-    root = tmp_path_factory.mktemp("lora")
-    dirs = {name: make_adapter(tiny_model, root / name, seed, **settings)
-            for seed, (name, settings) in enumerate(ADAPTERS.items(), start=1)}
-    expected = {}
-    for name in [None, *dirs]:
-        model = tf.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-        if name is not None:
-            model = PeftModel.from_pretrained(model, dirs[name]).eval()
-        expected[name] = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    dirs, expected = peft_references(tiny_model, tmp_path_factory.mktemp("lora"), PROMPTS, MAX_TOKENS)
     return tiny_model, dirs, expected
 
 

@@ -4,8 +4,6 @@ the grouped experts backend on its own, and MoE under tensor parallelism."""
 from __future__ import annotations
 
 import json
-import math
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,86 +16,25 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.moe import GroupedExperts, SparseMoE, TopKRouter
 from engine.sampling import SamplingParams
-from engine.sequence import SeqStatus
 from engine.tiny import write_tiny_model
 from mesh.errors import ModelError
+from tests.helpers.checkpoints import make_moe_checkpoint
+from tests.helpers.references import (
+    assert_logits_match_transformers,
+    hf_greedy,
+    hf_model,
+    prompts_of,
+    run_with_logits,
+)
 
 FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def make_moe_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
-    """A small random HF MoE checkpoint with peaked, context-dependent logits and routers that
-    spread tokens over the experts.
-
-    qwen3_moe: 3 layers, the middle one dense (``mlp_only_layers``), qk norms, head_dim 32;
-    mixtral: every layer sparse, always renormalised top-2;
-    qwen2_moe: ``decoder_sparse_step`` 2 (layer 0 dense, 1 sparse), q/k/v biases, a gated shared
-    expert, top-k weights not renormalised."""
-    import transformers as tf
-
-    common = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=None,
-                  bos_token_id=None, pad_token_id=None)
-    if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=32, intermediate_size=96,
-                                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                norm_topk_prob=True, mlp_only_layers=[1])
-        cls = tf.Qwen3MoeForCausalLM
-    elif family == "mixtral":
-        cfg = tf.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=32, num_local_experts=6,
-                               num_experts_per_tok=2, sliding_window=None)
-        cls = tf.MixtralForCausalLM
-    elif family == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
-                                shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
-                                norm_topk_prob=False, decoder_sparse_step=2)
-        cls = tf.Qwen2MoeForCausalLM
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 12 / math.sqrt(p.shape[-1]))
-            elif name.endswith("mlp.gate.weight"):  # the router: a clear top-k per token
-                p.copy_(torch.randn(p.shape, generator=g) * 2 / math.sqrt(p.shape[-1]))
-            else:  # stacked experts are [E, out, in]: the fan-in is the last dimension
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
     return {f: make_moe_checkpoint(f, root / f) for f in FAMILIES}
-
-
-def hf_model(path):
-    import transformers as tf
-
-    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def prompts_of(lengths, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 # -- configuration -------------------------------------------------------------------
@@ -180,29 +117,7 @@ def test_grouped_experts_run_only_the_selected_experts():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers_prefill_and_each_decode_step(moe_checkpoints, family):
-    path = moe_checkpoints[family]
-    ref = hf_model(path)
-    engine = Engine(EngineConfig(path, num_kv_blocks=128, block_size=8))
-    engine.runner.capture_logits = True
-    prompts = prompts_of([5, 19, 33], ref.config.vocab_size)
-    seqs = [engine.new_sequence(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in prompts]
-    for s in seqs:
-        engine.add(s)
-    steps = 0
-    while engine.has_work:
-        plan = [(s, s.num_computed_tokens, s.num_tokens) for s in seqs if not s.is_finished]
-        engine.step()
-        logits = engine.runner.last_logits
-        row = 0
-        for s, start, end in plan:
-            with torch.no_grad():
-                full = ref(torch.tensor([s.token_ids[:end]])).logits[0].float()
-            diff = (logits[row : row + end - start] - full[start:end]).abs().max().item()
-            assert diff < 1e-4, f"{family}: step {steps} rows {start}:{end} differ by {diff}"
-            row += end - start
-        steps += 1
-    assert steps == 6  # one prefill step, then five decode steps
-    assert all(s.status == SeqStatus.FINISHED_LENGTH for s in seqs)
+    assert_logits_match_transformers(moe_checkpoints[family], family)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -299,24 +214,12 @@ def test_tp2_is_token_identical_to_tp1(moe_checkpoints, family):
     path = moe_checkpoints[family]
     prompts = prompts_of([5, 33, 64], 512, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-    def run(engine):
-        engine.runner.capture_logits = True
-        seqs = [engine.new_sequence(p, params) for p in prompts]
-        for s in seqs:
-            engine.add(s)
-        logits = []
-        while engine.has_work:
-            engine.step()
-            logits.append(engine.runner.last_logits)
-        return [s.output_token_ids for s in seqs], logits
-
-    out1, logits1 = run(Engine(EngineConfig(path, num_kv_blocks=64)))
+    out1, _, logits1 = run_with_logits(Engine(EngineConfig(path, num_kv_blocks=64)), prompts, params)
     two = Engine(EngineConfig(path, num_kv_blocks=64, tp=2))
     try:
         moe = next(layer.mlp for layer in two.model.layers if isinstance(layer.mlp, SparseMoE))
         assert moe.inter == 16  # half of each expert's 32 columns
-        out2, logits2 = run(two)
+        out2, _, logits2 = run_with_logits(two, prompts, params)
     finally:
         two.close()
     assert out1 == out2
