@@ -30,9 +30,8 @@ pytest.importorskip("flashinfer")
 from engine.attention import AttentionBatch, create_backend, default_backend
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.tiny import write_tiny_model
 from kvstore.cache import KVCache, KVCacheSpec
-from tests.gpu.greedy_checks import assert_greedy_agree, greedy, step_logits
+from tests.helpers.greedy_checks import assert_greedy_agree, greedy, step_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -117,11 +116,6 @@ def test_unsupported_head_dim_is_refused_with_the_reason():
 # -- engine level ----------------------------------------------------------------
 
 PROMPT_LENS = [3, 17, 40, 64, 9, 100, 250]
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "small", size="small")
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,7 @@ from engine.kernels import (
 )
 from engine.model import Rotary
 from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
-from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin
+from tests.helpers.greedy_checks import assert_greedy_agree, dtype_margin, greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -123,15 +122,6 @@ def test_sampling_stays_in_the_filtered_set_and_follows_its_distribution():
 
 
 # -- engine level ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "small", size="small")
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def make(model, dtype="bfloat16", **kw) -> Engine:

@@ -28,15 +28,9 @@ from engine.cuda_graphs import graph_memory_bytes
 from engine.engine import Engine
 from engine.kernels import FUSED_KERNELS
 from engine.sampling import SamplingParams
-from engine.tiny import write_tiny_model
-from tests.gpu.greedy_checks import assert_greedy_agree, dtype_margin, greedy
+from tests.helpers.greedy_checks import assert_greedy_agree, dtype_margin, greedy
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "small", size="small")
 
 
 def make(model, dtype="bfloat16", **kw) -> Engine:
