@@ -28,7 +28,7 @@ import pytest
 
 from cli import build_parser
 from mesh.natsserver import find_binary, free_port
-from tests.integration.conftest import wait_http_ok
+from tests.helpers.cluster import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = {name: ROOT / name for name in ("README.md", "docs/quickstart.md")}

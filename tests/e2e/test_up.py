@@ -2,54 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from mesh.natsserver import free_port
-from tests.procs import alive
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "up", "--port", str(port), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if "pdmesh is up" in line:
-            proc.up_line = line
-            return proc, f"http://127.0.0.1:{port}"
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"mesh up did not come up: {proc.stdout.read()}")
+from tests.helpers.cluster import start_up
+from tests.helpers.procs import alive, descendants
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -53,7 +53,8 @@ from mesh.client import generate
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import GenerateRequest, LoadReport, PrefillJob, SamplingOptions
 from mesh.registry import Membership
-from tests.procs import stop_processes
+from tests.helpers.cluster import wait_until
+from tests.helpers.procs import stop_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -274,20 +275,11 @@ def spawn_worker(role: str, *flags: str, env: dict) -> subprocess.Popen:
     )
 
 
-async def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def fresh_load(loads: dict[str, LoadReport], worker: str, timeout: float = 5.0) -> LoadReport:
     """The first load report of ``worker`` sent after now."""
     since = time.time()
-    return await wait_for(lambda: (r := loads.get(worker)) and r.timestamp > since and r, timeout, "a load report")
+    return await wait_until(lambda: (r := loads.get(worker)) and r.timestamp > since and r, timeout, "a load report",
+                            interval=0.2)
 
 
 async def run_prompt(bus: Bus, worker: str, model: str, rid: str, tokens: list[int], n: int) -> list[int]:
@@ -345,8 +337,8 @@ async def test_cluster_prefills_remotely_and_decodes_like_one_engine(transport, 
     try:
         await bus.subscribe(bus.subjects.load_model(model), on_load, LoadReport)
         await members.start(wait=1.0)
-        await wait_for(lambda: members.get(decode_id) and members.get(prefill_id), 120, "both workers")
-        await wait_for(lambda: prefill_id in loads and decode_id in loads, 30, "load reports of both")
+        await wait_until(lambda: members.get(decode_id) and members.get(prefill_id), 120, "both workers", interval=0.2)
+        await wait_until(lambda: prefill_id in loads and decode_id in loads, 30, "load reports of both", interval=0.2)
         reference = Engine(EngineConfig(tiny_model, device="cuda:0", num_kv_blocks=128))
         rng = random.Random(5)
         counter = f"transport_{transport}"

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from mesh.tokenizer import Tokenizer
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_worker.py"
 SERVED = "echo"

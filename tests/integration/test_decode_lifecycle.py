@@ -21,7 +21,7 @@ from mesh.bus import Bus
 from mesh.client import StreamError, cancel, generate
 from mesh.protocol import GenerateRequest, SamplingOptions, TokenChunk, decode
 from mocker.engine import MockConfig
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher
 from worker.base import WorkerSettings, sampling_params
 
 MODEL = "life"

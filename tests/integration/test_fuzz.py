@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from mesh.bus import Bus
 from mesh.natsserver import free_port
 from mesh.protocol import Cancel, PrefillDone, decode, encode
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 NS = "fuzz"
 WORKER = "fuzz-dec"

@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.tokenizer import Tokenizer
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 DISAGG_THRESHOLD = 32
 DECODE_WORKERS = ("dec-disagg", "dec-local")

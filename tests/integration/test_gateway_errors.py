@@ -27,7 +27,7 @@ from mesh.bus import Bus
 from mesh.protocol import Cancel, GenerateRequest, TokenChunk, TokenLogprobs, Usage, WorkerCard
 from mesh.registry import CardPublisher
 from mesh.tokenizer import Tokenizer
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 SCRIPTED = "scripted"
 TIMEOUT_S = 1.5

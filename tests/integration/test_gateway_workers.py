@@ -14,9 +14,8 @@ import httpx
 import pytest
 
 from mesh.natsserver import free_port
-from tests.e2e.test_up import descendants
-from tests.integration.conftest import wait_http_ok
-from tests.procs import alive
+from tests.helpers.cluster import wait_http_ok
+from tests.helpers.procs import alive, descendants
 
 
 def children(pid: int) -> list[int]:

@@ -19,7 +19,7 @@ from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher
 
 NS = "routing"
 

@@ -10,9 +10,7 @@ adapter until one is loaded at runtime), one gateway with the KV router.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,10 +19,10 @@ from contextlib import asynccontextmanager
 import httpx
 import openai
 import pytest
-import torch
 
-from tests.integration.conftest import Watcher, wait_http_ok
-from tests.unit.test_lora import ADAPTERS, hf_greedy, make_adapter
+from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.lora import ADAPTERS, peft_references
+from tests.helpers.references import prompts_of
 
 MAX_TOKENS = 8
 THRESHOLD = 48  # lora-dec prefills prompts this long on the prefill worker
@@ -33,8 +31,7 @@ DEC, PRE, BASE = "lora-dec", "lora-pre", "base-dec"
 
 
 def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4000) for _ in range(n)]
+    return prompts_of([n], 4000, seed, low=3)[0]
 
 
 PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
@@ -44,18 +41,7 @@ PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
 def adapters(tiny_model, tmp_path_factory):
     """PEFT adapters on the tiny model, and transformers + peft greedy outputs of every prompt
     under each (key None: the base model)."""
-    import transformers as tf
-    from peft import PeftModel
-
-    root = tmp_path_factory.mktemp("lora-serving")
-    dirs = {name: make_adapter(tiny_model, root / name, seed, **settings)
-            for seed, (name, settings) in enumerate(ADAPTERS.items(), start=1)}
-    expected = {}
-    for name in [None, *dirs]:
-        model = tf.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-        if name is not None:
-            model = PeftModel.from_pretrained(model, dirs[name]).eval()
-        expected[name] = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    dirs, expected = peft_references(tiny_model, tmp_path_factory.mktemp("lora-serving"), PROMPTS, MAX_TOKENS)
     assert len({str(v) for v in expected.values()}) == 4  # every adapter changes the output
     return dirs, expected
 
@@ -245,11 +231,7 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
             killed = None
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
+                async for event in completion_events(r):
                     got += event["choices"][0].get("token_ids") or []
                     if killed is None and len(got) >= 20:
                         busy = await w.wait_for(

@@ -12,24 +12,21 @@ import os
 import random
 import signal
 import time
-import uuid
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from mesh.client import generate
-from mesh.protocol import GenerateRequest, SamplingOptions
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher, run_all
+from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
 LENGTHS = [5, 12, 20, 33, 48, 63, 64, 70, 90, 128, 150, 200, 256, 300, 333, 400, 450, 512, 600, 700]
 
 
 def prompts(seed: int = 0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
+    return prompts_of(LENGTHS, 4096, seed, low=3)
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +35,6 @@ def reference(tiny_model):
     ps = prompts()
     seqs = engine.generate(ps, SamplingParams(max_tokens=16, temperature=0.0))
     return {tuple(p): s.output_token_ids for p, s in zip(ps, seqs, strict=True)}, engine
-
-
-async def run_all(bus, worker_id, prompt_list, max_tokens=16):
-    async def one(p):
-        req = GenerateRequest(uuid.uuid4().hex, "tiny", p, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
-        toks, last = [], None
-        async for chunk in generate(bus, worker_id, req, first_timeout=120, idle_timeout=60):
-            assert chunk.error is None, chunk.error
-            toks += chunk.token_ids
-            last = chunk
-        return toks, last
-
-    return await asyncio.gather(*(one(p) for p in prompt_list))
 
 
 @pytest.mark.parametrize("transport", ["shm", "nats"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher
 
 N = 32
 

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.tiny import write_tiny_model
-from tests.e2e.test_up import start_up
+from tests.helpers.cluster import start_up
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from bench.nats_cluster import gateway_server
 from mesh.bus import Bus
 from mesh.natsauth import NatsConfig
 from mesh.natsserver import EmbeddedNatsCluster, free_port
-from tests.integration.conftest import Cluster
+from tests.helpers.cluster import Cluster
 
 
 @pytest.fixture(scope="module")

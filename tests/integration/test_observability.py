@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.natsserver import free_port
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 NS = "obs"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

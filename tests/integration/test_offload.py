@@ -11,20 +11,16 @@ The load-report and snapshot checks need the two hooks in worker/base.py (``load
 from __future__ import annotations
 
 import random
-import uuid
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from mesh.client import generate
 from mesh.protocol import (
-    GenerateRequest,
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
-    SamplingOptions,
 )
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher, stream_tokens
 
 WORKER = "dec-offload"
 CONVS, FIRST, USER, ANSWER, TURNS = 6, 150, 30, 8, 3
@@ -52,12 +48,7 @@ def reference(tiny_model):
 
 
 async def ask(bus, tokens):
-    req = GenerateRequest(uuid.uuid4().hex, "tiny", tokens, SamplingOptions(max_tokens=ANSWER, temperature=0.0))
-    toks, last = [], None
-    async for chunk in generate(bus, WORKER, req, first_timeout=120, idle_timeout=60):
-        assert chunk.error is None, chunk.error
-        toks += chunk.token_ids
-        last = chunk
+    toks, last = await stream_tokens(bus, WORKER, tokens, ANSWER)
     return toks, last.usage.cached_tokens
 
 

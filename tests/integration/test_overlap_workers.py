@@ -9,7 +9,6 @@ and every block comes back.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 
@@ -20,7 +19,8 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.client import cancel, generate
 from mesh.protocol import GenerateRequest, SamplingOptions
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher, stream_tokens
+from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
 LENGTHS = [5, 20, 48, 70, 130, 256, 333, 512]
@@ -28,8 +28,7 @@ NS = "overlap"
 
 
 def prompts(seed: int = 0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
+    return prompts_of(LENGTHS, 4096, seed, low=3)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +36,6 @@ def reference(tiny_model):
     engine = Engine(EngineConfig(tiny_model, num_kv_blocks=1024))
     seqs = engine.generate(prompts(), SamplingParams(max_tokens=16, temperature=0.0))
     return {tuple(s.prompt_token_ids): s.output_token_ids for s in seqs}
-
-
-async def collect(bus, worker_id, p, max_tokens=16):
-    req = GenerateRequest(uuid.uuid4().hex, "tiny", p, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
-    toks, last = [], None
-    async for chunk in generate(bus, worker_id, req, first_timeout=120, idle_timeout=60):
-        assert chunk.error is None, chunk.error
-        toks += chunk.token_ids
-        last = chunk
-    return toks, last
 
 
 async def test_overlapped_workers_give_the_engines_tokens_and_cancel_cleanly(cluster, tiny_model, reference):
@@ -59,7 +48,7 @@ async def test_overlapped_workers_give_the_engines_tokens_and_cancel_cleanly(clu
         await w.wait_for(lambda: w.membership.get("dec-ovl") and w.membership.get("pre-ovl"), 180, "both workers")
         await w.fresh_load("pre-ovl")
         await asyncio.sleep(1.2)
-        results = await asyncio.gather(*(collect(w.bus, "dec-ovl", p) for p in prompts()))
+        results = await asyncio.gather(*(stream_tokens(w.bus, "dec-ovl", p) for p in prompts()))
         for p, (toks, last) in zip(prompts(), results, strict=True):
             assert toks == reference[tuple(p)], f"prompt of {len(p)} tokens differs"
             assert last.finish_reason == "length" and last.usage.prompt_tokens == len(p)

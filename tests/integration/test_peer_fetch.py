@@ -34,7 +34,7 @@ from mesh.protocol import (
 )
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher
 
 NS = "peerfetch"
 A, B = "pf-a", "pf-b"

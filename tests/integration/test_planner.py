@@ -15,8 +15,7 @@ import time
 import httpx
 
 from mesh.protocol import PlannerDecision
-from tests.e2e.test_up import start_up
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher, start_up
 
 FLAGS = ["--mock", "--mock-speedup", "1", "--prefill", "1", "--decode", "1",
          "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1", "--max-decode", "3",

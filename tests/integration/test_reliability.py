@@ -5,7 +5,6 @@ request, block usage back to idle."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -18,7 +17,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
 
 NS = "faults"
 
@@ -50,11 +49,7 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
         async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
                                                                            json=body) as r:
             assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
+            async for event in completion_events(r):
                 got += event["choices"][0].get("token_ids") or []
                 if killed is None and len(got) >= 50:
                     busy = await w.wait_for(
@@ -80,7 +75,7 @@ async def test_a_nats_restart_is_survived(tmp_path, tiny_model):
     """Every component reconnects; the registry and the router come back; requests in flight
     finish or fail clearly; new requests work."""
     from mesh.natsserver import EmbeddedNats
-    from tests.integration.conftest import Cluster
+    from tests.helpers.cluster import Cluster
 
     port = free_port()
     store = str(tmp_path / "js")

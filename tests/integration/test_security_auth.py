@@ -21,7 +21,7 @@ import pytest
 
 from mesh.natsserver import free_port
 from mesh.protocol import GenerateRequest, TokenBatch, TokenChunk, decode
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 FLAG_KEY = "sk-flag-0123456789"
 ENV_KEY = "sk-env-0123456789"

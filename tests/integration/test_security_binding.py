@@ -33,7 +33,7 @@ from mesh.protocol import (
     TokenChunk,
     decode,
 )
-from tests.integration.conftest import Watcher
+from tests.helpers.cluster import Watcher
 
 MAX_TOKENS = 8
 DELAY = 7.0  # how long the late copy waits under its fence, seconds

@@ -31,7 +31,7 @@ from mesh.natsperms import authorization_block, permissions
 from mesh.natsserver import EmbeddedNats, free_port
 from mesh.protocol import GenerateRequest, SamplingOptions, encode
 from mesh.registry import Membership
-from tests.integration.conftest import Cluster, Watcher, wait_http_ok
+from tests.helpers.cluster import Cluster, Watcher, wait_http_ok
 
 MODEL = "tiny"
 GATEWAY_PASSWORD = secrets.token_urlsafe(16)

@@ -26,8 +26,7 @@ from kvstore.transfer import host_id
 from kvstore.transfer.shm import shm_dir
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import PrefillDone, PrefillJob
-from tests.integration.conftest import Watcher
-from tests.integration.test_mesh import run_all
+from tests.helpers.cluster import Watcher, run_all
 
 PREFILL, DECODE, GHOST = "pre-forged", "dec-forged", "ghost-decode"
 

@@ -39,7 +39,7 @@ from mesh.bus import Bus
 from mesh.client import generate
 from mesh.protocol import ConstraintSpec, GenerateRequest, SamplingOptions
 from mesh.tokenizer import Tokenizer
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 BY_NAME = {e["name"]: e["schema"] for e in CORPUS}

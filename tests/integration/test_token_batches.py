@@ -22,7 +22,7 @@ from mesh.bus import Bus
 from mesh.protocol import Subjects, WorkerCard
 from mesh.registry import CardPublisher
 from mocker.engine import MockConfig
-from tests.integration.conftest import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, wait_http_ok
 
 N_STREAMS = 24
 MAX_TOKENS = 40

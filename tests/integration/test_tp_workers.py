@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 
@@ -22,9 +21,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kvstore.transfer.shm import PREFIX, remove_stale_files, shm_dir
-from tests.integration.conftest import Watcher
-from tests.integration.test_mesh import run_all
-from tests.procs import alive, stop_processes
+from tests.helpers.cluster import Watcher, run_all
+from tests.helpers.procs import alive, stop_processes
+from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
 LENGTHS = [5, 20, 63, 64, 90, 150, 256, 400, 600]
@@ -32,8 +31,7 @@ LONG = sum(1 for n in LENGTHS if n >= THRESHOLD)
 
 
 def prompts(seed: int = 5):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
+    return prompts_of(LENGTHS, 4096, seed, low=3)
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def mistral_dir(tmp_path_factory, tiny_model):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from tests.unit.test_tools_templates import make_dir
+    from tests.helpers.chat_templates import make_dir
 
     d = make_dir(tmp_path_factory.mktemp("mistral"), "mistral", tiny_model)
     hf = HFTokenizer.from_file(str(tiny_model / "tokenizer.json"))

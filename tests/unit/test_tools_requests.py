@@ -17,7 +17,7 @@ from gateway.output_schemas import REFUSED
 from gateway.outputs import plan_chat, plan_completion
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.tokenizer import Tokenizer
-from tests.unit.test_tools_templates import make_dir
+from tests.helpers.chat_templates import make_dir
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -16,14 +16,8 @@ import pytest
 from gateway.schemas import ChatCompletionRequest
 from gateway.tools import TOOL_FORMATS, tool_format
 from mesh.tokenizer import ChatTemplateError, Tokenizer
+from tests.helpers.chat_templates import FAMILIES, make_dir
 
-TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
-FAMILIES = {  # template, format, bos, eos, the text that opens an assistant turn, what ends it
-    "qwen2_5": ("qwen2_5.jinja", "hermes", None, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>"),
-    "llama3_1": ("llama3_1.jinja", "llama3_json", "<|begin_of_text|>", "<|eot_id|>",
-                 "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "mistral": ("mistral_v0_3.jinja", "mistral", "<s>", "</s>", "[/INST]", "</s>"),
-}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather at a place <today> & tomorrow",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -31,17 +25,6 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time",
                                          "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
-
-
-def make_dir(root: Path, family: str, tiny_model: Path) -> Path:
-    template, _, bos, eos, _, _ = FAMILIES[family]
-    d = root / family
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-        "chat_template": (TEMPLATES / template).read_text()}))
-    return d
 
 
 @pytest.fixture(scope="module")

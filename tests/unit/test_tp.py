@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import secrets
 import signal
 import time
@@ -22,27 +21,10 @@ from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tenso
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.errors import ModelError
 from mesh.protocol import PrefillJob
-from tests.procs import alive
+from tests.helpers.procs import alive
+from tests.helpers.references import prompts_of, run_with_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def prompts_of(lengths, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def run_with_logits(engine: Engine, prompts, params=GREEDY):
-    """Greedy outputs, and the logits of every step's rows (in step order)."""
-    engine.runner.capture_logits = True
-    seqs = [engine.new_sequence(p, params) for p in prompts]
-    for s in seqs:
-        engine.add(s)
-    logits = []
-    while engine.has_work:
-        engine.step()
-        logits.append(engine.runner.last_logits)
-    return [s.output_token_ids for s in seqs], [s.num_cached_tokens for s in seqs], logits
 
 
 def assert_gone(pids, timeout=10.0):
@@ -69,9 +51,9 @@ def tiny_pair(tiny_model):
 
 def test_tp2_is_token_identical_to_tp1_with_chunked_prefill_and_a_prefix_hit(tiny_pair):
     one, two = tiny_pair
-    prompts = prompts_of([3, 17, 40, 100, 9, 230], 4096)
-    out1, _, logits1 = run_with_logits(one, prompts)
-    out2, _, logits2 = run_with_logits(two, prompts)
+    prompts = prompts_of([3, 17, 40, 100, 9, 230], 4096, low=3)
+    out1, _, logits1 = run_with_logits(one, prompts, GREEDY)
+    out2, _, logits2 = run_with_logits(two, prompts, GREEDY)
     assert out1 == out2
     assert len(logits2) > 12 + 1  # the 230-token prompt took several 64-token chunks
     assert len(logits1) == len(logits2)
@@ -79,8 +61,8 @@ def test_tp2_is_token_identical_to_tp1_with_chunked_prefill_and_a_prefix_hit(tin
         assert (a - b).abs().max().item() < 1e-4
     # a prompt sharing the 230-token prompt's first 200 tokens: its full blocks are cached
     shared = [*prompts[5][:200], 5, 6, 7]
-    out1, cached1, _ = run_with_logits(one, [shared])
-    out2, cached2, _ = run_with_logits(two, [shared])
+    out1, cached1, _ = run_with_logits(one, [shared], GREEDY)
+    out2, cached2, _ = run_with_logits(two, [shared], GREEDY)
     assert cached2 == cached1 == [200]
     assert out1 == out2
     assert two.pool.num_used == 0
@@ -92,7 +74,7 @@ def test_rank0_kv_is_the_full_head_set_over_both_ranks(tiny_pair):
     assert two.kv_cache.spec == one.kv_cache.spec  # 2 KV heads in all, one per rank
     assert [(lo, hi) for lo, hi, _ in two.kv_cache.head_shards()] == [(0, 1), (1, 2)]
     # the same prompt leaves the same KV bytes, whichever rank computed a head
-    prompt = prompts_of([50], 4096, seed=9)[0]
+    prompt = prompts_of([50], 4096, seed=9, low=3)[0]
     blocks, seqs = [], []
     for e in (one, two):
         seq = e.new_sequence(prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -115,12 +97,12 @@ def test_hf_checkpoints_tp2_matches_tp1(hf_checkpoints, family):
     """qwen2: the q/k/v biases are sharded with their heads; qwen3: per-head q/k norms
     (replicated) and head_dim != hidden / heads; llama_tied: a tied, replicated lm_head."""
     path = hf_checkpoints[family]
-    prompts = prompts_of([5, 33, 64], 512, seed=3)
+    prompts = prompts_of([5, 33, 64], 512, seed=3, low=3)
     one = Engine(EngineConfig(path, num_kv_blocks=64))
-    out1, _, logits1 = run_with_logits(one, prompts)
+    out1, _, logits1 = run_with_logits(one, prompts, GREEDY)
     two = Engine(EngineConfig(path, num_kv_blocks=64, tp=2))
     try:
-        out2, _, logits2 = run_with_logits(two, prompts)
+        out2, _, logits2 = run_with_logits(two, prompts, GREEDY)
     finally:
         two.close()
     assert out1 == out2

@@ -1,4 +1,4 @@
-"""Process helpers the tests share: is a pid still running, stop what a test started."""
+"""Process helpers the tests share: is a pid still running, its descendants, stop what a test started."""
 
 from __future__ import annotations
 
@@ -14,6 +14,24 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:
