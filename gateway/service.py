@@ -108,7 +108,7 @@ class Gateway:
         self.inflight = 0
         self.tracing = False  # start(): whether spans are recorded (else the tracer is a no-op)
         self.stats = GatewayStats()
-        self.workers_metrics = workers_registry(self)
+        self.workers_metrics = workers_registry(self.ready_workers)
         self.retry_policy = RetryPolicy(config.retries, config.max_migrations, config.unreachable_wait,
                                         config.first_token_timeout, config.idle_timeout)
         self._background: set[asyncio.Task] = set()
@@ -153,6 +153,12 @@ class Gateway:
 
     def live_models(self) -> list[str]:
         return sorted({c.model for c in self.membership.cards(role="decode")})
+
+    def ready_workers(self) -> dict[str, int]:
+        """Ready decode workers per live model (none before ``start``): the /metrics gauge."""
+        if self.membership is None:
+            return {}
+        return {m: len(self.decode_workers(m)) for m in self.live_models()}
 
     def check_model(self, model: str) -> None:
         self.resolve(model)
