@@ -19,9 +19,9 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
+from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.errors import ModelError
-from mesh.protocol import PrefillJob
 from tests.procs import alive
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -245,9 +245,8 @@ def test_shm_transport_reshards_into_the_decode_workers_rank_files(tmp_path, src
     src, full = filled(src_tp, seed=2)
     sender = ShmSender()
     assert sender.usable(params)
-    job = PrefillJob(request_id="r1", model="m", token_ids=[1] * 8, decode_worker="d", num_cached_tokens=0,
-                     dest_block_ids=[2, 3], transports={"shm": params}, deadline=time.time() + 10, block_size=4)
-    result = asyncio.run(sender.send(job, params, src, [8, 9]))
+    target = TransferTarget(request_id="r1", decode_worker="d", dest_block_ids=[2, 3], block_size=4)
+    result = asyncio.run(sender.send(target, params, src, [8, 9]))
     assert result.bytes == 2 * SPEC.block_bytes
     assert torch.equal(decode_kv.read_blocks([2, 3]), full[:, :, [8, 9]])
     decode_kv.close(unlink=True)
