@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.attention import create_backend
 from engine.config import ModelConfig
@@ -48,8 +49,6 @@ def _serve(conn: Connection) -> int:
     if device.type == "cpu":
         where = setup.kv_path
     else:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         where = reduce_tensor(kv.tensor)
     conn.send((spec.to_dict(), where))
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, is_master=False,
