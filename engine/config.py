@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from engine.attention import backend_names
+from engine.kernels import FUSED_KERNELS
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {
@@ -366,9 +368,6 @@ class EngineConfig:
         self._check_gpu_execution()
 
     def _check_gpu_execution(self) -> None:
-        from engine.attention import backend_names
-        from engine.kernels import FUSED_KERNELS
-
         if self.attention_backend is not None and self.attention_backend not in backend_names():
             raise ValueError(f"unknown attention backend {self.attention_backend!r} "
                              f"(available: {', '.join(backend_names())})")
