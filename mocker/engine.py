@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 from engine.core import CoreConfig, EngineCore
 from engine.scheduler import SchedulerOutput
@@ -115,6 +116,10 @@ class TimingModel:
 
 @dataclass(frozen=True)
 class MockConfig:
+    """The mocker's configuration. It builds its engine (``build``): the worker base names no
+    mocker (``worker.base.SimulatedEngineConfig``)."""
+
+    simulated: ClassVar[bool] = True  # a timing model: no KV bytes (transport "mock"), nothing to warm up
     model_name: str = "mock"
     vocab_size: int = 32000
     block_size: int = 16
@@ -140,6 +145,9 @@ class MockConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give host KV blocks too")
         if self.fetch_timeout <= 0 or self.hint_wait < 0:
             raise ValueError("fetch_timeout must be > 0 and hint_wait >= 0")
+
+    def build(self) -> MockEngine:
+        return MockEngine(self)
 
 
 class MockEngine(EngineCore):
