@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -286,6 +287,9 @@ ASYNC_SCHEDULING_DEFAULT_CUDA = False  # CUDA: overlap scheduling with the devic
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """A model engine's configuration; its flags are ``engine.flags`` (which loads no torch)."""
+
+    simulated: ClassVar[bool] = False  # a model, not a timing model (``worker.base.SimulatedEngineConfig``)
     model: str | Path
     served_name: str | None = None  # the model name on the bus; defaults to the directory name
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA

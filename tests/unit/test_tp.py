@@ -153,7 +153,7 @@ def test_tp_must_divide_heads_and_excludes_kv_tiers(tiny_model):
 
 
 def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypatch):
-    import cli.up
+    import cli.localmesh
     from cli import CliError, build_parser, engine_config, main
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2"])
@@ -168,7 +168,7 @@ def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypat
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
     assert main(["up", "--model", str(tiny_model), "--tp", "2"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--tp") + 1] == "2"
