@@ -31,8 +31,8 @@ import trace_replay as tr
 from replay_report import attribution, balance, issue_table, reuse_table, summarize, table
 
 from engine.sampling import SamplingParams
-from kvstore.events import to_wire
 from kvstore.hashing import block_hashes, model_seed
+from mesh.kvevents import to_wire
 from mesh.protocol import KvEventBatch
 from mesh.router.index import KvIndex
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_worker

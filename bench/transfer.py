@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec
-from kvstore.transfer import host_id, make_receiver, make_sender
+from kvstore.transfer import TransferTarget, host_id, make_receiver, make_sender
 from mesh.bus import Bus
 from mesh.natsserver import EmbeddedNats
-from mesh.protocol import PrefillJob
 
 LAYERS, HEADS, DIM, BS = 10, 5, 64, 16
 MODEL, WORKER = "small", "bench-decode"
@@ -107,14 +106,14 @@ async def run(args) -> None:
                 times = []
                 for r in range(args.repeat):
                     rid = f"t{tokens}-{name}-{r}"
-                    job = PrefillJob(rid, MODEL, [0] * tokens, WORKER, 0, dst_ids, {}, time.time() + 60, BS)
+                    target = TransferTarget(rid, WORKER, dst_ids, BS)
                     if name == "nats":
                         reply = await bus.nc.request("bench.expect", f"{rid}:{','.join(map(str, dst_ids))}".encode(), 10)
                         params = {"subject": bus.subjects.kv_data(MODEL, WORKER, rid), "bytes": int(reply.data)}
                     else:
                         params = shm_params
                     t0 = time.perf_counter()
-                    await sender.send(job, params, src, src_ids)
+                    await sender.send(target, params, src, src_ids)
                     if name == "nats":
                         done = await bus.nc.request("bench.finish", rid.encode(), 60)
                         assert done.data == b"ok"

@@ -42,12 +42,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.cache import KVCache, KVCacheSpec
-from kvstore.transfer import make_receiver, make_sender
+from kvstore.transfer import TransferTarget, make_receiver, make_sender
 from kvstore.transfer.cuda_ipc import cupy_module
 from kvstore.transfer.nccl import nccl_module
 from mesh.bus import Bus
 from mesh.natsserver import EmbeddedNats
-from mesh.protocol import PrefillJob
 
 LAYERS, HEADS, DIM, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 MODEL, WORKER = "bench-8b", "bench-gpu-decode"
@@ -139,9 +138,9 @@ async def one_transfer(bus: Bus, sender, name: str, rid: str, src: KVCache, src_
     params = json.loads(await request(bus, "bench.gpu.params", {"transport": name, "rid": rid, "dest": dst_ids}))
     if params is None or not sender.usable(params):
         raise RuntimeError(f"{name} is not usable between these processes")
-    job = PrefillJob(rid, MODEL, [0] * (len(dst_ids) * BS), WORKER, 0, dst_ids, {}, time.time() + 300, BS)
+    target = TransferTarget(rid, WORKER, dst_ids, BS)
     t0 = time.perf_counter()
-    await sender.send(job, params, src, src_ids)
+    await sender.send(target, params, src, src_ids)
     elapsed = time.perf_counter() - t0
     done = await request(bus, "bench.gpu.finish", {"transport": name, "rid": rid})
     if done != b"ok":

@@ -7,15 +7,31 @@ Everything comes from what workers and the planner publish; nothing is asked.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
 
-from mesh.bus import Bus
+from cli.flags import add_bus_flags, nats_config
 from mesh.protocol import LoadReport, PlannerDecision, WorkerCard
-from mesh.registry import Membership
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("top", help="a live view of the mesh: workers, load, KV usage, planner")
+    add_bus_flags(p)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mesh.config import settings
+
+    nats = nats_config(args, "planner")  # it reads what the planner reads
+    asyncio.run(run_top(nats, args.ns or settings().ns, args.interval, args.once))
+    return 0
 
 
 @dataclass
@@ -68,6 +84,9 @@ def render(state: TopState, now: float | None = None) -> str:
 
 async def run_top(nats, ns: str, interval: float = 1.0, once: bool = False) -> None:
     """``nats``: a URL, or a ``NatsConfig`` (credentials, TLS)."""
+    from mesh.bus import Bus  # here, not above: every ``mesh`` command builds this module's parser
+    from mesh.registry import Membership
+
     config = nats if not isinstance(nats, str) else None
     bus = await Bus.connect(nats if isinstance(nats, str) else nats.url, "mesh-top", ns=ns, config=config)
     membership = Membership(bus)

@@ -1,40 +1,56 @@
-"""``mesh up``: the whole mesh on one machine.
+"""``mesh up``: the whole mesh on this machine, from one command.
 
-Embedded NATS (unless ``--nats``), the tiny model (generated if missing, unless
-``--model`` or ``--mock``), the gateway, and the prefill and decode pools as
-child processes run by the planner's local connector; the planner sizes the
-pools (unless ``--no-planner``; fixed pools get a dead worker replaced).
-Ctrl-C or SIGTERM stops everything it started within a few seconds: the
-gateway and the workers together (workers drain briefly, the gateway reports how
-their streams ended), then NATS once nobody uses it. Children also die with this process if it
-is killed outright (PR_SET_PDEATHSIG).
+This module reads the flags, checks every one of them before anything starts (a bad
+one is a line here, not a worker that crash-loops) and plans what to start: the flags
+each worker and the gateway get. ``cli.localmesh`` runs the plan.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
+import argparse
 import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from mesh.bus import Bus
-from mesh.natsauth import ENV_NAMES, NatsConfig
-from mesh.natsserver import EmbeddedNats
-from mesh.planner.connectors import LocalConnector
-from mesh.planner.planner import Planner
+from cli.flags import (
+    CliError,
+    add_api_key_flags,
+    add_bus_flags,
+    add_parser_flags,
+    add_pool_flags,
+    auth_config,
+    engine_config,
+    nats_config,
+)
+from engine.flags import gpu_execution_argv
+from mesh.natsauth import NatsConfig
 from mesh.planner.policy import PlannerConfig
-from mesh.procutil import die_with_parent, stop_event_on_signals, stop_processes
-from mesh.registry import Membership
 
-log = logging.getLogger(__name__)
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="start the whole mesh on this machine (embedded NATS, tiny model)")
+    add_bus_flags(p)
+    add_pool_flags(p, multi_model=True)
+    p.add_argument("--mock", action="store_true",
+                   help="mocker workers instead of a model (with --model DIR: under its name, vocabulary and context)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--transports", default=None, help="KV transports for the workers, e.g. shm,nats")
+    p.add_argument("--disagg-threshold", type=int, default=None)
+    p.add_argument("--router", default=None, help="gateway routing: kv (default), round-robin, random, least-loaded")
+    p.add_argument("--router-temperature", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--router-prefill-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
+    p.add_argument("--peer-fetch", action="store_true",
+                   help="decode workers fetch prefix blocks from peers, the router plans it (model workers need a host KV tier)")
+    p.add_argument("--gateway-workers", type=int, default=None,
+                   help="gateway processes on the port (default: one per two cores, at most 4)")
+    add_parser_flags(p)
+    PlannerConfig.add_args(p)
+    p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
+    add_api_key_flags(p)
+    p.set_defaults(func=run)
 
 
 def default_model_dir() -> Path:
@@ -50,158 +66,113 @@ def ensure_tiny_model(path: Path) -> Path:
     return path
 
 
-@dataclass
-class UpPlan:
-    """What to start; built from the CLI flags."""
+def run(args: argparse.Namespace) -> int:
+    import asyncio
 
-    models: list[str]  # model directories, one pool pair each ([] with --mock alone: the model "mock")
-    mock: bool
-    prefill: int
-    decode: int
-    host: str
-    port: int
-    nats: NatsConfig | None  # None: an embedded server
-    ns: str | None
-    worker_flags: list[str] = field(default_factory=list)  # pool flags passed to every worker
-    gateway_flags: list[str] = field(default_factory=list)
-    planner: PlannerConfig | None = None  # None: fixed pools
-    served_name: str | None = None  # the one model's name when --served-name is given
-    gateway_env: dict[str, str] = field(default_factory=dict)  # secrets for the gateway (API keys)
+    from cli.localmesh import UpPlan, run_up
 
-
-def served_name(model_dir: str) -> str:
-    return Path(model_dir).name
-
-
-def worker_argv(plan: UpPlan, model_dir: str | None) -> dict[str, list[str]]:
-    """The command line of one model's pool workers (the connector adds ``--worker-id``; NATS
-    comes in the environment, ``child_env``)."""
-    py = [sys.executable, "-m", "cli"]
-    bus = ["--ns", plan.ns] if plan.ns else []
-    model = [] if model_dir is None else ["--model", model_dir]
-    decode_role = "mock" if plan.mock else "decode"
-    mock = ["--mock"] if plan.mock else []
-    return {
-        "decode": [*py, "worker", decode_role, *bus, *model, *plan.worker_flags],
-        "prefill": [*py, "worker", "prefill", *mock, *bus, *model, *plan.worker_flags],
-    }
+    if args.prefill < 0 or args.decode < 1:
+        raise CliError("--decode must be >= 1 and --prefill >= 0")
+    models = _models(args)
+    worker_flags = _worker_flags(args)
+    gateway_flags, gateway_env = _gateway_flags(args, models)
+    if args.min_prefill is None:
+        args.min_prefill = min(1, args.prefill)
+    planner = None if args.no_planner else PlannerConfig.from_args(args)
+    if planner is not None:  # start inside the planner's bounds
+        args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
+        args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
+    plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
+                  port=args.port, nats=_nats(args), ns=args.ns, worker_flags=worker_flags,
+                  gateway_flags=gateway_flags, planner=planner, served_name=args.served_name,
+                  gateway_env=gateway_env)
+    return asyncio.run(run_up(plan))
 
 
-def _token(model_dir: str | None) -> str:
-    from mesh.protocol import subject_token
-
-    return subject_token(served_name(model_dir) if model_dir else "mock")
-
-
-def gateway_argv(plan: UpPlan) -> list[str]:
-    bus = ["--ns", plan.ns] if plan.ns else []
-    model = [arg for m in plan.models for arg in ("--model", m)]
-    return [sys.executable, "-m", "cli", "gateway", *bus, *model, "--host", plan.host,
-            "--port", str(plan.port), *plan.gateway_flags]
-
-
-async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, timeout: float) -> bool:
-    """Healthy, and every model has a live worker (a mesh is up when all of it is)."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if gateway.poll() is not None:
-                return False
-            try:
-                health = await client.get(f"{base}/health")  # open even with API keys on
-                if health.status_code == 200 and models <= set(health.json().get("models", [])):
-                    return True
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.3)
-    return False
+def _models(args: argparse.Namespace) -> list[str]:
+    """The model directories, one pool pair each, checked with the flags (as a worker's engine
+    config) before anything starts."""
+    if args.mock and not args.model:  # --mock alone: the mocker under the name "mock", no tokenizer
+        return []
+    models = [str(m) for m in (args.model or [ensure_tiny_model(default_model_dir())])]
+    names = [Path(m).name for m in models]
+    if len(set(names)) != len(names):
+        raise CliError(f"two --model directories share a name ({', '.join(names)}): models are named by directory")
+    if args.served_name and len(models) > 1:
+        raise CliError("--served-name names one model; with several --model each is named by its directory")
+    for m in models:
+        args.model = m
+        engine_config(args, mock=args.mock)
+    return models
 
 
-STOP_TIMEOUT = 4.0  # seconds every role gets after the signal before it is killed
+def _worker_flags(args: argparse.Namespace) -> list[str]:
+    """The pool flags every worker gets, as given."""
+    flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--kv-memory-fraction", str(args.kv_memory_fraction)]
+    if args.tp != 1:
+        flags += ["--tp", str(args.tp)]
+    flags += gpu_execution_argv(args)
+    for spec in args.lora:
+        flags += ["--lora", spec]
+    if args.max_loras is not None:
+        flags += ["--max-loras", str(args.max_loras)]
+    if args.max_lora_rank != 16:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+    if args.grammar_backend != "llguidance" or args.grammar_threads:
+        flags += ["--grammar-backend", args.grammar_backend, "--grammar-threads", str(args.grammar_threads)]
+    if args.grammar_spin_ms != 3.0:
+        flags += ["--grammar-spin-ms", str(args.grammar_spin_ms)]
+    for name in ("device_kv_blocks", "host_kv_gb", "disk_kv_dir", "disk_kv_gb", "host_kv_blocks", "disk_kv_blocks",
+                 "dtype", "device", "served_name", "transports", "disagg_threshold"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.mock:
+        engine_config(args, mock=True)  # a bad mocker flag is one line here, not a crash-looping worker
+        flags += ["--mock-speedup", str(args.mock_speedup)]
+        flags += [f for t in args.mock_timing for f in ("--mock-timing", t)]
+    flags += ["--peer-fetch"] if args.peer_fetch else []
+    return flags
 
 
-async def _stop_gateway(proc: subprocess.Popen) -> None:
-    if await stop_processes([proc], signal.SIGINT, timeout=STOP_TIMEOUT):
-        log.warning("the gateway did not stop in time: killed it")
+def _gateway_flags(args: argparse.Namespace, models: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The gateway's flags, and its environment: the API keys, which a command line would show."""
+    flags = ["--served-name", args.served_name] if args.served_name and models else []
+    if args.router:
+        flags += ["--router", args.router]
+    for name in ("router_temperature", "router_prefill_weight", "router_decode_weight", "tool_call_parser",
+                 "reasoning_parser"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    auth = auth_config(args)
+    env = {"MESH_API_KEYS": ",".join(auth.keys)} if auth.keys else {}
+    if auth.admin_keys:
+        env["MESH_ADMIN_API_KEYS"] = ",".join(auth.admin_keys)
+    if auth.key_file:
+        flags += ["--api-key-file", str(Path(auth.key_file).resolve())]
+    for name in ("api_key_max_concurrent", "api_key_rpm"):
+        if getattr(args, name):
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.metrics_auth:
+        flags.append("--metrics-auth")
+    if args.peer_fetch:
+        flags += ["--router-peer-fetch"]
+    if args.gateway_workers is not None:
+        if args.gateway_workers < 1:
+            raise CliError("--gateway-workers must be >= 1")
+        flags += ["--workers", str(args.gateway_workers)]
+    return flags, env
 
 
-async def run_up(plan: UpPlan) -> int:
-    stop = stop_event_on_signals()
-    nats = None
-    config = plan.nats
-    if config is None:
-        nats = EmbeddedNats().start()
-        config = NatsConfig(servers=(nats.url,))
-    # NATS (URL with any password, credential files) reaches the children in their environment,
-    # which other users cannot read, unlike a command line
-    inherited = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
-    env = {**inherited, **config.child_env()}
-    # one pool pair (and one planner) per model: they scale on their own, on the same bus
-    model_dirs: list[str | None] = list(plan.models) or [None]
-    pools = {
-        (served_name(m) if m else "mock"): LocalConnector(
-            worker_argv(plan, m), env=env, prefix=f"{_token(m)}-{os.getpid()}")
-        for m in model_dirs
-    }
-    gateway = None
-    planners: list[Planner] = []
-    bus = membership = None
-    try:
-        for connector in pools.values():
-            await connector.scale("decode", plan.decode)
-            await connector.scale("prefill", plan.prefill)
-        gateway = subprocess.Popen(gateway_argv(plan), env={**env, **plan.gateway_env},  # noqa: ASYNC220 (returns at once)
-                                   preexec_fn=die_with_parent, process_group=0)  # Ctrl-C reaches us only; we signal it once
-        base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
-        names = {plan.served_name} if plan.served_name else set(pools)
-        if not await _wait_ready(base, names, gateway, timeout=120.0):
-            print(f"mesh: error: the mesh did not come up (gateway {'exited' if gateway.poll() is not None else 'not healthy'})",
-                  file=sys.stderr)
-            return 1
-        if plan.planner is not None:
-            bus = await Bus.connect(config.url, "planner", ns=plan.ns or "mesh", config=config.for_role("planner"))
-            membership = Membership(bus)
-            await membership.start()
-            for name, connector in pools.items():
-                planner = Planner(bus, membership, connector, plan.planner, model=name)
-                await planner.start()
-                planners.append(planner)
-        what = ", ".join(plan.models) or "the mocker"
-        if plan.mock and plan.models:
-            what = f"the mocker as {what}"
-        mode = "planner on" if planners else "fixed pools"
-        print(
-            f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
-            f"({plan.prefill} prefill, {plan.decode} decode{' per model' if len(pools) > 1 else ''}, {mode}; "
-            f"NATS {config.display}). Ctrl-C stops it.",
-            flush=True,
-        )
-        while not stop.is_set():
-            if not planners:  # fixed pools: replace a worker that died
-                for connector in pools.values():
-                    for pool, n in (("decode", plan.decode), ("prefill", plan.prefill)):
-                        if await connector.replicas(pool) < n:
-                            await connector.scale(pool, n)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
-        return 0
-    finally:
-        await _stop_all(planners, membership, bus, gateway, pools, nats)
-
-
-async def _stop_all(planners, membership, bus, gateway, pools, nats) -> None:
-    """Everything stops together and quickly (SIGINT: in-flight streams get a short drain, then
-    end with an error the gateway reports); the gateway outlives the workers' drain so that it
-    can report how their streams ended; NATS goes last, once nobody uses it."""
-    for planner in planners:
-        await planner.stop()
-    if membership is not None:
-        await membership.stop()
-    if bus is not None:
-        await bus.close(timeout=1.0)
-    stopping = [connector.close(signal.SIGINT, timeout=STOP_TIMEOUT) for connector in pools.values()]
-    if gateway is not None:
-        stopping.append(_stop_gateway(gateway))
-    await asyncio.gather(*stopping)
-    if nats is not None:
-        await asyncio.to_thread(nats.stop)
+def _nats(args: argparse.Namespace) -> NatsConfig | None:
+    """The servers of ``--nats``, or None: an embedded server, one, with no credentials."""
+    if args.nats:
+        return nats_config(args, "")
+    if any(getattr(args, f) for f in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key")):
+        raise CliError("--nats-creds, --nats-nkey and --nats-tls-* are for the servers of --nats; "
+                       "the embedded server takes no credentials")
+    if args.js_replicas not in (None, 1):
+        raise CliError("the embedded NATS is one server: --js-replicas above 1 needs --nats (a cluster)")
+    return None

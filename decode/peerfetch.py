@@ -1,4 +1,4 @@
-"""Peer fetch between model decode workers (issue 20): both sides, hooked into ``DecodeWorker``.
+"""Peer fetch between model decode workers (issue 20): both sides, a part of ``DecodeWorker``.
 
 The router's decision for a request may name a peer that holds more of the prompt's
 prefix than the chosen worker (``GenerateRequest.peer_fetch``). The chosen worker (the
@@ -52,17 +52,15 @@ import uuid
 from collections import Counter
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import TYPE_CHECKING
 
+from decode.context import WorkerContext
+from engine.core import EngineCore
 from kvstore.cache import KVCache
 from kvstore.hashing import block_hashes
 from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
 from kvstore.transfer.shm import segment_name
 from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRelease, KvFetchRequest
-
-if TYPE_CHECKING:
-    from decode.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +72,13 @@ COPY_CHUNK = 8  # blocks per copy call (tiny-small: 3.2 MB, ~0.4-0.8 ms on one C
 class PeerFetch:
     """A model decode worker's peer fetch: it serves its blocks to peers and fetches theirs."""
 
-    def __init__(self, worker: DecodeWorker, timeout: float):
-        if worker.engine.tiers is None or worker.engine.tiers.copier is None:
+    def __init__(self, ctx: WorkerContext, timeout: float):
+        if ctx.engine.tiers is None or ctx.engine.tiers.copier is None:
             raise ValueError("peer fetch needs a host KV tier (--host-kv-gb or --host-kv-blocks)")
-        self.worker = worker
-        self.engine = worker.engine
+        self.ctx = ctx
+        self.engine = ctx.engine
         self.timeout = timeout
-        self.block_bytes = worker.engine.kv_cache.spec.block_bytes
+        self.block_bytes = ctx.engine.kv_cache.spec.block_bytes
         self.channels: dict[str, FetchChannel] = {}
         # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
         # many cores from the engine's own steps at once, and concurrent nats sends would crowd
@@ -97,12 +95,10 @@ class PeerFetch:
         return {"kv": segment_name(kv.shm_path), "slots": segment_name(copier.shm_path), "spec": kv.spec.to_dict()}
 
     async def start(self, stack: AsyncExitStack) -> None:
-        w, s, model = self.worker, self.worker.bus.subjects, self.engine.model_name
-        self.channels = make_channels(w.transport_names(), bus=w.bus, model=model, worker_id=w.worker_id)
-        subs = [await w.bus.subscribe(s.kv_fetch(model, w.worker_id), self._on_fetch, KvFetchRequest),
-                await w.bus.subscribe(s.kv_fetch_release(model, w.worker_id), self._on_release, KvFetchRelease)]
-        for sub in subs:
-            stack.push_async_callback(_unsubscribe, sub)
+        ctx, s, model = self.ctx, self.ctx.bus.subjects, self.engine.model_name
+        self.channels = make_channels(ctx.transports, bus=ctx.bus, model=model, worker_id=ctx.worker_id)
+        await ctx.subscribe(stack, s.kv_fetch(model, ctx.worker_id), self._on_fetch, KvFetchRequest)
+        await ctx.subscribe(stack, s.kv_fetch_release(model, ctx.worker_id), self._on_release, KvFetchRelease)
 
     def fill_card(self, card) -> None:
         card.serves_kv_fetch = True
@@ -113,7 +109,7 @@ class PeerFetch:
         """The peer and the hashes the router's plan says to fetch (past our run as it saw it; if we
         hold less, the admission's walk stops at the gap and prefills the rest)."""
         plan, bs = req.peer_fetch, self.engine.block_size
-        if plan is None or plan.fetch_source in ("", self.worker.worker_id) or plan.fetch_blocks <= 0:
+        if plan is None or plan.fetch_source in ("", self.ctx.worker_id) or plan.fetch_blocks <= 0:
             return "", []
         end = min((len(req.token_ids) - 1) // bs, plan.hit_blocks + plan.fetch_blocks)
         if end <= plan.hit_blocks:
@@ -126,7 +122,7 @@ class PeerFetch:
         source, want = self._wanted(req)
         if not want:
             return 0
-        counters = self.worker.counters
+        counters = self.ctx.counters
         counters.bump("peer_fetch_requests")
         fetch_id = uuid.uuid4().hex[:16]
         try:
@@ -144,9 +140,9 @@ class PeerFetch:
         return n
 
     async def _fetch(self, req: GenerateRequest, source: str, want: list[int], fetch_id: str) -> int:
-        bb, bus = self.block_bytes, self.worker.bus
+        bb, bus = self.block_bytes, self.ctx.bus
         transports = {name: await ch.params(fetch_id, len(want) * bb) for name, ch in self.channels.items()}
-        msg = KvFetchRequest(req.request_id, req.model, self.worker.worker_id, want, time.time() + self.timeout,
+        msg = KvFetchRequest(req.request_id, req.model, self.ctx.worker_id, want, time.time() + self.timeout,
                              transports, fetch_id=fetch_id, block_bytes=bb)
         done = await bus.request(bus.subjects.kv_fetch(req.model, source), msg, KvFetchDone, self.timeout)
         if not done.ok:
@@ -163,27 +159,27 @@ class PeerFetch:
         if data is None:
             raise RuntimeError(f"the bytes of {n} blocks are not in the {done.transport or 'unnamed'} buffer")
         self.engine.stage_peer_blocks(want[:n], [data[i * bb : (i + 1) * bb] for i in range(n)])
-        self.worker.counters.bump(f"peer_fetch_via_{done.transport}")
+        self.ctx.counters.bump(f"peer_fetch_via_{done.transport}")
         return n
 
     async def _release(self, source: str, fetch_id: str, model: str) -> None:
         with contextlib.suppress(Exception):  # a holder gone or unreachable: its lease unpins
-            await self.worker.bus.publish(self.worker.bus.subjects.kv_fetch_release(model, source),
-                                          KvFetchRelease(self.worker.worker_id, fetch_id))
+            await self.ctx.bus.publish(self.ctx.bus.subjects.kv_fetch_release(model, source),
+                                       KvFetchRelease(self.ctx.worker_id, fetch_id))
 
     # -- holder --------------------------------------------------------------------------------
     async def _on_release(self, msg: KvFetchRelease, raw) -> None:
         fetch_id = f"{msg.requester}:{msg.fetch_id}"
         if fetch_id in self._lent:  # only runs we lent: a stray release never unpins a copy under way
             self._lent.discard(fetch_id)
-            await self.worker.loop.call(lambda e: e.pins.release(fetch_id))
-            self.worker.counters.bump("peer_serve_released")
+            await self.ctx.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))
+            self.ctx.counters.bump("peer_serve_released")
 
     async def _on_fetch(self, req: KvFetchRequest, raw) -> None:
         if not raw.reply:
             log.warning("kv_fetch %s without a reply subject: dropped", req.request_id)
             return
-        self.worker._spawn(self._serve(req, raw.reply))
+        self.ctx.spawn(self._serve(req, raw.reply))
 
     def _refusal(self, req: KvFetchRequest) -> str:
         if req.model != self.engine.model_name:
@@ -203,7 +199,8 @@ class PeerFetch:
 
     async def _serve(self, req: KvFetchRequest, reply: str) -> None:
         started = time.monotonic()
-        counters, bus = self.worker.counters, self.worker.bus
+        ctx = self.ctx
+        counters, bus = ctx.counters, ctx.bus
         counters.bump("peer_serve_requests")
         error = self._refusal(req)
         picked = None if error else self._channel(req.transports)
@@ -211,17 +208,16 @@ class PeerFetch:
             error = "no transport of the requester's is usable from here"
         if error:
             counters.bump("peer_serve_refused")
-            await bus.publish(reply, KvFetchDone(req.request_id, self.worker.worker_id, False, error=error))
+            await bus.publish(reply, KvFetchDone(req.request_id, ctx.worker_id, False, error=error))
             return
         channel, params = picked
         fetch_id = f"{req.requester}:{req.fetch_id or req.request_id}"
-        pins = self.engine.pins
         try:
-            run = await self.worker.loop.call(lambda e: pins.pin(fetch_id, req.hashes, req.deadline - time.time()))
+            run = await ctx.loop.call(partial(_pin, fetch_id, req))
         except ValueError as e:  # the same fetch twice, or its deadline passed meanwhile
-            await bus.publish(reply, KvFetchDone(req.request_id, self.worker.worker_id, False, error=str(e)))
+            await bus.publish(reply, KvFetchDone(req.request_id, ctx.worker_id, False, error=str(e)))
             return
-        done = KvFetchDone(req.request_id, self.worker.worker_id, True)
+        done = KvFetchDone(req.request_id, ctx.worker_id, True)
         lend = self.lendable is not None and channel.name == "shm" and params.get("read") is True
         try:
             if len(run):
@@ -229,13 +225,13 @@ class PeerFetch:
                     self._send(run, fetch_id, channel, params, done)
                 await asyncio.wait_for(move, max(0.0, req.deadline - time.time()))
         except Exception as e:  # a bad buffer, a disk read that failed, past the deadline
-            done = KvFetchDone(req.request_id, self.worker.worker_id, False, error=f"{type(e).__name__}: {e}")
+            done = KvFetchDone(req.request_id, ctx.worker_id, False, error=f"{type(e).__name__}: {e}")
         finally:
             if done.ok and done.lent:  # released by the requester (``_on_release``) or the lease
-                self._lent = {f for f in self._lent if f in self.engine.pins}  # forget lapsed ones
+                self._lent = {f for f in self._lent if self.engine.is_pinned(f)}  # forget lapsed ones
                 self._lent.add(fetch_id)
             else:
-                self.worker.loop.call(lambda e: e.pins.release(fetch_id))  # not awaited: also runs on cancellation
+                ctx.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))  # not awaited: also runs on cancellation
         done.transfer_ms = (time.monotonic() - started) * 1000
         if done.ok:
             counters.bump("peer_serve_blocks", done.num_blocks)
@@ -249,7 +245,7 @@ class PeerFetch:
                     until: float) -> None:
         """Say where the pinned run's blocks are in our shared files; only disk blocks (in no shared
         file) are written, into the requester's buffer (both on a thread: disk reads, a pwrite)."""
-        sources = await asyncio.to_thread(self.engine.pins.sources, fetch_id)
+        sources = await asyncio.to_thread(self.engine.pinned_sources, fetch_id)
         where, index, rows = [], [], []
         for i, src in enumerate(sources):
             if isinstance(src, DeviceBlock):
@@ -279,7 +275,7 @@ class PeerFetch:
         copier = self.engine.tiers.copier
 
         def prepare():  # on a thread: disk reads, mapping the requester's buffer (shm)
-            sources = self.engine.pins.sources(fetch_id)
+            sources = self.engine.pinned_sources(fetch_id)
             dest = channel.target(params, len(run), copier.block_shape, copier.dtype)
             direct = dest is not None  # mapped with its pages in place (the channel's job)
             if dest is None:
@@ -296,7 +292,7 @@ class PeerFetch:
                 return
             copied = 0
             while copied < n:
-                copied = await self.worker.loop.call(partial(self._copy_some, copier, sources, data, copied))
+                copied = await self.ctx.loop.call(partial(self._copy_some, copier, sources, data, copied))
             if direct:  # already in the requester's buffer
                 done.transfer_bytes = n * copier.block_bytes
             else:
@@ -310,7 +306,7 @@ class PeerFetch:
         """Engine thread, between two steps: copy blocks from ``start`` for at most ``COPY_SHARE``
         of the last step's time (at least one chunk; all of them when the engine is idle).
         Returns where the next pause starts."""
-        budget = COPY_SHARE * self.worker.loop.step_seconds if engine.has_work else math.inf
+        budget = COPY_SHARE * self.ctx.loop.step_seconds if engine.has_work else math.inf
         t0 = time.perf_counter()
         i, n = start, len(sources)
         while i < n:
@@ -322,6 +318,7 @@ class PeerFetch:
         return i
 
 
-async def _unsubscribe(sub) -> None:
-    with contextlib.suppress(Exception):
-        await sub.unsubscribe()
+def _pin(fetch_id: str, req: KvFetchRequest, engine: EngineCore):
+    """Engine thread: pin the run for what is left of the fetch's deadline as of now (ValueError
+    when it has passed while the request waited for the step to end)."""
+    return engine.pin_run(fetch_id, req.hashes, req.deadline - time.time())

@@ -7,9 +7,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from engine.attention import backend_names
+from engine.kernels import FUSED_KERNELS
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {
@@ -284,6 +287,9 @@ ASYNC_SCHEDULING_DEFAULT_CUDA = False  # CUDA: overlap scheduling with the devic
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """A model engine's configuration; its flags are ``engine.flags`` (which loads no torch)."""
+
+    simulated: ClassVar[bool] = False  # a model, not a timing model (``worker.base.SimulatedEngineConfig``)
     model: str | Path
     served_name: str | None = None  # the model name on the bus; defaults to the directory name
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -366,9 +372,6 @@ class EngineConfig:
         self._check_gpu_execution()
 
     def _check_gpu_execution(self) -> None:
-        from engine.attention import backend_names
-        from engine.kernels import FUSED_KERNELS
-
         if self.attention_backend is not None and self.attention_backend not in backend_names():
             raise ValueError(f"unknown attention backend {self.attention_backend!r} "
                              f"(available: {', '.join(backend_names())})")

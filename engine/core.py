@@ -32,7 +32,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOu
 from engine.sequence import SampledToken, Sequence
 from kvstore.hashing import model_seed
 from kvstore.manager import KVCacheManager
-from kvstore.pins import KvPins
+from kvstore.pins import KvPins, PinnedRun
 from kvstore.pool import BlockPool
 from kvstore.tiers import BlockCopier, HostTier, TieredCache
 from mesh.errors import LoraError, RequestError, UnknownAdapterError
@@ -232,6 +232,47 @@ class EngineCore:
 
     def fail_remote(self, request_id: str) -> Sequence | None:
         return self.scheduler.fail_remote(request_id)
+
+    # -- named operations for workers (on the engine thread, between steps) -------------
+    # A worker hands these to ``EngineLoop.call`` (``partial(EngineCore.hold_blocks, blocks=...)``)
+    # rather than a closure that reaches into the pool or the pins.
+    def admit(self, seq: Sequence, remote_min_tokens: int | None = None) -> tuple[list[int], int] | None:
+        """Take a new request. With ``remote_min_tokens``, a prompt that has at least that many
+        tokens past the prefix cache gets its blocks reserved for a prefill worker to write: returns
+        its block table and cached tokens. Otherwise (or with no room to reserve) it is added for a
+        local prefill: None."""
+        if remote_min_tokens is not None and self.num_uncached_tokens(seq) >= remote_min_tokens \
+                and self.reserve_remote(seq):
+            return list(seq.block_table), seq.num_cached_tokens
+        self.add(seq)
+        return None
+
+    def hold_blocks(self, blocks: Seq[int]) -> None:
+        """One more reference on blocks in use (a fence: no reuse while a late writer may write them)."""
+        self.pool.hold(blocks)
+
+    def release_blocks(self, blocks: Seq[int]) -> None:
+        """Drop the reference ``hold_blocks`` took."""
+        self.pool.free(blocks)
+
+    def pin_run(self, fetch_id: str, hashes: Seq[int], lease_s: float) -> PinnedRun:
+        """Pin the leading run of ``hashes`` this engine holds in any tier, for a peer to read."""
+        return self.pins.pin(fetch_id, hashes, lease_s)
+
+    def unpin_run(self, fetch_id: str) -> bool:
+        """The peer's read is over, however it ended (False: the pins had expired)."""
+        return self.pins.release(fetch_id)
+
+    def expire_pins(self) -> int:
+        """Unpin the runs past their lease (their peer vanished); how many."""
+        return self.pins.expire()
+
+    def pinned_sources(self, fetch_id: str) -> list:
+        """Where each block of a pinned run is (``KvPins.sources``; any thread: it reads disk)."""
+        return self.pins.sources(fetch_id)
+
+    def is_pinned(self, fetch_id: str) -> bool:
+        return fetch_id in self.pins
 
     @property
     def has_work(self) -> bool:

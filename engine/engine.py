@@ -54,7 +54,6 @@ class Engine(EngineCore):
             raise ValueError(f"fused kernels ({', '.join(config.fused_kernels)}) run on CUDA only, not {self.device}")
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        bs = config.block_size
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
         want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1
         # One rank: load the weights first, so the automatic KV size sees what they took. Several:
@@ -64,21 +63,47 @@ class Engine(EngineCore):
         if config.tp == 1:
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
-        super().__init__(
-            CoreConfig(
-                model_name=config.model_name,
-                vocab_size=mc.vocab_size,
-                block_size=bs,
-                num_blocks=num_blocks,
-                max_model_len=max_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                eos_token_ids=mc.eos_token_ids,
-                enable_prefix_caching=config.enable_prefix_caching,
-                max_loras=config.lora_slots,
-                async_scheduling=config.use_async_scheduling,
-            )
+        super().__init__(self._core_config(num_blocks, max_len))
+        self._start_ranks_and_kv(backend, num_blocks, max_len)
+        if config.has_host_tier:
+            self._enable_tiers()
+        use_kernels(self.model, kernels)
+        self.attention = create_backend(backend, self._own_kv, mc.head_dim**-0.5)
+        self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
+        if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
+            self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
+        self.grammar = GrammarManager(
+            Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
+            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size,
+                          spin_seconds=config.grammar_spin_ms / 1000),
+            pin_memory=self.device.type == "cuda",
         )
+        self._graphs = self._decode_graphs() if want_graphs else None
+        self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
+                                  broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
+                                  lora=self.lora, grammar=self.grammar)
+        self._log_ready(backend, num_blocks, kernels)
+
+    def _core_config(self, num_blocks: int, max_len: int) -> CoreConfig:
+        config, mc = self.config, self.model_config
+        return CoreConfig(
+            model_name=config.model_name,
+            vocab_size=mc.vocab_size,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=mc.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.lora_slots,
+            async_scheduling=config.use_async_scheduling,
+        )
+
+    def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:
+        """With ``tp > 1``, the other ranks and this rank's shard of the model; then the KV cache:
+        this rank's share of the heads (``_own_kv``) and the full head set (``kv_cache``)."""
+        config, mc = self.config, self.model_config
         self.tp = None
         if config.tp > 1:
             self.tp = TensorParallel(replace(config, attention_backend=backend), num_blocks, max_len,
@@ -94,34 +119,25 @@ class Engine(EngineCore):
                 self.tp.close()
             raise
         self.kv_spec = self.kv_cache.spec  # the full head set
-        if config.has_host_tier:
-            self._enable_tiers()
-        use_kernels(self.model, kernels)
         self._own_kv = own_kv
-        self.attention = create_backend(backend, own_kv, mc.head_dim**-0.5)
-        self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
-        if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
-            self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
-        self.grammar = GrammarManager(
-            Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
-            GrammarConfig(config.grammar_backend, config.grammar_threads, config.grammar_cache_size,
-                          spin_seconds=config.grammar_spin_ms / 1000),
-            pin_memory=self.device.type == "cuda",
-        )
-        graphs = None
-        if want_graphs and getattr(self.attention, "supports_cuda_graphs", False):
-            # Pad rows of a graphed batch write this block; it is never freed (see cuda_graphs).
-            scratch = self.pool.allocate(1)[0]
-            graphs = DecodeGraphs(self.model, self.attention, config.max_num_seqs, self.device, scratch, bs)
-        self._graphs = graphs
-        self.runner = ModelRunner(self.model, self.attention, self.sampler, bs,
-                                  broadcast=self.tp.broadcast if self.tp else None, graphs=graphs,
-                                  lora=self.lora, grammar=self.grammar)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, where the attention backend can run in them."""
+        if not getattr(self.attention, "supports_cuda_graphs", False):
+            return None
+        # Pad rows of a graphed batch write this block; it is never freed (see cuda_graphs).
+        scratch = self.pool.allocate(1)[0]
+        return DecodeGraphs(self.model, self.attention, self.config.max_num_seqs, self.device, scratch,
+                            self.config.block_size)
+
+    def _log_ready(self, backend: str, num_blocks: int, kernels: Kernels) -> None:
+        config, mc = self.config, self.model_config
         log.info(
             "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
-            num_blocks, bs, backend, f", tensor parallel over {config.tp} ranks" if self.tp else "",
-            ", CUDA graphs for decode" if graphs else "",
+            num_blocks, config.block_size, backend,
+            f", tensor parallel over {config.tp} ranks" if self.tp else "",
+            ", CUDA graphs for decode" if self._graphs else "",
             ", overlapped scheduling" if self.overlap is not None else "",
             f", fused kernels: {', '.join(sorted(kernels.names))}" if kernels.names else "",
         )

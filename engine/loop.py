@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from engine.scheduler import StepOutput
+
 log = logging.getLogger(__name__)
 
 CHAIN_S = 0.0005  # InlineEngineLoop: longest run of back-to-back steps before the event loop's turn
@@ -123,8 +125,6 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(self.on_failure, e)
 
     def _fail_running(self) -> list:
-        from engine.scheduler import StepOutput
-
         outs = []
         for seq in list(self.engine.scheduler.running):
             self.engine.abort(seq.request_id)

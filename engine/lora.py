@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import xxhash
 from safetensors.torch import load as load_safetensors
 
 from engine.config import ModelConfig
+from engine.lora_adapter import LoraAdapter, SliceWeights
 from engine.lora_layers import LoraBatch, LoraLinear, LoraSlots, LoraTable, projections
 from kvstore.hashing import model_seed
 from mesh.errors import LoraError
@@ -56,30 +56,6 @@ _UNSUPPORTED = {
     "target_parameters": "LoRA on parameters (expert weights)", "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "activated LoRA",
 }
-
-
-@dataclass(frozen=True)
-class SliceWeights:
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r], the scale folded in
-
-
-@dataclass(eq=False)
-class LoraAdapter:
-    """One adapter, read and checked, in host memory. Compared by identity (a name may be
-    loaded again later as a new object)."""
-
-    name: str
-    path: Path
-    fingerprint: str  # of the weights and config bytes
-    rank: int  # the largest rank of any module
-    hash_seed: int  # block-hash seed: the adapter's prefixes are its own
-    # (layer, group) -> one entry per slice of the fused projection (None: slice not targeted)
-    weights: dict[tuple[int, str], tuple[SliceWeights | None, ...]] = field(repr=False, default_factory=dict)
-
-    @property
-    def groups(self) -> set[str]:
-        return {group for _, group in self.weights}
 
 
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, model_name: str, max_rank: int,

@@ -19,17 +19,13 @@ LoRA path, and a step without adapter rows skips it entirely.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-
-if TYPE_CHECKING:
-    from engine.lora import LoraAdapter
-
+from engine.lora_adapter import LoraAdapter
 
 # -- geometry -------------------------------------------------------------------------------
 

@@ -32,12 +32,9 @@ tokens) and ``needs_resolved_tokens(inflight_out)``; no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from engine.scheduler import SchedulerOutput, StepOutput
-
-if TYPE_CHECKING:
-    from engine.core import EngineCore
+from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 
 
 @dataclass
@@ -46,8 +43,20 @@ class Inflight:
     pending: Any  # the engine's handle: .result() -> list[SampledToken]
 
 
+class Launcher(Protocol):
+    """What overlapped steps need of an engine (``EngineCore`` is one): its scheduler, a step
+    counter, and the two operations above."""
+
+    scheduler: Scheduler
+    num_steps: int
+
+    def launch(self, out: SchedulerOutput, prev: Any = None) -> Any: ...
+
+    def needs_resolved_tokens(self, out: SchedulerOutput) -> bool: ...
+
+
 class OverlappedSteps:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: Launcher):
         self.core = core
         self.inflight: Inflight | None = None
 

@@ -21,7 +21,7 @@ from kvstore.hashing import block_hashes
 
 if TYPE_CHECKING:
     from engine.constraints.state import GrammarState
-    from engine.lora import LoraAdapter
+    from engine.lora_adapter import LoraAdapter
 
 
 class SeqStatus(enum.IntEnum):

@@ -9,7 +9,7 @@ sampling on rank 0 with no gather).
 
 Rank 0 is the engine a worker runs (scheduler, block pool, sampler, the bus);
 ``TensorParallel`` starts ranks 1..tp-1 as helper processes
-(``python -m engine.tp``) and feeds them each step's flat batch:
+(``python -m engine.tp_rank``) and feeds them each step's flat batch:
 
     rank 0                                        rank r (helper)
     ------                                        ---------------
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -107,7 +106,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _join_group(store: dist.Store, rank: int, size: int, device: torch.device):
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
         return dist.ProcessGroupNCCL(store, rank, size)
@@ -151,7 +150,7 @@ class TensorParallel:
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.tp", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, "-m", "engine.tp_rank", str(theirs.fileno())], pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
             )
         finally:
@@ -166,7 +165,7 @@ class TensorParallel:
         back in rank order, mapped (CPU) or opened (CUDA IPC) in this process."""
         deadline = time.monotonic() + READY_TIMEOUT
         shards = [self._await_ready(r, deadline) for r in range(1, self.size)]
-        self.shard.group = _join_group(self._store, 0, self.size, self.device)
+        self.shard.group = join_group(self._store, 0, self.size, self.device)
         return shards
 
     def _await_ready(self, rank: int, deadline: float) -> KVCache:
@@ -227,64 +226,3 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], paths: list[st
             proc.wait()
     for path in paths:
         Path(path).unlink(missing_ok=True)
-
-
-# -- the helper ranks ------------------------------------------------------------
-
-
-def _serve(conn: Connection) -> int:
-    from engine.attention import create_backend
-    from engine.config import ModelConfig
-    from engine.kernels import Kernels
-    from engine.loader import load_model
-    from engine.model import use_kernels
-    from engine.runner import ModelRunner
-
-    setup: RankSetup = conn.recv()
-    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s tp{setup.rank} %(name)s: %(message)s")
-    torch.set_num_threads(setup.threads)
-    cfg = setup.config
-    mc = ModelConfig.from_dir(cfg.model)
-    device = rank_device(cfg.torch_device, setup.rank)
-    shard = Shard(setup.rank, setup.size)
-    model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard)
-    use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
-    spec = shard_spec(mc, cfg, setup.num_blocks, cfg.torch_dtype)
-    kv = KVCache(spec, device, shm_path=setup.kv_path)
-    attention = create_backend(cfg.attention_backend, kv, mc.head_dim**-0.5)
-    runner = ModelRunner(model, attention, None, cfg.block_size)
-    if device.type == "cpu":
-        where = setup.kv_path
-    else:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        where = reduce_tensor(kv.tensor)
-    conn.send((spec.to_dict(), where))
-    store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, is_master=False,
-                          timeout=timedelta(seconds=READY_TIMEOUT))
-    shard.group = _join_group(store, setup.rank, setup.size, device)
-    while True:
-        try:
-            step = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return 0  # rank 0 is gone
-        if step is None:
-            return 0
-        runner.forward(step)
-
-
-def main(argv: list[str]) -> int:
-    # Ctrl-C reaches the whole process group: rank 0 decides when the ranks stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
-    try:
-        return _serve(conn)
-    except (EOFError, BrokenPipeError):
-        return 0
-    except Exception:
-        log.exception("tensor-parallel rank failed")
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

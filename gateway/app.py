@@ -93,7 +93,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(gateway_metrics.render(gateway), media_type="text/plain; version=0.0.4")
+        return Response(gateway_metrics.render(gateway.workers_metrics), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request):

@@ -10,18 +10,14 @@ their counters live in files there and a scrape, whichever process answers it, a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from mesh.metrics import GATEWAY_E2E, GATEWAY_ITL, GATEWAY_TTFT
 from mesh.telemetry import REGISTRY
-
-if TYPE_CHECKING:
-    from gateway.service import Gateway
 
 REQUESTS = Counter("pdmesh_gateway_requests", "Requests answered, by endpoint and HTTP status",
                    ["endpoint", "status"], registry=REGISTRY)
@@ -102,31 +98,34 @@ class GatewayStats:
 
 
 class WorkersCollector:
-    """Scrape-time gauges from this process's view of the registry (the same in every process)."""
+    """Scrape-time gauges from this process's view of the registry (the same in every process).
 
-    def __init__(self, gw: Gateway):
-        self.gw = gw
+    ``ready_workers`` is the gateway's count of ready decode workers per model (empty before it
+    has joined the registry), asked at each scrape."""
+
+    def __init__(self, ready_workers: Callable[[], dict[str, int]]):
+        self.ready_workers = ready_workers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         live = GaugeMetricFamily("pdmesh_gateway_live_workers", "Ready decode workers per model", labels=["model"])
-        if self.gw.membership is not None:
-            for m in self.gw.live_models():
-                live.add_metric([m], len(self.gw.decode_workers(m)))
+        for model, n in self.ready_workers().items():
+            live.add_metric([model], n)
         yield live
 
 
-def workers_registry(gw: Gateway) -> CollectorRegistry:
+def workers_registry(ready_workers: Callable[[], dict[str, int]]) -> CollectorRegistry:
     reg = CollectorRegistry()
-    reg.register(WorkersCollector(gw))
+    reg.register(WorkersCollector(ready_workers))
     return reg
 
 
-def render(gw: Gateway) -> bytes:
-    """The /metrics text: this process's registry, or every gateway process's in multiprocess mode."""
+def render(workers: CollectorRegistry) -> bytes:
+    """The /metrics text: this process's registry, or every gateway process's in multiprocess mode,
+    then ``workers`` (``workers_registry``: this process's view, not summed over processes)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry) + generate_latest(gw.workers_metrics)
-    return generate_latest(REGISTRY) + generate_latest(gw.workers_metrics)
+        return generate_latest(registry) + generate_latest(workers)
+    return generate_latest(REGISTRY) + generate_latest(workers)

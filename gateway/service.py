@@ -108,7 +108,7 @@ class Gateway:
         self.inflight = 0
         self.tracing = False  # start(): whether spans are recorded (else the tracer is a no-op)
         self.stats = GatewayStats()
-        self.workers_metrics = workers_registry(self)
+        self.workers_metrics = workers_registry(self.ready_workers)
         self.retry_policy = RetryPolicy(config.retries, config.max_migrations, config.unreachable_wait,
                                         config.first_token_timeout, config.idle_timeout)
         self._background: set[asyncio.Task] = set()
@@ -153,6 +153,12 @@ class Gateway:
 
     def live_models(self) -> list[str]:
         return sorted({c.model for c in self.membership.cards(role="decode")})
+
+    def ready_workers(self) -> dict[str, int]:
+        """Ready decode workers per live model (none before ``start``): the /metrics gauge."""
+        if self.membership is None:
+            return {}
+        return {m: len(self.decode_workers(m)) for m in self.live_models()}
 
     def check_model(self, model: str) -> None:
         self.resolve(model)
@@ -226,9 +232,9 @@ class Gateway:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
         ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
 
-        Who cancels on the worker: this generator's ``finally``, whenever it ends before the
-        worker's last chunk (client gone, stop string, error), whether it is closed or cancelled;
-        and a migration, on the worker it leaves.
+        Who cancels on the worker: this generator's ``finally`` (``_ended``), whenever it ends
+        before the worker's last chunk (client gone, stop string, error), whether it is closed or
+        cancelled; and a migration (``_lost``), on the worker it leaves.
         """
         text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens, plan)
         run = ChoiceRun(self.retry_policy)
@@ -241,26 +247,14 @@ class Gateway:
         try:
             while True:
                 if run.state is ChoiceState.BACKOFF:
-                    self.stats.rerouted()
-                    await asyncio.sleep(UNREACHABLE_BACKOFF)
-                    run.backed_off()
+                    await self._back_off(run)
                 if run.state is ChoiceState.ROUTING:
                     stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter)
                 try:
                     chunks = await stream.next_batch(run.timeout)
                 except StreamError as e:
-                    if e.status in (503, 504):  # gone or silent: no new work for it until it reports
-                        self.router.suspect(run.worker_id)
-                    if run.lost(e, self._untried(model, run.tried, adapter)) is ChoiceState.FAILED:
-                        raise run.error from None
-                    if run.state is ChoiceState.ROUTING:
-                        self.stats.migrated(with_tokens=bool(run.generated))
-                        span.add_event("migrated", {"pdmesh.from": run.worker_id,
-                                                    "pdmesh.after_tokens": len(run.generated)})
-                        log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e,
-                                    len(run.generated))
-                        self._cancel_later(model, stream, request_id)  # if it is only slow, free it
-                    stream = self._close(stream, request_id)
+                    self._lost(run, e, stream, model, request_id, span, adapter)  # raises, or closes it
+                    stream = None
                     continue
                 last = chunks[-1]
                 if last.error:
@@ -288,13 +282,41 @@ class Gateway:
                     return
                 yield delta
         finally:
-            run.closed()
-            self.stats.choice_ended(run.state.name)
-            span.set_attributes({"pdmesh.output_tokens": len(run.generated), "pdmesh.state": run.state.name})
-            span.end()
-            if stream is not None:  # ended before the worker's last chunk: stop it there
-                self._close(stream, request_id)
-                self._cancel_later(model, stream, request_id)
+            self._ended(run, span, stream, model, request_id)
+
+    async def _back_off(self, run: ChoiceRun) -> None:
+        """Every worker tried is unreachable: wait, then try them all again."""
+        self.stats.rerouted()
+        await asyncio.sleep(UNREACHABLE_BACKOFF)
+        run.backed_off()
+
+    def _lost(self, run: ChoiceRun, e: StreamError, stream: ReplyStream, model: str, request_id: str,
+              span: trace.Span, adapter: str) -> None:
+        """The stream broke: raise the choice's error, or close the stream for a migration or a
+        back-off. A failed choice's stream is left open for ``stream_choice``'s ``finally`` to close
+        and cancel on the worker."""
+        if e.status in (503, 504):  # gone or silent: no new work for it until it reports
+            self.router.suspect(run.worker_id)
+        if run.lost(e, self._untried(model, run.tried, adapter)) is ChoiceState.FAILED:
+            raise run.error from None
+        if run.state is ChoiceState.ROUTING:
+            self.stats.migrated(with_tokens=bool(run.generated))
+            span.add_event("migrated", {"pdmesh.from": run.worker_id, "pdmesh.after_tokens": len(run.generated)})
+            log.warning("request %s: %s; resuming elsewhere after %d tokens", request_id, e, len(run.generated))
+            self._cancel_later(model, stream, request_id)  # if it is only slow, free it
+        self._close(stream, request_id)
+
+    def _ended(self, run: ChoiceRun, span: trace.Span, stream: ReplyStream | None, model: str,
+               request_id: str) -> None:
+        """The choice's generator is done, however it ended: count it, end its span, and stop the
+        worker if it ended before the worker's last chunk (``stream`` still open)."""
+        run.closed()
+        self.stats.choice_ended(run.state.name)
+        span.set_attributes({"pdmesh.output_tokens": len(run.generated), "pdmesh.state": run.state.name})
+        span.end()
+        if stream is not None:
+            self._close(stream, request_id)
+            self._cancel_later(model, stream, request_id)
 
     async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
                     sampling: SamplingOptions, priority: int, span: trace.Span, adapter: str = "") -> ReplyStream:

@@ -217,7 +217,7 @@ class ToolCallParser:
         if self.env is None:
             if ch in WS:
                 return
-            self.env = Envelope(self.syntax)
+            self.env = Envelope(self.syntax.name_keys, self.syntax.argument_keys)
         env = self.env
         env.feed(ch)
         if env.broken:

@@ -2,16 +2,13 @@
 
 Strings, escapes and nesting are tracked so that the ``name`` value is known the moment it closes
 and the ``arguments`` value can be handed on as it arrives (a JSON string holding JSON is decoded
-when it closes). ``gateway.toolcalls`` drives it.
+when it closes). ``gateway.toolcalls`` drives it, with the keys its format uses for the name and
+the arguments.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.toolcalls import CallSyntax
 
 WS = " \t\r\n"
 
@@ -19,8 +16,9 @@ WS = " \t\r\n"
 class Envelope:
     """One ``{"name": ..., "arguments": ...}`` object, a character at a time."""
 
-    def __init__(self, syntax: CallSyntax):
-        self.syntax = syntax
+    def __init__(self, name_keys: tuple[str, ...], argument_keys: tuple[str, ...]):
+        self.name_keys = name_keys
+        self.argument_keys = argument_keys
         self.phase = "open"  # open, key, in_key, colon, value_start, value, after_value, done
         self.broken = False
         self.name: str | None = None
@@ -74,8 +72,7 @@ class Envelope:
                 self.broken = True
                 return
             self._key.clear()
-            s = self.syntax
-            self._value_role = "name" if key in s.name_keys else "args" if key in s.argument_keys else "other"
+            self._value_role = "name" if key in self.name_keys else "args" if key in self.argument_keys else "other"
             self.phase = "colon"
             return
         self._key.append(ch)

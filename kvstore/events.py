@@ -1,7 +1,7 @@
 """Block-level cache changes, recorded where they happen and drained once per engine step.
 
 The worker turns a drained batch into a KV event on the bus (the router's
-index is built from them); the pool only records.
+index is built from them; ``mesh.kvevents.to_wire``); the pool only records.
 """
 
 from __future__ import annotations
@@ -53,21 +53,3 @@ class KvEventLog:
     def __len__(self) -> int:
         return len(self._events)
 
-
-def to_wire(events: list[BlockEvent]):
-    """Block events -> ``KvEvent``s, with chained stores and same-tier removals merged into runs."""
-    from mesh.protocol import KvEvent
-
-    out: list[KvEvent] = []
-    for ev in events:
-        last = out[-1] if out else None
-        if isinstance(ev, BlockStored):
-            if last and last.kind == "stored" and last.tier == ev.tier and last.hashes[-1] == ev.parent:
-                last.hashes.append(ev.block_hash)
-            else:
-                out.append(KvEvent("stored", [ev.block_hash], ev.parent, ev.tier))
-        elif last and last.kind == "removed" and last.tier == ev.tier:
-            last.hashes.append(ev.block_hash)
-        else:
-            out.append(KvEvent("removed", [ev.block_hash], None, ev.tier))
-    return out

@@ -2,7 +2,8 @@
 
 Every subscription handler gets a decoded message; bytes that do not decode
 are logged and dropped, and an exception in a handler is logged, never
-allowed to kill the subscription.
+allowed to kill the subscription. A ``Bus`` is the ``Messenger`` the KV
+transports take (``kvstore.transfer.messenger``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,19 @@ class Bus:
     async def request(self, subject: str, msg: Any, expect: type[T], timeout: float) -> T:
         reply = await self.nc.request(subject, encode(msg), timeout=timeout, headers=outgoing_headers())
         return decode(reply.data, expect)
+
+    async def request_ack(self, subject: str, msg: Any, timeout: float) -> None:
+        """Send ``msg`` (untraced) and wait for the receiver's empty acknowledgement: the flow
+        control of the nats KV transport's windows."""
+        await self.nc.request(subject, encode(msg), timeout=timeout)
+
+    async def respond(self, raw: Msg, msg: Any) -> None:
+        """Reply ``msg`` to the received ``raw``."""
+        await raw.respond(encode(msg))
+
+    async def flush(self, timeout: float) -> None:
+        """Wait until the server has everything sent so far (a subscription is in place after it)."""
+        await self.nc.flush(timeout=timeout)
 
     async def subscribe(
         self, subject: str, handler: Handler, expect: type | None = None, queue: str = "",

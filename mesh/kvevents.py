@@ -25,16 +25,33 @@ import threading
 import time
 import uuid
 
-from kvstore.events import to_wire
+from kvstore.events import BlockEvent, BlockStored
 from mesh.bus import Bus
 from mesh.procutil import cancel_and_wait
-from mesh.protocol import KvEventBatch, KvSnapshot, KvSnapshotRequest, encode
+from mesh.protocol import KvEvent, KvEventBatch, KvSnapshot, KvSnapshotRequest, encode
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_PAGE = 50_000  # hashes per reply page (~450 KB of msgpack)
 SNAPSHOT_TTL = 30.0  # seconds a snapshot's later pages stay available
 INTERVAL = 0.005  # seconds: at most one batch per interval
+
+
+def to_wire(events: list[BlockEvent]) -> list[KvEvent]:
+    """Block events -> ``KvEvent``s, with chained stores and same-tier removals merged into runs."""
+    out: list[KvEvent] = []
+    for ev in events:
+        last = out[-1] if out else None
+        if isinstance(ev, BlockStored):
+            if last and last.kind == "stored" and last.tier == ev.tier and last.hashes[-1] == ev.parent:
+                last.hashes.append(ev.block_hash)
+            else:
+                out.append(KvEvent("stored", [ev.block_hash], ev.parent, ev.tier))
+        elif last and last.kind == "removed" and last.tier == ev.tier:
+            last.hashes.append(ev.block_hash)
+        else:
+            out.append(KvEvent("removed", [ev.block_hash], None, ev.tier))
+    return out
 
 
 class KvEventPublisher:

@@ -22,6 +22,7 @@ connection the client reconnects on its own, forever.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ssl
 import time
@@ -141,6 +142,29 @@ class NatsConfig:
         values = {k: flags.get(k) if flags.get(k) is not None else v for k, v in defaults.items()}
         values = {k: v for k, v in values.items() if v is not None}
         return cls(servers=split_servers(url), role=role, **values)
+
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser) -> None:
+        """How to authenticate and replicate, as flags. Which servers (``--nats``) is the command's
+        to say: ``mesh up`` starts one when none is given."""
+        p.add_argument("--nats-creds", default=None, metavar="FILE", help="NATS user JWT + nkey seed ($MESH_NATS_CREDS)")
+        p.add_argument("--nats-nkey", default=None, metavar="FILE", help="NATS nkey seed file ($MESH_NATS_NKEY)")
+        p.add_argument("--nats-tls-ca", default=None, metavar="FILE",
+                       help="CA of the NATS servers' certificates; implies TLS ($MESH_NATS_TLS_CA)")
+        p.add_argument("--nats-tls-cert", default=None, metavar="FILE", help="TLS client certificate ($MESH_NATS_TLS_CERT)")
+        p.add_argument("--nats-tls-key", default=None, metavar="FILE", help="its private key ($MESH_NATS_TLS_KEY)")
+        p.add_argument("--nats-connect-timeout", type=float, default=None, metavar="SECONDS",
+                       help="keep trying to reach NATS this long at start (default 10; $MESH_NATS_CONNECT_TIMEOUT)")
+        p.add_argument("--js-replicas", type=int, default=None, metavar="N",
+                       help="replicas of the JetStream bucket and streams this process creates (default 1; "
+                            "3 on a 3-node cluster; $MESH_JS_REPLICAS)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, url: str, role: str = "") -> NatsConfig:
+        """The servers at ``url`` with the flags of ``add_args`` (``build``: over the environment)."""
+        return cls.build(url, role=role, creds=args.nats_creds, nkey=args.nats_nkey, tls_ca=args.nats_tls_ca,
+                         tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key, js_replicas=args.js_replicas,
+                         connect_timeout=args.nats_connect_timeout)
 
     def for_role(self, role: str) -> NatsConfig:
         return replace(self, role=role)

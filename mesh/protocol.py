@@ -1,4 +1,4 @@
-"""The wire protocol of the mesh: every subject and every message, defined once.
+"""The wire protocol of the mesh: every message, defined once, and the one codec.
 
 Messages are msgspec Structs encoded with msgpack as a map of their fields plus a
 ``"type"`` key naming the class (nested parts are plain maps; the schema says
@@ -8,121 +8,32 @@ so a malformed message is rejected at the edge with a ``DecodeError`` instead of
 failing deep inside a worker. Unknown fields are ignored (newer senders may add
 fields); missing fields take their defaults.
 
+The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
+``NcclConnect``, ``NcclBegin``, ``NcclReply``) are defined below the mesh, in
+``kvstore/transfer/messages.py``. Both are re-exported here, and the transports' messages
+go through this codec like every other.
+
 ``docs/protocol.md`` documents the same table for writers of custom workers.
 """
 
 from __future__ import annotations
 
-import re
 import typing
-from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 from msgspec import field
 
+from kvstore.transfer.messages import MESSAGES as TRANSPORT_MESSAGES
+from kvstore.transfer.messages import KvChunk as KvChunk
+from kvstore.transfer.messages import NcclBegin as NcclBegin
+from kvstore.transfer.messages import NcclConnect as NcclConnect
+from kvstore.transfer.messages import NcclReply as NcclReply
+from kvstore.transfer.messages import TransportMessage
+from mesh.subjects import Subjects as Subjects
+from mesh.subjects import subject_token as subject_token
+
 T = TypeVar("T")
-
-# -- subjects -------------------------------------------------------------------
-
-_TOKEN_BAD = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def subject_token(name: str) -> str:
-    """A model or worker name as one NATS subject token (no dots, wildcards or spaces)."""
-    token = _TOKEN_BAD.sub("_", name.strip())
-    if not token:
-        raise ValueError(f"{name!r} has no characters usable in a subject")
-    return token
-
-
-@dataclass(frozen=True)
-class Subjects:
-    """The subject table of one namespace. Model and worker names are sanitized here."""
-
-    ns: str = "mesh"
-
-    def _m(self, model: str) -> str:
-        return f"{self.ns}.{subject_token(model)}"
-
-    def generate(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.decode.{subject_token(worker)}.generate"
-
-    def cancel(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.decode.{subject_token(worker)}.cancel"
-
-    def kv_ready(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_ready"
-
-    def kv_data(self, model: str, worker: str, request_id: str) -> str:
-        """The nats transport's per-request data subject."""
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.{subject_token(request_id)}"
-
-    def kv_data_all(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.*"
-
-    def prefill_jobs(self, model: str) -> str:
-        return f"{self._m(model)}.prefill.jobs"
-
-    def prefill_stream(self, model: str) -> str:
-        """The JetStream work-queue stream holding ``prefill_jobs``."""
-        return f"{subject_token(self.ns)}_{subject_token(model)}_prefill"
-
-    def kv_events(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.kv.events.{subject_token(worker)}"
-
-    def kv_events_all(self, model: str) -> str:
-        return f"{self._m(model)}.kv.events.*"
-
-    def kv_events_any(self) -> str:
-        """Every model's KV events (a router serves all models of a namespace)."""
-        return f"{self.ns}.*.kv.events.*"
-
-    def kv_snapshot(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.kv.snapshot.{subject_token(worker)}"
-
-    def load(self, model: str, worker: str) -> str:
-        return f"{self._m(model)}.load.{subject_token(worker)}"
-
-    def load_model(self, model: str) -> str:
-        return f"{self._m(model)}.load.*"
-
-    def load_all(self) -> str:
-        return f"{self.ns}.*.load.*"
-
-    def router_decisions(self) -> str:
-        return f"{self.ns}.router.decisions"
-
-    def planner_decisions(self) -> str:
-        return f"{self.ns}.planner.decisions"
-
-    def nccl(self, model: str, worker: str, verb: str) -> str:
-        """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
-        return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
-
-    def lora(self, model: str) -> str:
-        """Runtime LoRA load/unload: every worker of the model answers (a request gathers replies)."""
-        return f"{self._m(model)}.lora"
-
-    def control(self, worker: str) -> str:
-        """Per-worker control (drain), used by the planner's local connector."""
-        return f"{self.ns}.control.{subject_token(worker)}"
-
-    def workers_bucket(self) -> str:
-        return f"{subject_token(self.ns)}_workers"
-
-    def kv_fetch(self, model: str, worker: str) -> str:
-        """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"
-
-    def kv_fetch_data(self, model: str, worker: str, fetch_id: str) -> str:
-        """A peer fetch's bytes over nats (``KvChunk``s) to the requester ``worker``."""
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_data.{subject_token(fetch_id)}"
-
-    def kv_fetch_release(self, model: str, worker: str) -> str:
-        """The requester -> the holder ``worker``: done reading a lent run (``KvFetchRelease``)."""
-        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_release"
-
 
 # -- codec ----------------------------------------------------------------------
 
@@ -131,11 +42,18 @@ class DecodeError(ValueError):
     """Bytes that are not a valid message of the expected type."""
 
 
-# Every message and part by class name (docs/protocol.md documents each); only ``Message``s
-# arrive on their own.
+# Every message and part by class name (docs/protocol.md documents each); only the tagged ones
+# (``Message``s and the transports' messages) arrive on their own.
 MESSAGE_TYPES: dict[str, type] = {}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS: dict[type | None, msgspec.msgpack.Decoder] = {}
+
+
+def register(cls: type) -> type:
+    """Add a message class to the codec's table (a ``Message`` does when it is defined)."""
+    MESSAGE_TYPES[cls.__name__] = cls
+    _DECODERS.pop(None, None)  # the any-message decoder is rebuilt with the new member
+    return cls
 
 
 class Message(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
@@ -144,8 +62,7 @@ class Message(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        MESSAGE_TYPES[cls.__name__] = cls
-        _DECODERS.pop(None, None)  # the any-message decoder is rebuilt with the new member
+        register(cls)
 
 
 class Part(msgspec.Struct, omit_defaults=True):
@@ -156,7 +73,11 @@ class Part(msgspec.Struct, omit_defaults=True):
         MESSAGE_TYPES[cls.__name__] = cls
 
 
-def encode(msg: Message) -> bytes:
+for _message in TRANSPORT_MESSAGES:  # the same form as a Message, defined below the mesh
+    register(_message)
+
+
+def encode(msg: Message | TransportMessage) -> bytes:
     return _ENCODER.encode(msg)
 
 
@@ -165,7 +86,7 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
     dec = _DECODERS.get(expect)
     if dec is None:
         if expect is None:
-            tagged = tuple(c for c in MESSAGE_TYPES.values() if issubclass(c, Message))
+            tagged = tuple(c for c in MESSAGE_TYPES.values() if c.__struct_config__.tag is not None)
             dec = msgspec.msgpack.Decoder(typing.Union[tagged])  # noqa: UP007
         else:
             dec = msgspec.msgpack.Decoder(expect)
@@ -314,16 +235,6 @@ class PrefillDone(Message):
     token: str = ""  # the job's PrefillJob.token
 
 
-class KvChunk(Message):
-    """One piece of a request's KV over the nats transport (block-major bytes)."""
-
-    request_id: str
-    index: int
-    offset: int
-    total_bytes: int
-    data: bytes
-
-
 class WorkerCard(Message):
     """A worker's entry in the registry bucket, refreshed while it lives."""
 
@@ -465,31 +376,6 @@ class LoraReply(Message):
     error: str = ""
     status: int = 0  # on failure: 400 (a broken adapter, a bad name), 404 (unload of an unknown name)
     adapters: list[str] = field(default_factory=list)
-
-
-# -- the nccl transport's handshake (kvstore/transfer/nccl.py) --------------------
-
-
-class NcclConnect(Message):
-    """Prefill -> decode, request on ``nccl.connect``: join a two-rank communicator as rank 1."""
-
-    session: str  # names the communicator on both sides
-    sender: str  # the sending process: a new session from it replaces its older ones
-    unique_id: bytes  # ncclUniqueId, 128 bytes
-
-
-class NcclBegin(Message):
-    """Prefill -> decode, request on ``nccl.begin``: post the recvs of this request's bytes."""
-
-    session: str
-    request_id: str
-    nbytes: int
-    chunk_bytes: int  # one send per this many bytes (the last one shorter)
-
-
-class NcclReply(Message):
-    ok: bool
-    error: str = ""
 
 
 # -- peer fetch (issue 20): a worker asks a peer for prefix blocks it lacks ---------------

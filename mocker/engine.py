@@ -16,10 +16,14 @@ bytes either; its time comes from ``TimingModel.fetch_ms``.
 
 from __future__ import annotations
 
+import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import ClassVar
 
 from engine.core import CoreConfig, EngineCore
+from engine.flags import gpu_execution_argv
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken, Sequence
 from kvstore.disk import VirtualDiskTier
@@ -58,6 +62,26 @@ class TimingModel:
     def __post_init__(self) -> None:
         if min(self.host_gb_per_s, self.disk_gb_per_s, self.network_gb_per_s, self.hbm_gb_per_s) <= 0:
             raise ValueError("transfer rates must be > 0")
+
+    @classmethod
+    def from_flags(cls, overrides: list[str]) -> TimingModel:
+        """The defaults with ``--mock-timing FIELD=VALUE`` overrides (numbers only); ValueError names
+        the bad one."""
+        base = cls()
+        types = {f.name: type(getattr(base, f.name)) for f in fields(cls)}
+        over = {}
+        for item in overrides:
+            name, sep, value = item.partition("=")
+            if not sep or name not in types:
+                raise ValueError(f"--mock-timing {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(types)}")
+            try:
+                over[name] = types[name](value)
+            except ValueError:
+                raise ValueError(f"--mock-timing {item!r}: {value!r} is not a number") from None
+        try:
+            return replace(base, **over)
+        except ValueError as e:
+            raise ValueError(f"--mock-timing: {e}") from None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -115,6 +139,10 @@ class TimingModel:
 
 @dataclass(frozen=True)
 class MockConfig:
+    """The mocker's configuration. It owns its flags (``add_args``, ``from_args``) and builds its
+    engine (``build``): the worker base names no mocker (``worker.base.SimulatedEngineConfig``)."""
+
+    simulated: ClassVar[bool] = True  # a timing model: no KV bytes (transport "mock"), nothing to warm up
     model_name: str = "mock"
     vocab_size: int = 32000
     block_size: int = 16
@@ -140,6 +168,54 @@ class MockConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give host KV blocks too")
         if self.fetch_timeout <= 0 or self.hint_wait < 0:
             raise ValueError("fetch_timeout must be > 0 and hint_wait >= 0")
+
+    def build(self) -> MockEngine:
+        return MockEngine(self)
+
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser) -> None:
+        """The mocker's own flags; the rest it reads from the engine's (``engine.flags``)."""
+        p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
+        p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
+                       help="mocker: set a timing-model field, e.g. network_gb_per_s=50 (repeatable)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MockConfig:
+        """From ``add_args`` and the engine's flags; a flag only a model worker takes is a ValueError
+        of one line (ModelError: the ``--model`` it simulates)."""
+        refuse_model_flags(args)
+        kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs,
+              "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False)}
+        if getattr(args, "peer_fetch_timeout", None) is not None:
+            kw["fetch_timeout"] = args.peer_fetch_timeout
+        if args.device_kv_blocks:
+            kw["num_blocks"] = args.device_kv_blocks
+        if args.model:  # simulate this model: its name, vocabulary and context (the gateway brings its tokenizer)
+            from engine.config import ModelConfig
+
+            mc = ModelConfig.from_dir(args.model)
+            kw.update(model_name=Path(args.model).name, vocab_size=mc.vocab_size, max_model_len=mc.max_position)
+        if args.served_name:
+            kw["model_name"] = args.served_name
+        if args.host_kv_blocks:
+            kw["host_kv_blocks"] = args.host_kv_blocks
+        if args.disk_kv_blocks:
+            kw["disk_kv_blocks"] = args.disk_kv_blocks
+        return cls(**kw)
+
+
+def refuse_model_flags(args: argparse.Namespace) -> None:
+    """The engine flags only a model worker takes: each is a ValueError saying what the mocker lacks."""
+    if args.host_kv_gb or args.disk_kv_dir or args.disk_kv_gb:
+        raise ValueError("the mocker has no KV bytes: give its tiers in blocks (--host-kv-blocks, "
+                         "--disk-kv-blocks); --host-kv-gb, --disk-kv-gb and --disk-kv-dir are for model workers")
+    if args.tp != 1:
+        raise ValueError("the mocker has no model to shard: --tp is for model workers")
+    if args.lora or args.max_loras:
+        raise ValueError("the mocker runs no model: --lora and --max-loras are for model workers")
+    if gpu_execution_argv(args):
+        raise ValueError("the mocker runs no model: --attention-backend, --cuda-graphs, --enforce-eager, "
+                         "--async-scheduling and --fused-kernels are for model workers")
 
 
 class MockEngine(EngineCore):

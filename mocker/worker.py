@@ -31,8 +31,10 @@ import logging
 import time
 from collections import OrderedDict
 from contextlib import AsyncExitStack
+from functools import partial
 
-from decode.worker import DecodeWorker, _unsubscribe
+from decode.worker import DecodeWorker
+from engine.core import EngineCore
 from kvstore.hashing import block_hashes
 from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRequest, RouterDecision
 from mocker.engine import MockConfig
@@ -86,12 +88,10 @@ class MockWorker(DecodeWorker):
 
     async def setup(self, stack: AsyncExitStack) -> None:
         await super().setup(stack)
-        bus, model = self.bus, self.engine.model_name
-        subs = [await bus.subscribe(bus.subjects.kv_fetch(model, self.worker_id), self._on_fetch, KvFetchRequest)]
+        ctx, s, model = self.ctx, self.bus.subjects, self.engine.model_name
+        await ctx.subscribe(stack, s.kv_fetch(model, self.worker_id), self._on_fetch, KvFetchRequest)
         if self.mock.peer_fetch:
-            subs.append(await bus.subscribe(bus.subjects.router_decisions(), self._on_decision, RouterDecision))
-        for sub in subs:
-            stack.push_async_callback(_unsubscribe, sub)
+            await ctx.subscribe(stack, s.router_decisions(), self._on_decision, RouterDecision)
 
     def card(self):
         card = super().card()
@@ -101,22 +101,17 @@ class MockWorker(DecodeWorker):
         return card
 
     def load(self, engine):
-        engine.pins.expire()  # runs between steps: a fetch whose sender vanished frees its pins here
+        engine.expire_pins()  # runs between steps: a fetch whose sender vanished frees its pins here
         return super().load(engine)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
 
     # -- requester ------------------------------------------------------------------------
     async def _on_decision(self, d: RouterDecision, raw) -> None:
         self.hints.add(d)
 
-    async def _on_generate(self, req: GenerateRequest, raw) -> None:
+    async def on_generate(self, req: GenerateRequest, raw) -> None:
         if self.mock.peer_fetch and raw.reply and self.status == "ready" and req.model == self.engine.model_name:
             await self._fetch_for(req)
-        await super()._on_generate(req, raw)
+        await super().on_generate(req, raw)
 
     async def _fetch_for(self, req: GenerateRequest) -> None:
         """Stage the blocks the router's decision says a peer can send (nothing on any failure)."""
@@ -160,7 +155,7 @@ class MockWorker(DecodeWorker):
         if not raw.reply:
             log.warning("kv_fetch %s without a reply subject: dropped", req.request_id)
             return
-        self._spawn(self._serve(req, raw.reply))
+        self.ctx.spawn(self._serve(req, raw.reply))
 
     async def _serve(self, req: KvFetchRequest, reply: str) -> None:
         started = time.monotonic()
@@ -171,7 +166,7 @@ class MockWorker(DecodeWorker):
             return
         fetch_id = f"{req.request_id}:{req.requester}"
         try:
-            run = await self.loop.call(lambda e: e.pins.pin(fetch_id, req.hashes, lease))
+            run = await self.loop.call(partial(EngineCore.pin_run, fetch_id=fetch_id, hashes=req.hashes, lease_s=lease))
         except ValueError as e:  # the same fetch twice
             await self.bus.publish(reply, KvFetchDone(req.request_id, self.worker_id, False, error=str(e)))
             return
@@ -182,7 +177,7 @@ class MockWorker(DecodeWorker):
                 self._nic_free_at = max(now, self._nic_free_at) + seconds  # one send at a time
                 await asyncio.sleep(self._nic_free_at - now)
         finally:
-            self.loop.call(lambda e: e.pins.release(fetch_id))  # not awaited: also runs on cancellation
+            self.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))  # not awaited: also runs on cancellation
         ok = time.time() <= req.deadline
         self.counters.bump("peer_serve_requests")
         if ok:

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from engine.scheduler import StepOutput
 from engine.sequence import Sequence
 from kvstore.manager import blocks_for
-from kvstore.transfer import KvSender, Refused, make_sender
+from kvstore.transfer import KvSender, Refused, TransferTarget, make_sender
 from mesh import metrics
 from mesh.adapters import adapter_names
 from mesh.config import settings
@@ -73,8 +73,9 @@ class PrefillWorker(WorkerBase):
     async def setup(self, stack: AsyncExitStack) -> None:
         names = self.settings.transport_names()
         speedup = getattr(self.settings.engine, "speedup", 1.0)
+        copy_delay_s = settings().fault_kv_copy_delay_s
         for name in names:
-            self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup)
+            self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup, copy_delay_s=copy_delay_s)
         self.queue = PrefillQueue(self.bus, self.engine.model_name)
         self._sub = await self.queue.pull()
         stack.push_async_callback(self._unsubscribe)
@@ -267,8 +268,9 @@ class PrefillWorker(WorkerBase):
                 raise TimeoutError("past the deadline before the transfer")
             first = job.num_cached_tokens // job.block_size
             src = j.seq.block_table[first : first + len(job.dest_block_ids)]
+            target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
             result = await asyncio.wait_for(
-                self.senders[name].send(job, params, self.engine.kv_cache, src), remaining
+                self.senders[name].send(target, params, self.engine.kv_cache, src), remaining
             )
         except Exception as e:
             if isinstance(e, Refused):

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from engine.core import EngineCore
 from engine.loop import EngineLoop, InlineEngineLoop
@@ -39,6 +40,10 @@ from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard
 from mesh.registry import DEFAULT_TTL, CardPublisher
 from mesh.telemetry import REGISTRY, register_gpu_collector, serve_metrics, setup_tracing
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from mesh.natsauth import NatsConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -46,12 +51,23 @@ def new_worker_id(role: str) -> str:
     return subject_token(f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}")
 
 
+class SimulatedEngineConfig(Protocol):
+    """The configuration of an engine that simulates a model (the mocker's ``MockConfig``, a layer
+    above this one): it builds its own engine, which moves no KV bytes (its transport is "mock")
+    and needs no warm-up. A model's ``EngineConfig`` (``simulated`` False) is built here instead:
+    it cannot name ``engine.engine.Engine``, which imports it."""
+
+    simulated: ClassVar[bool]
+
+    def build(self) -> EngineCore: ...
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     nats_url: str
     ns: str = "mesh"
     worker_id: str = ""
-    engine: object = None  # EngineConfig (real model) or MockConfig (mocker)
+    engine: EngineConfig | SimulatedEngineConfig | None = None  # None: a custom worker builds its own
     transports: tuple[str, ...] = ()  # () = for the device: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA
     disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
     prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
@@ -69,16 +85,14 @@ class WorkerSettings:
     kv_event_interval_ms: float = 5.0  # decode: at most one KV event batch per this many ms (mesh/kvevents.py)
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
-    nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
+    nats: NatsConfig | None = None  # servers, credentials, TLS (None: nats_url + environment)
     metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
 
     @property
     def is_mock(self) -> bool:
-        from mocker.engine import MockConfig
-
-        return isinstance(self.engine, MockConfig)
+        return getattr(self.engine, "simulated", False)
 
     def transport_names(self) -> list[str]:
         """The KV transports this worker offers (decode) or uses (prefill), best first."""
@@ -95,11 +109,7 @@ class WorkerSettings:
 
 def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> EngineCore:
     if settings.is_mock:
-        from mocker.engine import MockEngine
-
-        return MockEngine(settings.engine)
-    from dataclasses import replace
-
+        return settings.engine.build()
     from engine.engine import Engine
 
     cfg = settings.engine if shm_path is None else replace(settings.engine, kv_shm_path=shm_path)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBatch, register
+from engine.attention.base import AttentionBatch, register
 from engine.hostcopy import to_device
 from kvstore.cache import KVCache
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBatch, register
+from engine.attention.base import AttentionBatch, register
 from kvstore.cache import KVCache
 
 

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -47,10 +47,22 @@ from engine.constraints.cache import GrammarCache
 from engine.constraints.masks import FILL_TIMEOUT, StepMasks
 from engine.constraints.replica import GrammarProcess
 from engine.constraints.state import GrammarState
+from engine.sampling import SamplingParams
 from mesh.constraints.spec import Constraint, ConstraintError
 
-if TYPE_CHECKING:
-    from engine.sequence import Sequence
+
+class ConstrainedSeq(Protocol):
+    """What the manager reads and writes of a sequence. ``engine.sequence.Sequence`` is one; it
+    holds its ``GrammarState``, so this package names it by this Protocol, not by an import."""
+
+    params: SamplingParams  # its constraint
+    grammar: GrammarState | None
+
+    @property
+    def generated_token_ids(self) -> list[int]: ...
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ class GrammarManager:
                                            self.config.threads, self.config.cache_size, self.config.spin_seconds)
         self._keys = itertools.count(1)
         self._gone: deque[int] = deque()  # replicas to drop: their engine-side states were collected
-        self._predicted: tuple[int, list[Sequence]] | None = None  # (step number, batch): tokens_taken
+        self._predicted: tuple[int, list[ConstrainedSeq]] | None = None  # (step number, batch): tokens_taken
 
     # -- compile ---------------------------------------------------------------------------
     @property
@@ -115,7 +127,7 @@ class GrammarManager:
             self._process.compile(c)  # and the grammar process's (it starts it)
 
     # -- sequences -------------------------------------------------------------------------
-    def attach(self, seq: Sequence) -> None:
+    def attach(self, seq: ConstrainedSeq) -> None:
         """Give ``seq`` its grammar state, caught up with every token it generated so far."""
         c = seq.params.constraint
         if c is None or seq.grammar is not None:
@@ -133,7 +145,7 @@ class GrammarManager:
         seq.grammar = state
 
     # -- steps -----------------------------------------------------------------------------
-    def begin_step(self, seqs: list[Sequence]) -> StepMasks | None:
+    def begin_step(self, seqs: list[ConstrainedSeq]) -> StepMasks | None:
         """Start filling the masks of the constrained rows of ``seqs`` (the rows that sample this step)."""
         rows = _masked_rows(seqs)
         if not rows:
@@ -152,7 +164,7 @@ class GrammarManager:
         done = self._pool.submit(self._fill, fill)
         return StepMasks(partial(done.result, timeout=FILL_TIMEOUT), [i for i, _ in rows], bitmask, None, self.masks)
 
-    def _begin_in_process(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]]) -> StepMasks:
+    def _begin_in_process(self, seqs: list[ConstrainedSeq], rows: list[tuple[int, GrammarState]]) -> StepMasks:
         """The masks ``tokens_taken`` started for this very batch (most decode steps: nothing to send),
         or a step message with this batch's rows (their keys, the tokens the process has not seen)."""
         predicted = self._predicted
@@ -163,7 +175,7 @@ class GrammarManager:
             step_no = self._send_step(seqs, rows, self._process.start())
         return self._masks(step_no, seqs, [i for i, _ in rows])
 
-    def tokens_taken(self, seqs: list[Sequence]) -> None:
+    def tokens_taken(self, seqs: list[ConstrainedSeq]) -> None:
         """After a step's tokens were taken: the grammar process gets those of the constrained
         sequences that go on and fills their masks for a next step of the sequences that go on, in
         this order, while this thread finishes the step and schedules the next one. ``begin_step``
@@ -177,12 +189,12 @@ class GrammarManager:
         if rows:
             self._predicted = (self._send_step(going, rows, proc.epoch), going)
 
-    def _send_step(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]], epoch: int) -> int:
+    def _send_step(self, seqs: list[ConstrainedSeq], rows: list[tuple[int, GrammarState]], epoch: int) -> int:
         """One step message to the grammar process for the batch ``seqs``; its step number."""
         keys, counts, tokens, new, gone = self._unsent(seqs, rows, epoch)
         return self._process.step(len(seqs), [i for i, _ in rows], keys, counts, tokens, new, gone)
 
-    def _masks(self, step_no: int, seqs: list[Sequence], rows: list[int]) -> StepMasks:
+    def _masks(self, step_no: int, seqs: list[ConstrainedSeq], rows: list[int]) -> StepMasks:
         proc = self._process
         self.masks.steps += 1
         self.masks.rows += len(rows)
@@ -193,7 +205,7 @@ class GrammarManager:
             return StepMasks(wait, rows, None, out[:batch, : self.vocab_size], self.masks)
         return StepMasks(wait, rows, out[: len(rows)], None, self.masks)
 
-    def _unsent(self, seqs: list[Sequence], rows: list[tuple[int, GrammarState]], epoch: int) -> tuple:
+    def _unsent(self, seqs: list[ConstrainedSeq], rows: list[tuple[int, GrammarState]], epoch: int) -> tuple:
         """For the grammar process: the rows' keys, the tokens each took since it was last sent
         (flat, with counts), the replicas to make (a state new to this process: all its tokens) and
         those to drop."""
@@ -216,7 +228,7 @@ class GrammarManager:
             gone.append(self._gone.popleft())
         return keys, counts, tokens, new, gone
 
-    def _wait_process(self, step_no: int, seqs: list[Sequence]) -> None:
+    def _wait_process(self, step_no: int, seqs: list[ConstrainedSeq]) -> None:
         proc = self._process
         before = proc.fill_seconds
         try:
@@ -259,6 +271,6 @@ class GrammarManager:
             self._pool = None
 
 
-def _masked_rows(seqs: list[Sequence]) -> list[tuple[int, GrammarState]]:
+def _masked_rows(seqs: list[ConstrainedSeq]) -> list[tuple[int, GrammarState]]:
     """(row, state) of the sequences whose next token is constrained."""
     return [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.needs_mask]

@@ -60,7 +60,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.constraints.backend import bitmask_words
+from engine.constraints.backend import bitmask_words, create_backend
+from engine.constraints.cache import GrammarCache
+from engine.constraints.state import GrammarState
 from mesh.constraints.spec import Constraint
 
 BIAS_MAX_VOCAB = 32_768  # up to this vocabulary the process writes float bias rows (<= 4 MB at batch 32)
@@ -264,8 +266,6 @@ class _Replicas:
     each, filled as soon as a replica's token arrives), copied into the shared buffer in row order."""
 
     def __init__(self, backend, cache_size: int, vocab_size: int, layout: str):
-        from engine.constraints.cache import GrammarCache
-
         self.backend = backend
         self.cache = GrammarCache(backend.compile, cache_size)
         self.layout = layout
@@ -280,8 +280,6 @@ class _Replicas:
         """Drop the gone replicas, make the new ones, give each its tokens, then fill the masks of
         those that need one (one batch call). The positions in ``keys`` of the replicas whose grammar
         is complete or broke (their masks allow every token: the engine ends them without one)."""
-        from engine.constraints.state import GrammarState
-
         for key in gone:
             r = self.by_key.pop(key, None)
             if r is not None:
@@ -348,8 +346,6 @@ class _Replicas:
 def serve(messages: _Frames, replies: Connection, tokenizer_file: str, vocab_size: int,
           eos_token_ids: tuple[int, ...], backend_name: str, threads: int, cache_size: int, layout: str) -> None:
     """The grammar process's loop: until the engine's end of the pipe closes."""
-    from engine.constraints.backend import create_backend
-
     # the engine thread has a core of its own: the fill takes the others (on 2 cores, it runs in this thread)
     threads = threads or max(1, min(32, len(os.sched_getaffinity(0)) - 1))
     backend = create_backend(backend_name, Path(tokenizer_file).read_text(), vocab_size, eos_token_ids, threads)

@@ -6,7 +6,7 @@ Two sides, one name per transport:
                  KvReceiver.finish(request_id)  -> True once the bytes are in the destination blocks
                  KvReceiver.revoke(request_id)  -> True once no late write can land (a timed-out job)
     prefill side KvSender.usable(params)        -> can this process reach the decode worker this way?
-                 KvSender.send(job, params, src, src_blocks) -> TransferResult
+                 KvSender.send(target, params, src, src_blocks) -> TransferResult
 
 ``src`` (and the receiver's ``kv``) is the worker's ``engine.kv_cache``: a
 ``KVCache``, or for a tensor-parallel worker a ``ShardedKVCache`` (the full head
@@ -16,7 +16,10 @@ do not serve TP > 1 yet.
 
 The decode worker lists the transports it accepts, best first; the prefill
 worker uses the first one it can. Coordination (job, completion) is always a
-NATS message; only the bytes take the transport's path.
+NATS message; only the bytes take the transport's path. A sender writes into a
+``TransferTarget`` (what the prefill worker's job names); the transports that
+talk over NATS take a ``Messenger`` (``kvstore.transfer.messenger``: the mesh's bus)
+as their ``bus`` argument.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, Protocol
 
-from mesh.protocol import PrefillJob
-
 
 @lru_cache(maxsize=1)
 def host_id() -> str:
@@ -43,6 +44,16 @@ def host_id() -> str:
 
 
 PREFERENCE = ("cuda_ipc", "nccl", "shm", "nats", "mock")
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Where a sender writes one request's KV: blocks of a decode worker (its ``PrefillJob`` names them)."""
+
+    request_id: str
+    decode_worker: str  # the decode worker's id
+    dest_block_ids: list[int]  # its blocks, one for each of the sender's source blocks, in order
+    block_size: int  # tokens per block
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class KvSender(Protocol):
 
     def usable(self, params: dict) -> bool: ...
 
-    async def send(self, job: PrefillJob, params: dict, src: Any, src_blocks: list[int]) -> TransferResult: ...
+    async def send(self, target: TransferTarget, params: dict, src: Any, src_blocks: list[int]) -> TransferResult: ...
 
 
 class KvReceiver(Protocol):

@@ -39,8 +39,13 @@ from functools import lru_cache
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec, copy_block_tensor
-from kvstore.transfer import TransferResult, host_id, register_receiver, register_sender
-from mesh.protocol import PrefillJob
+from kvstore.transfer import (
+    TransferResult,
+    TransferTarget,
+    host_id,
+    register_receiver,
+    register_sender,
+)
 
 log = logging.getLogger(__name__)
 
@@ -222,18 +227,19 @@ class CudaIpcSender:
             and cupy_module() is not None
         )
 
-    async def send(self, job: PrefillJob, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
+    async def send(self, target: TransferTarget, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
         if src.device.type != "cuda":
             raise ValueError("the cuda_ipc transport copies from a KV cache on a CUDA device")
         spec = KVCacheSpec.from_dict(params["spec"])
         if not src.spec.same_layout(spec):
             raise ValueError("the decode worker's KV layout differs from ours")
-        if len(src_blocks) != len(job.dest_block_ids):
+        dest = target.dest_block_ids
+        if len(src_blocks) != len(dest):
             raise ValueError("source and destination block lists differ in length")
-        if job.dest_block_ids and not 0 <= min(job.dest_block_ids) <= max(job.dest_block_ids) < spec.num_blocks:
+        if dest and not 0 <= min(dest) <= max(dest) < spec.num_blocks:
             raise ValueError("a destination block is outside the decode worker's pool")
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._send, job.decode_worker, params, spec, src, src_blocks, job.dest_block_ids)
+        await asyncio.to_thread(self._send, target.decode_worker, params, spec, src, src_blocks, dest)
         return TransferResult(self.name, len(src_blocks) * spec.block_bytes, time.perf_counter() - t0)
 
     def _send(self, worker: str, params: dict, spec: KVCacheSpec, src: KVCache,

@@ -48,9 +48,9 @@ from typing import Any, Protocol
 
 from kvstore.tiers import DeviceBlock, gather_blocks
 from kvstore.transfer import Refused, host_id
+from kvstore.transfer.messages import KvChunk
+from kvstore.transfer.messenger import Messenger
 from kvstore.transfer.shm import PREFIX, open_kv_file, shm_dir
-from mesh.bus import Bus
-from mesh.protocol import KvChunk
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class NatsChannel:
 
     name = "nats"
 
-    def __init__(self, bus: Bus, model: str, worker_id: str, **_):
+    def __init__(self, bus: Messenger, model: str, worker_id: str, **_):
         self.bus = bus
         self.model = model
         self.worker_id = worker_id

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvstore.transfer import TransferResult, register_receiver, register_sender
-from mesh.protocol import PrefillJob
+from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 
 BYTES_PER_TOKEN = 128 * 1024  # an 8B model's KV: 32 layers x 8 heads x 128 dims x 2 x 2 bytes
 BANDWIDTH = 25e9  # bytes/s (a fast NIC)
@@ -45,8 +44,8 @@ class MockSender:
     def usable(self, params: dict) -> bool:
         return "blocks" in params
 
-    async def send(self, job: PrefillJob, params: dict, src, src_blocks: list[int]) -> TransferResult:
-        nbytes = len(job.dest_block_ids) * job.block_size * BYTES_PER_TOKEN
+    async def send(self, target: TransferTarget, params: dict, src, src_blocks: list[int]) -> TransferResult:
+        nbytes = len(target.dest_block_ids) * target.block_size * BYTES_PER_TOKEN
         seconds = nbytes / BANDWIDTH / self.speedup
         t0 = time.perf_counter()
         await asyncio.sleep(seconds)

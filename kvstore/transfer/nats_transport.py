@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.cache import KVCache
-from kvstore.transfer import TransferResult, register_receiver, register_sender
-from mesh.bus import Bus
-from mesh.protocol import KvChunk, PrefillJob, encode
+from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
+from kvstore.transfer.messages import KvChunk
+from kvstore.transfer.messenger import Messenger
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class _Assembly:
 class NatsReceiver:
     name = "nats"
 
-    def __init__(self, kv: KVCache, bus: Bus, model: str, worker_id: str, **_):
+    def __init__(self, kv: KVCache, bus: Messenger, model: str, worker_id: str, **_):
         self.kv = kv
         self.bus = bus
         self.model = model
@@ -104,17 +104,17 @@ class NatsReceiver:
 class NatsSender:
     name = "nats"
 
-    def __init__(self, bus: Bus, **_):
+    def __init__(self, bus: Messenger, **_):
         self.bus = bus
 
     def usable(self, params: dict) -> bool:
         return bool(params.get("subject"))
 
-    async def send(self, job: PrefillJob, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
+    async def send(self, target: TransferTarget, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
         t0 = time.perf_counter()
         blocks = await asyncio.to_thread(lambda: src.read_block_major(src_blocks).cpu())
         payload = memoryview(blocks.view(-1).view(torch.uint8).numpy())
-        return await self.send_bytes(job.request_id, params, payload, t0)
+        return await self.send_bytes(target.request_id, params, payload, t0)
 
     async def send_bytes(self, request_id: str, params: dict, payload: memoryview,
                          t0: float | None = None) -> TransferResult:
@@ -129,12 +129,12 @@ class NatsSender:
         index = 0
         for offset in range(0, total, chunk):
             piece = payload[offset : offset + chunk]
-            data = encode(KvChunk(request_id, index, offset, total, piece))
+            msg = KvChunk(request_id, index, offset, total, piece)
             sent_since_ack += len(piece)
             index += 1
             if sent_since_ack >= WINDOW_BYTES or offset + chunk >= total:
-                await self.bus.nc.request(subject, data, timeout=10.0)
+                await self.bus.request_ack(subject, msg, timeout=10.0)
                 sent_since_ack = 0
             else:
-                await self.bus.nc.publish(subject, data)
+                await self.bus.publish(subject, msg, traced=False)
         return TransferResult(self.name, total, time.perf_counter() - t0, index)

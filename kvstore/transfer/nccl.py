@@ -4,7 +4,8 @@ blocks block-major and sends them; the decode worker receives them into a
 staging buffer and scatters them into the destination blocks.
 
 The rendezvous and the per-request handshake are NATS requests to the decode
-worker (CuPy's ``cupy.cuda.nccl``, imported on first use):
+worker (CuPy's ``cupy.cuda.nccl``, imported on first use; the communicators and
+the daemon threads around them are ``kvstore.transfer.nccl_comm``):
 
     prefill                                       decode
     first use of a decode worker:
@@ -44,23 +45,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec
-from kvstore.transfer import TransferResult, host_id, register_receiver, register_sender
+from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 from kvstore.transfer.cuda_ipc import device_uuid
-from mesh.bus import Bus
-from mesh.protocol import NcclBegin, NcclConnect, NcclReply, PrefillJob, encode
+from kvstore.transfer.messages import NcclBegin, NcclConnect, NcclReply
+from kvstore.transfer.messenger import Messenger
+from kvstore.transfer.nccl_comm import (
+    abort_soon,
+    in_daemon_thread,
+    multi_rank_gpu_allowed,
+    nccl_host,
+    nccl_module,
+    new_communicator,
+    unique_id,
+    wait_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,114 +83,6 @@ RECV_TIMEOUT = 300.0  # a posted recv whose bytes never come is aborted after th
 FINISH_TIMEOUT = 30.0  # PrefillDone came: the sends are done, the recvs are about to be
 SCATTER_TIMEOUT = 30.0
 UNKNOWN_SESSION = "unknown session"  # the decode side dropped the communicator (a timeout, a restart)
-
-
-# -- NCCL helpers ------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def nccl_module():
-    """``cupy.cuda.nccl``, or None where CuPy or NCCL is missing."""
-    try:
-        from cupy.cuda import nccl
-    except Exception:
-        return None
-    return nccl if getattr(nccl, "available", False) else None
-
-
-def nccl_host() -> str:
-    """The host as NCCL tells hosts apart: NCCL_HOSTID (NCCL's own variable) overrides hostname + boot id."""
-    return os.environ.get("NCCL_HOSTID") or host_id()
-
-
-def multi_rank_gpu_allowed() -> bool:
-    """NCCL >= 2.30 runs two ranks on one GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental)."""
-    nccl = nccl_module()
-    return bool(nccl) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" and nccl.get_version() >= 23000
-
-
-def unique_id() -> bytes:
-    uid = nccl_module().get_unique_id()
-    # CuPy >= 14 returns bytes; before, a tuple of C chars (signed on x86, unsigned on ARM)
-    return uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
-
-
-def new_communicator(uid: bytes, rank: int, device: int):
-    """Join the two-rank communicator named by ``uid``; blocks until the peer joins too."""
-    nccl = nccl_module()
-    signed = tuple(b - 256 if b > 127 else b for b in uid)
-    with torch.cuda.device(device):  # NCCL binds the communicator to the current device
-        for form in (uid, signed, tuple(uid)):  # bytes (CuPy >= 14), else a tuple of C chars
-            try:
-                return nccl.NcclCommunicator(2, form, rank)
-            except (TypeError, OverflowError):  # refused before NCCL was called: try the next form
-                continue
-    raise TypeError("this CuPy takes an NCCL unique id in no form known here")
-
-
-def _abort_soon(comm) -> None:
-    """ncclCommAbort, in a daemon thread (it waits for the communicator's kernels to stop)."""
-    if comm is not None:
-        threading.Thread(target=_abort_quietly, args=(comm,), name="nccl-abort", daemon=True).start()
-
-
-def _abort_quietly(comm) -> None:
-    try:
-        comm.abort()
-    except Exception as e:
-        log.debug("nccl abort: %s", e)
-
-
-def in_daemon_thread(fn: Callable, *args, on_orphan: Callable | None = None) -> asyncio.Future:
-    """Run ``fn(*args)`` in a daemon thread; a future for its result.
-
-    For calls that may block on the peer: if it never answers, the thread hangs,
-    but neither the event loop nor interpreter exit waits for it. If nobody
-    awaits the result any more (a timeout cancelled the future), ``on_orphan``
-    gets it, on the event loop.
-    """
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def deliver(ok: bool, value) -> None:
-        if fut.done():
-            if ok and on_orphan is not None:
-                on_orphan(value)
-        elif ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def target() -> None:
-        try:
-            value, ok = fn(*args), True
-        except BaseException as e:
-            value, ok = e, False
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            loop.call_soon_threadsafe(deliver, ok, value)
-
-    threading.Thread(target=target, name=f"nccl-{fn.__name__}", daemon=True).start()
-    return fut
-
-
-async def wait_event(event: torch.cuda.Event, timeout: float, what: str, comm=None,
-                     aborted: Callable[[], bool] = lambda: False) -> None:
-    """Poll a CUDA event from the event loop until it completes; raise on timeout, abort or NCCL error."""
-    deadline = time.monotonic() + timeout
-    delay = 1e-4
-    while True:
-        if aborted():
-            raise RuntimeError(f"{what}: the communicator was aborted")
-        if event.query():
-            if aborted():  # an abort also ends the kernels; asked for before we looked: not our bytes
-                raise RuntimeError(f"{what}: the communicator was aborted")
-            return
-        if comm is not None:
-            comm.check_async_error()  # raises NcclError, e.g. when the peer's connection broke
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not complete in {timeout:.0f}s")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1e-3)
 
 
 def _same_gpu_refused(params: dict, device: int) -> bool:
@@ -225,7 +125,7 @@ class _Incoming:
 class NcclReceiver:
     name = "nccl"
 
-    def __init__(self, kv: KVCache, bus: Bus, model: str, worker_id: str, **_):
+    def __init__(self, kv: KVCache, bus: Messenger, model: str, worker_id: str, **_):
         if kv.device.type != "cuda":
             raise ValueError("the nccl transport needs a KV cache on a CUDA device")
         if nccl_module() is None:
@@ -250,7 +150,7 @@ class NcclReceiver:
             await self.bus.subscribe(self.connect_subject, self._on_connect, NcclConnect),
             await self.bus.subscribe(self.begin_subject, self._on_begin, NcclBegin),
         ]
-        await self.bus.nc.flush(timeout=5)  # subscribed at the server before anyone can ask
+        await self.bus.flush(timeout=5)  # subscribed at the server before anyone can ask
 
     async def close(self) -> None:
         for sub in self._subs:
@@ -267,16 +167,16 @@ class NcclReceiver:
     # -- rendezvous ---------------------------------------------------------------
     async def _on_connect(self, msg: NcclConnect, raw) -> None:
         if len(msg.unique_id) != UNIQUE_ID_BYTES or msg.session in self._peers:
-            await raw.respond(encode(NcclReply(False, "bad unique id or session")))
+            await self.bus.respond(raw, NcclReply(False, "bad unique id or session"))
             return
         for old in [p for p in self._peers.values() if p.sender == msg.sender]:
             self._drop(old, "replaced by a new session of its sender")
         loop = asyncio.get_running_loop()
         peer = _Peer(msg.session, msg.sender, loop.create_future())
         self._peers[msg.session] = peer
-        await raw.respond(encode(NcclReply(True)))
+        await self.bus.respond(raw, NcclReply(True))
         with contextlib.suppress(Exception):
-            await self.bus.nc.flush(timeout=2)  # the reply is out before a join could hold the GIL
+            await self.bus.flush(timeout=2)  # the reply is out before a join could hold the GIL
         joining = in_daemon_thread(self._join, msg.unique_id)
         joining.add_done_callback(lambda f: self._joined(peer, f))
         loop.call_later(INIT_TIMEOUT, self._join_timeout, peer)
@@ -294,7 +194,7 @@ class NcclReceiver:
             return
         peer.comm, peer.stream = f.result()
         if peer.aborted:  # dropped while joining
-            _abort_soon(peer.comm)
+            abort_soon(peer.comm)
         elif not peer.joined.done():
             peer.joined.set_result(True)
             log.info("nccl: session %s joined (rank 1 on cuda:%s)", peer.session, self.device)
@@ -314,7 +214,7 @@ class NcclReceiver:
         if not peer.joined.done():
             peer.joined.set_exception(RuntimeError(f"session dropped: {why}"))
             peer.joined.exception()  # retrieved: no "never retrieved" warning
-        _abort_soon(peer.comm)
+        abort_soon(peer.comm)
 
     # -- transfers ------------------------------------------------------------------
     async def _on_begin(self, msg: NcclBegin, raw) -> None:
@@ -322,7 +222,7 @@ class NcclReceiver:
         error = await self._prepare(msg, inc)
         if error is None and (self._incoming.get(msg.request_id) is not inc or inc.peer.aborted):
             error = "forgotten or dropped while preparing"
-        await raw.respond(encode(NcclReply(error is None, error or "")))
+        await self.bus.respond(raw, NcclReply(error is None, error or ""))
         if error is None:
             # posted after the reply: the first recv of a pair waits inside NCCL for the first send
             inc.received = asyncio.create_task(self._receive(inc, msg.chunk_bytes))
@@ -438,7 +338,7 @@ class _SessionGone(Exception):
 class NcclSender:
     name = "nccl"
 
-    def __init__(self, bus: Bus, **_):
+    def __init__(self, bus: Messenger, **_):
         self.bus = bus
         self._me = secrets.token_hex(6)
         self._links: dict[str, _Link] = {}  # connect subject -> link
@@ -451,14 +351,14 @@ class NcclSender:
             return False
         return not _same_gpu_refused(params, torch.cuda.current_device())
 
-    async def send(self, job: PrefillJob, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
+    async def send(self, target: TransferTarget, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
         if src.device.type != "cuda":
             raise ValueError("the nccl transport sends from a KV cache on a CUDA device")
         spec = KVCacheSpec.from_dict(params["spec"])
         if not src.spec.same_layout(spec):
             raise ValueError("the decode worker's KV layout differs from ours")
         nbytes = len(src_blocks) * spec.block_bytes
-        if nbytes != params.get("bytes") or len(src_blocks) != len(job.dest_block_ids):
+        if nbytes != params.get("bytes") or len(src_blocks) != len(target.dest_block_ids):
             raise ValueError(f"the decode worker expects {params.get('bytes')} bytes, we have {nbytes}")
         per_chunk = max(1, CHUNK_BYTES // spec.block_bytes)
         t0 = time.perf_counter()
@@ -468,15 +368,15 @@ class NcclSender:
                 if link.aborted:
                     continue
                 with contextlib.suppress(_SessionGone):
-                    await self._transfer(link, job, params, src, src_blocks, per_chunk, spec)
+                    await self._transfer(link, target, params, src, src_blocks, per_chunk, spec)
                     return TransferResult(self.name, nbytes, time.perf_counter() - t0, -(-len(src_blocks) // per_chunk))
         raise RuntimeError("the NCCL communicator was dropped twice in a row")
 
-    async def _transfer(self, link: _Link, job: PrefillJob, params: dict, src: KVCache, src_blocks: list[int],
+    async def _transfer(self, link: _Link, target: TransferTarget, params: dict, src: KVCache, src_blocks: list[int],
                         per_chunk: int, spec: KVCacheSpec) -> None:
         try:
             nbytes = len(src_blocks) * spec.block_bytes
-            begin = NcclBegin(link.session, job.request_id, nbytes, per_chunk * spec.block_bytes)
+            begin = NcclBegin(link.session, target.request_id, nbytes, per_chunk * spec.block_bytes)
             reply = await self.bus.request(params["begin"], begin, NcclReply, timeout=BEGIN_TIMEOUT)
             if reply.error == UNKNOWN_SESSION:
                 raise _SessionGone()
@@ -528,7 +428,7 @@ class NcclSender:
         if not reply.ok:
             raise RuntimeError(f"the decode worker refused the NCCL connection: {reply.error}")
         comm = await asyncio.wait_for(
-            in_daemon_thread(new_communicator, uid, 0, device, on_orphan=_abort_soon), INIT_TIMEOUT
+            in_daemon_thread(new_communicator, uid, 0, device, on_orphan=abort_soon), INIT_TIMEOUT
         )
         log.info("nccl: session %s joined (rank 0 on cuda:%s)", session, device)
         return _Link(key, session, comm, device, torch.cuda.Stream(device=torch.device("cuda", device)))
@@ -539,4 +439,4 @@ class NcclSender:
         if not link.aborted:
             link.aborted = True
             log.info("nccl: dropping session %s (%s)", link.session, why)
-            _abort_soon(link.comm)
+            abort_soon(link.comm)

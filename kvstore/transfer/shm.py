@@ -39,10 +39,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
-from kvstore.transfer import Refused, TransferResult, host_id, register_receiver, register_sender
+from kvstore.transfer import (
+    Refused,
+    TransferResult,
+    TransferTarget,
+    host_id,
+    register_receiver,
+    register_sender,
+)
 from kvstore.transfer.fence import FenceFile, lease
-from mesh.config import settings
-from mesh.protocol import PrefillJob
 
 SHM_ROOT = Path("/dev/shm")
 PREFIX = "kv-"
@@ -195,9 +200,13 @@ def _open_segment(name: str, spec: KVCacheSpec) -> KVCache:
 
 @register_sender("shm")
 class ShmSender:
+    """``copy_delay_s``: fault injection (tests, chaos runs): each copy waits this long under its
+    write fence before it writes, so that it ends after the job's deadline."""
+
     name = "shm"
 
-    def __init__(self, **_):
+    def __init__(self, copy_delay_s: float = 0.0, **_):
+        self.copy_delay_s = copy_delay_s
         # keyed by the files' (name, inode) pairs: a restarted decode worker has new files
         self._attached: dict[tuple[tuple[str, int], ...], KVCache | ShardedKVCache] = {}
 
@@ -240,19 +249,20 @@ class ShmSender:
             if key != keep and (key[0][0] == keep[0][0] or not all((d / n).exists() for n, _ in key)):
                 self._attached.pop(key).close()
 
-    async def send(self, job: PrefillJob, params: dict, src: KVCache | ShardedKVCache,
+    async def send(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache,
                    src_blocks: list[int]) -> TransferResult:
         dst = self._attach(params)
         if not src.spec.same_layout(dst.spec):
             raise ValueError("the decode worker's KV layout differs from ours")
-        if any(not 0 <= b < dst.spec.num_blocks for b in job.dest_block_ids):
+        if any(not 0 <= b < dst.spec.num_blocks for b in target.dest_block_ids):
             raise Refused("destination block out of range")
         fence_fd = _open_fence(params, dst.spec.num_blocks)
         t0 = time.perf_counter()
         # The copy runs to its end even if this task is cancelled (a timeout): whoever hears of
         # this job's end next (PrefillDone) may take it that nothing writes the blocks any more.
         copy = asyncio.get_running_loop().run_in_executor(
-            None, _fenced_copy, src, dst, src_blocks, job.dest_block_ids, fence_fd, params.get("gen"))
+            None, _fenced_copy, src, dst, src_blocks, target.dest_block_ids, fence_fd, params.get("gen"),
+            self.copy_delay_s)
         try:
             await asyncio.shield(copy)
         except asyncio.CancelledError:
@@ -285,12 +295,13 @@ def _open_fence(params: dict, num_blocks: int) -> int | None:
     return fd
 
 
-def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int | None, gen) -> None:
+def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int | None, gen,
+                 delay_s: float) -> None:
     """The copy, under the job's write lease when the decode worker gave a fence (in a thread)."""
     try:
         with lease(fence_fd, dst_ids, gen) if fence_fd is not None else contextlib.nullcontext():
-            if settings().fault_kv_copy_delay_s:  # fault injection: a copy that ends after the deadline
-                time.sleep(settings().fault_kv_copy_delay_s)
+            if delay_s:  # fault injection: a copy that ends after the deadline
+                time.sleep(delay_s)
             copy_blocks(src, dst, src_ids, dst_ids)
     finally:
         if fence_fd is not None:

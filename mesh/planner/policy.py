@@ -22,6 +22,7 @@ minimum instead of sticking.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +60,26 @@ class PlannerConfig:
             object.__setattr__(self, "up_cooldown_s", 2 * self.window_s)
         if self.down_cooldown_s is None:
             object.__setattr__(self, "down_cooldown_s", 3 * self.window_s)
+
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser) -> None:
+        """The targets and bounds a command line sets (``mesh planner``, ``mesh up``)."""
+        p.add_argument("--ttft-ms", type=float, default=2000.0, help="planner: TTFT p90 target")
+        p.add_argument("--itl-ms", type=float, default=100.0, help="planner: ITL p90 target")
+        p.add_argument("--min-prefill", type=int, default=None,
+                       help="default: 1 (mesh up: 0 when started with --prefill 0, i.e. aggregated)")
+        p.add_argument("--max-prefill", type=int, default=4)
+        p.add_argument("--min-decode", type=int, default=1)
+        p.add_argument("--max-decode", type=int, default=4)
+        p.add_argument("--planner-window", type=float, default=5.0, help="planner: seconds per decision")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
+        return cls(
+            ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
+            min_prefill=1 if args.min_prefill is None else args.min_prefill, max_prefill=args.max_prefill,
+            min_decode=args.min_decode, max_decode=args.max_decode, window_s=args.planner_window,
+        )
 
 
 @dataclass(frozen=True)

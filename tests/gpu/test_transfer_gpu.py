@@ -45,13 +45,13 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kvstore.cache import KVCache, KVCacheSpec
-from kvstore.transfer import make_receiver, make_sender
+from kvstore.transfer import TransferTarget, make_receiver, make_sender
 from kvstore.transfer import nccl as nccl_transport
 from kvstore.transfer.cuda_ipc import device_uuid, export_tensor
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsserver import EmbeddedNats
-from mesh.protocol import GenerateRequest, LoadReport, PrefillJob, SamplingOptions
+from mesh.protocol import GenerateRequest, LoadReport, SamplingOptions
 from mesh.registry import Membership
 from tests.helpers.cluster import wait_until
 from tests.helpers.procs import stop_processes
@@ -180,9 +180,8 @@ def source_cache() -> KVCache:
     return src
 
 
-def job(rid: str, dest: list[int]) -> PrefillJob:
-    tokens = list(range(len(dest) * SPEC.block_size))
-    return PrefillJob(rid, MODEL, tokens, DECODE, 0, dest, {}, time.time() + 60, SPEC.block_size)
+def target(rid: str, dest: list[int]) -> TransferTarget:
+    return TransferTarget(rid, DECODE, dest, SPEC.block_size)
 
 
 async def transfer_and_check(name, sender, dec: DecodeSide, src: KVCache, transfers, written: list[int]):
@@ -190,7 +189,7 @@ async def transfer_and_check(name, sender, dec: DecodeSide, src: KVCache, transf
     params = {rid: await dec.ask("params", name, rid, d) for rid, _, d in transfers}
     for p in params.values():
         assert sender.usable(p)
-    results = await asyncio.gather(*(sender.send(job(rid, d), params[rid], src, s) for rid, s, d in transfers))
+    results = await asyncio.gather(*(sender.send(target(rid, d), params[rid], src, s) for rid, s, d in transfers))
     written += [b for _, _, d in transfers for b in d]
     for (rid, s, d), result in zip(transfers, results, strict=True):
         assert result.transport == name and result.bytes == len(s) * SPEC.block_bytes

@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 from decode.lifecycle import ReqState
-from decode.worker import DecodeRequest, DecodeWorker
+from decode.request import DecodeRequest
+from decode.worker import DecodeWorker
 from engine.scheduler import StepOutput
 from mesh.bus import Bus
 from mesh.client import StreamError, cancel, generate

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-import cli.main as cli
+import cli
 from engine import config as engine_config_module
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.flags import gpu_execution_argv
 from engine.kernels import FUSED_KERNELS, Kernels, parse_fused_kernels
 
 
@@ -35,7 +36,7 @@ def test_flags_reach_the_engine_config(tiny_model):
 
 def test_mesh_up_passes_the_flags_on_to_its_workers(tiny_model):
     args = worker_args(tiny_model, "--cuda-graphs", "--no-async-scheduling", "--fused-kernels", "add_rmsnorm")
-    flags = cli.gpu_execution_flags(args)
+    flags = gpu_execution_argv(args)
     again = cli.engine_config(worker_args(tiny_model, *flags))
     assert (again.cuda_graphs, again.async_scheduling, again.fused_kernels) == (True, False, ("add_rmsnorm",))
 

@@ -281,7 +281,7 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
     with pytest.raises(CliError, match="needs a host KV tier"):  # model workers stage fetched blocks there
         engine_config(build_parser().parse_args(["worker", "decode", "--model", "m", "--peer-fetch"]))
 
-    import cli.up
+    import cli.localmesh
 
     plans = []
 
@@ -289,7 +289,7 @@ def test_tier_and_fetch_flags_reach_the_mocker(monkeypatch):
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
     assert main(["up", "--mock", "--decode", "2", "--host-kv-blocks", "64", "--disk-kv-blocks", "128",
                  "--peer-fetch", "--mock-timing", "host_gb_per_s=50", "--no-planner"]) == 0
     flags, gateway = plans[0].worker_flags, plans[0].gateway_flags

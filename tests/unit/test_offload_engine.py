@@ -259,7 +259,7 @@ def test_tier_flags_reach_the_engine_config(tiny_model, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="host"):
         EngineConfig(tiny_model, disk_kv_dir=str(tmp_path))
 
-    import cli.up
+    import cli.localmesh
     from cli import main
 
     plans = []
@@ -268,7 +268,7 @@ def test_tier_flags_reach_the_engine_config(tiny_model, tmp_path, monkeypatch):
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
     assert main(["up", "--model", str(tiny_model), "--device-kv-blocks", "64", "--host-kv-gb", "0.5",
                  "--disk-kv-dir", str(tmp_path), "--disk-kv-gb", "2"]) == 0
     flags = plans[0].worker_flags

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvstore.events import BlockRemoved, BlockStored, to_wire
+from kvstore.events import BlockRemoved, BlockStored
+from mesh.kvevents import to_wire
 from mesh.protocol import KvEvent, KvEventBatch
 from mesh.router.costs import DISK, HOST, KvCosts, default_costs
 from mesh.router.index import DEFAULT_WEIGHTS, KvIndex, PrefixMatch

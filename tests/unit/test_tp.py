@@ -18,9 +18,9 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
+from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.errors import ModelError
-from mesh.protocol import PrefillJob
 from tests.helpers.procs import alive
 from tests.helpers.references import prompts_of, run_with_logits
 
@@ -135,7 +135,7 @@ def test_tp_must_divide_heads_and_excludes_kv_tiers(tiny_model):
 
 
 def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypatch):
-    import cli.up
+    import cli.localmesh
     from cli import CliError, build_parser, engine_config, main
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2"])
@@ -150,7 +150,7 @@ def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypat
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(cli.up, "run_up", fake_run_up)
+    monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
     assert main(["up", "--model", str(tiny_model), "--tp", "2"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--tp") + 1] == "2"
@@ -227,9 +227,8 @@ def test_shm_transport_reshards_into_the_decode_workers_rank_files(tmp_path, src
     src, full = filled(src_tp, seed=2)
     sender = ShmSender()
     assert sender.usable(params)
-    job = PrefillJob(request_id="r1", model="m", token_ids=[1] * 8, decode_worker="d", num_cached_tokens=0,
-                     dest_block_ids=[2, 3], transports={"shm": params}, deadline=time.time() + 10, block_size=4)
-    result = asyncio.run(sender.send(job, params, src, [8, 9]))
+    target = TransferTarget(request_id="r1", decode_worker="d", dest_block_ids=[2, 3], block_size=4)
+    result = asyncio.run(sender.send(target, params, src, [8, 9]))
     assert result.bytes == 2 * SPEC.block_bytes
     assert torch.equal(decode_kv.read_blocks([2, 3]), full[:, :, [8, 9]])
     decode_kv.close(unlink=True)

@@ -1,0 +1,105 @@
+"""What several subcommands share: the CLI's error, and the flag groups of NATS, the worker's
+engine, API keys and output parsers.
+
+Each config owns its flags (``add_args``) and their checks (``from_args``): ``NatsConfig``,
+the engine's (``engine.flags``), the mocker's ``MockConfig``. This module puts them together
+and turns a flag a config cannot take into a ``CliError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine import flags as engine_flags
+from mesh.errors import ModelError
+from mesh.natsauth import NatsConfig
+from mocker.engine import MockConfig
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def add_bus_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=None,
+                   help="NATS URL, or several comma-separated (a cluster); user:password@ or a token@ in "
+                        "the URL authenticate (default: $MESH_NATS_URL, or an embedded server for mesh up)")
+    p.add_argument("--ns", default=None, help="subject namespace (default: mesh)")
+    NatsConfig.add_args(p)
+
+
+def nats_config(args: argparse.Namespace, role: str, url: str | None = None) -> NatsConfig:
+    """The process's one ``NatsConfig``: ``--nats`` and the ``--nats-*`` flags over ``MESH_NATS_*``."""
+    from mesh.config import settings
+
+    url = url or args.nats or settings().nats_url
+    if not url:
+        raise CliError("--nats URL is required (or MESH_NATS_URL)")
+    return NatsConfig.from_args(args, url, role=role)
+
+
+def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
+    """The flags of a worker's engine, model or mocker (every role that runs one, and ``mesh up``)."""
+    engine_flags.add_args(p, multi_model=multi_model)
+    MockConfig.add_args(p)
+
+
+def engine_config(args: argparse.Namespace, mock: bool = False):
+    """The engine (``mock``: the mocker's) configuration from the pool flags. A flag it cannot take is
+    a CliError; a model directory or adapter that cannot be served, a ModelError."""
+    try:
+        return MockConfig.from_args(args) if mock else engine_flags.from_args(args)
+    except ModelError:
+        raise
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def add_api_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY); repeatable; also $MESH_API_KEYS "
+                        "(comma-separated). Prefer the file or the variable: a command line is visible to other users")
+    p.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
+                   help="a key that may also load and unload LoRA adapters (role admin); repeatable; also "
+                        "$MESH_ADMIN_API_KEYS (comma-separated)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=admin]; reread "
+                        "on SIGHUP and when it changes")
+    p.add_argument("--api-key-max-concurrent", type=int, default=0, metavar="N",
+                   help="requests in flight per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--api-key-rpm", type=int, default=0, metavar="N",
+                   help="requests per minute per key, for keys without their own (0: no limit); beyond: 429")
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
+
+
+def auth_config(args: argparse.Namespace):
+    """The gateway's ``AuthConfig`` from ``add_api_key_flags`` and ``MESH_*API_KEYS`` (a key file
+    that does not parse: one line now)."""
+    from gateway.auth import AuthConfig, KeyLimits
+    from mesh.config import settings
+
+    if args.api_key_max_concurrent < 0 or args.api_key_rpm < 0:
+        raise CliError("--api-key-max-concurrent and --api-key-rpm must be >= 0")
+    if args.api_key_file and not Path(args.api_key_file).is_file():
+        raise CliError(f"--api-key-file {args.api_key_file}: no such file")
+    auth = AuthConfig(keys=(*settings().api_keys, *args.api_key),
+                      admin_keys=(*settings().admin_api_keys, *args.admin_api_key), key_file=args.api_key_file,
+                      limits=KeyLimits(args.api_key_max_concurrent, args.api_key_rpm),
+                      metrics_auth=args.metrics_auth)
+    if auth.key_file:
+        from gateway.auth import KeyRing
+
+        KeyRing(auth)
+    return auth
+
+
+def add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """The gateway's output parsers, when a model's chat template does not show its formats."""
+    from gateway.reasoning import REASONING_FORMATS
+    from gateway.tools import TOOL_FORMATS
+
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_FORMATS),
+                   help="the tool-call format of every model (default: found in each chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=["none", *sorted(REASONING_FORMATS)],
+                   help="the reasoning format of every model, or none (default: found in each chat template)")

@@ -1,0 +1,24 @@
+"""``mesh model``: model utilities (``mesh model tiny``: a random-weight checkpoint to run)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("model", help="model utilities")
+    msub = p.add_subparsers(dest="model_cmd", required=True)
+    t = msub.add_parser("tiny", help="write a random-weight Llama (or Qwen3-MoE) checkpoint with a real tokenizer")
+    t.add_argument("dir", help="output directory")
+    t.add_argument("--size", default="tiny", choices=["tiny", "small", "moe", "small-moe"],
+                   help="moe, small-moe: a mixture-of-experts Qwen3-MoE checkpoint")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=run_tiny)
+
+
+def run_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny import write_tiny_model
+
+    out = write_tiny_model(args.dir, size=args.size, seed=args.seed)
+    print(out)
+    return 0

@@ -1,0 +1,101 @@
+"""``mesh worker ROLE``: run one worker, the class its role names in ``ROLES``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cli.flags import CliError, add_bus_flags, add_pool_flags, engine_config, nats_config
+
+if TYPE_CHECKING:
+    from worker.base import WorkerBase
+
+
+@dataclass(frozen=True)
+class Role:
+    """A kind of worker. Its class is imported by name when one starts, so that a worker loads its
+    own layer only (a mock worker never loads torch)."""
+
+    worker: str  # "module:Class", a WorkerBase
+    nats_role: str  # names its inbox prefix on NATS
+    simulated: bool = False  # always on the mocker's engine (others with --mock)
+
+    def worker_class(self) -> type[WorkerBase]:
+        module, _, name = self.worker.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+ROLES = {
+    "decode": Role("decode.worker:DecodeWorker", "decode"),
+    "prefill": Role("prefill.worker:PrefillWorker", "prefill"),
+    "mock": Role("mocker.worker:MockWorker", "decode", simulated=True),  # a decode worker on the mocker engine
+}
+
+
+def role_of(args: argparse.Namespace) -> str:
+    """``worker decode --mock`` is the mocker's decode worker; ``worker prefill --mock`` a prefill
+    worker on the mocker's engine."""
+    return "mock" if args.mock and args.role == "decode" else args.role
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one worker")
+    p.add_argument("role", choices=list(ROLES), help="mock: a decode worker on the mocker engine")
+    add_bus_flags(p)
+    add_pool_flags(p)
+    p.add_argument("--mock", action="store_true", help="use the mocker engine instead of a model")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA)")
+    p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
+    p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
+    p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
+    p.add_argument("--stream-interval-ms", type=float, default=1.0,
+                   help="decode: at most one token message per gateway per this many ms (0: as soon as the event loop is free)")
+    p.add_argument("--kv-event-interval-ms", type=float, default=5.0,
+                   help="decode: at most one KV event batch per this many ms (the router hears of a block at most "
+                        "this much later; 0: as soon as the last batch is sent)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics listens on (default loopback; 0.0.0.0 or the pod IP to be scraped)")
+    p.add_argument("--max-queued", type=int, default=0,
+                   help="decode: queued requests beyond which new ones are refused with 429 (0: 4 x max-num-seqs)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight work may run after SIGTERM (after SIGINT: 2 s; a second signal: none)")
+    p.add_argument("--peer-fetch", action="store_true",
+                   help="decode: serve prefix blocks to peers and fetch those a router's decision names "
+                        "(model workers need a host KV tier; the mocker simulates the transfer)")
+    p.add_argument("--peer-fetch-timeout", type=float, default=5.0,
+                   help="decode: seconds a peer fetch may take before the request prefills instead")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mesh.config import settings
+    from worker.base import WorkerSettings
+
+    name = role_of(args)
+    role = ROLES[name]
+    mock = args.mock or role.simulated
+    nats = nats_config(args, role.nats_role)
+    ws = WorkerSettings(
+        nats_url=nats.url, nats=nats, ns=args.ns or settings().ns, worker_id=args.worker_id,
+        engine=engine_config(args, mock=mock),
+        transports=tuple(t for t in args.transports.split(",") if t),
+        disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
+        stream_interval_ms=args.stream_interval_ms,
+        kv_event_interval_ms=args.kv_event_interval_ms,
+        prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
+        drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
+        peer_fetch=args.peer_fetch and name == "decode",  # the mocker's is in its MockConfig
+        peer_fetch_timeout=args.peer_fetch_timeout,
+    )
+    if args.drain_timeout < 0:
+        raise CliError("--drain-timeout must be >= 0")
+    ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
+    worker = role.worker_class()(ws)
+    asyncio.run(worker.run())
+    return worker.exit_code

@@ -1,0 +1,107 @@
+"""The subject table of the mesh: every NATS subject (and JetStream name), built in one place.
+
+``mesh.protocol`` re-exports it; ``docs/protocol.md`` documents every subject.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN_BAD = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def subject_token(name: str) -> str:
+    """A model or worker name as one NATS subject token (no dots, wildcards or spaces)."""
+    token = _TOKEN_BAD.sub("_", name.strip())
+    if not token:
+        raise ValueError(f"{name!r} has no characters usable in a subject")
+    return token
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The subject table of one namespace. Model and worker names are sanitized here."""
+
+    ns: str = "mesh"
+
+    def _m(self, model: str) -> str:
+        return f"{self.ns}.{subject_token(model)}"
+
+    def generate(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.generate"
+
+    def cancel(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.cancel"
+
+    def kv_ready(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_ready"
+
+    def kv_data(self, model: str, worker: str, request_id: str) -> str:
+        """The nats transport's per-request data subject."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.{subject_token(request_id)}"
+
+    def kv_data_all(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_data.*"
+
+    def prefill_jobs(self, model: str) -> str:
+        return f"{self._m(model)}.prefill.jobs"
+
+    def prefill_stream(self, model: str) -> str:
+        """The JetStream work-queue stream holding ``prefill_jobs``."""
+        return f"{subject_token(self.ns)}_{subject_token(model)}_prefill"
+
+    def kv_events(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.kv.events.{subject_token(worker)}"
+
+    def kv_events_all(self, model: str) -> str:
+        return f"{self._m(model)}.kv.events.*"
+
+    def kv_events_any(self) -> str:
+        """Every model's KV events (a router serves all models of a namespace)."""
+        return f"{self.ns}.*.kv.events.*"
+
+    def kv_snapshot(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.kv.snapshot.{subject_token(worker)}"
+
+    def load(self, model: str, worker: str) -> str:
+        return f"{self._m(model)}.load.{subject_token(worker)}"
+
+    def load_model(self, model: str) -> str:
+        return f"{self._m(model)}.load.*"
+
+    def load_all(self) -> str:
+        return f"{self.ns}.*.load.*"
+
+    def router_decisions(self) -> str:
+        return f"{self.ns}.router.decisions"
+
+    def planner_decisions(self) -> str:
+        return f"{self.ns}.planner.decisions"
+
+    def nccl(self, model: str, worker: str, verb: str) -> str:
+        """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
+
+    def lora(self, model: str) -> str:
+        """Runtime LoRA load/unload: every worker of the model answers (a request gathers replies)."""
+        return f"{self._m(model)}.lora"
+
+    def control(self, worker: str) -> str:
+        """Per-worker control (drain), used by the planner's local connector."""
+        return f"{self.ns}.control.{subject_token(worker)}"
+
+    def workers_bucket(self) -> str:
+        return f"{subject_token(self.ns)}_workers"
+
+    def kv_fetch(self, model: str, worker: str) -> str:
+        """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"
+
+    def kv_fetch_data(self, model: str, worker: str, fetch_id: str) -> str:
+        """A peer fetch's bytes over nats (``KvChunk``s) to the requester ``worker``."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_data.{subject_token(fetch_id)}"
+
+    def kv_fetch_release(self, model: str, worker: str) -> str:
+        """The requester -> the holder ``worker``: done reading a lent run (``KvFetchRelease``)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_release"
