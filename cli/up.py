@@ -59,10 +59,12 @@ def default_model_dir() -> Path:
 
 
 def ensure_tiny_model(path: Path) -> Path:
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        from engine.tiny import write_tiny_model
+    from engine.tiny import write_tiny_model, write_tokenizer
 
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         write_tiny_model(path)
+    elif write_tokenizer(path):  # written by an older pdmesh: the weights stand, the template is new
+        print(f"mesh up: updated the default model's tokenizer and chat template in {path}", flush=True)
     return path
 
 

@@ -7,7 +7,7 @@ which is what the KV paths are tested on) and the logits are peaked (greedy
 choices are not knife-edge ties that float noise could flip).
 
 ``--size moe`` and ``small-moe`` write a ``Qwen3MoeForCausalLM`` instead (q/k norms, every
-MLP a mixture of experts), with the same tokenizer and chat template; ``small-moe`` runs as
+MLP a mixture of experts), with the same tokenizer and chat template (Qwen2.5's: it renders tools); ``small-moe`` runs as
 many MLP columns per token as ``small`` (top-2 of 8 experts of half its width).
 """
 
@@ -15,19 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 SIZES = {
     # ~0.2M params: the test model
@@ -61,6 +53,15 @@ QWEN3_MOE = {
 VOCAB_SIZE = 4096
 EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
 MAX_POSITIONS = 16384
+_TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "unk_token": None,
+    "add_bos_token": False,
+    "model_max_length": MAX_POSITIONS,
+}
 
 
 def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
@@ -91,20 +92,27 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
     save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    with resources.as_file(resources.files("engine.assets") / "tokenizer.json") as tok:
-        shutil.copyfile(tok, out / "tokenizer.json")
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "model_max_length": MAX_POSITIONS,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    write_tokenizer(out)
     return out
+
+
+def write_tokenizer(out: Path) -> bool:
+    """Write the tiny model's tokenizer and chat template into ``out``; False when they were there
+    already. A default model written by an older pdmesh gets the current template this way."""
+    files = {"tokenizer.json": _asset("tokenizer.json"),
+             "tokenizer_config.json": (json.dumps(_TOKENIZER_CONFIG | {
+                 # Qwen2.5's template (its default system line made neutral): it renders tools, and
+                 # the gateway reads Hermes tool calls (<tool_call>...</tool_call>) from the output.
+                 "chat_template": _asset("chat_template.jinja").decode()}, indent=2) + "\n").encode()}
+    stale = [name for name, data in files.items()
+             if not (out / name).is_file() or (out / name).read_bytes() != data]
+    for name in stale:
+        (out / name).write_bytes(files[name])
+    return bool(stale)
+
+
+def _asset(name: str) -> bytes:
+    return (resources.files("engine.assets") / name).read_bytes()
 
 
 def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:

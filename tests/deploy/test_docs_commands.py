@@ -203,7 +203,8 @@ def test_quickstart_external_nats_section_runs_as_written(tmp_path, tiny_model):
     (start_nats,), (mesh_up,), roles = external
     curls = [c for b in fenced_blocks(section(text, "## 1. One machine")) for c in commands(b) if c.startswith("curl")]
     curls += [c for _, c in documented_commands() if c.startswith("curl") and c not in curls]  # README's too
-    (snippet,) = fenced_blocks(section(text, "## 1. One machine"), ("python",))
+    # the section's Python snippets run as one script, in order (the tools call uses the first's client)
+    snippet = "\n".join(fenced_blocks(section(text, "## 1. One machine"), ("python",)))
     run = Runner(tmp_path, tiny_model)
     nats = run.start(start_nats, "-sd", str(tmp_path / "js"), stderr=subprocess.DEVNULL)
     try:
@@ -219,7 +220,7 @@ def test_quickstart_external_nats_section_runs_as_written(tmp_path, tiny_model):
         script = tmp_path / "snippet.py"
         script.write_text(snippet.replace("127.0.0.1:8000", f"127.0.0.1:{run.http_port}"))
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and "completion_tokens" in r.stdout, r.stderr
+        assert r.returncode == 0 and "completion_tokens" in r.stdout and "get_weather" in r.stdout, r.stderr
         # clean exits (uvicorn re-raises the SIGTERM it handled: -15 is the gateway's clean exit)
         assert set(run.stop(started)) <= {0, -signal.SIGTERM}
 

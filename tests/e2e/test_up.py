@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 import httpx
+import jsonschema
+import openai
 import pytest
 
 from tests.helpers.cluster import start_up
 from tests.helpers.procs import alive, descendants
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"], "additionalProperties": False}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -25,12 +31,28 @@ def test_mesh_up_answers_and_stops_cleanly(tmp_path, sig):
         body = r.json()
         assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
         assert (tmp_path / "cache" / "pdmesh" / "models" / "tiny" / "model.safetensors").is_file()
+        _the_default_model_calls_tools(url)
     finally:
         proc.send_signal(sig)
         rc = proc.wait(60)
     assert rc == 0
     time.sleep(0.5)
     assert not [k for k in kids if alive(k)], "children left running"
+
+
+def _the_default_model_calls_tools(url: str) -> None:
+    """The quickstart's tools request: the default model's template renders tools (Qwen2.5's, Hermes
+    calls), so a required tool call comes back with arguments that match the function's schema."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_ARGS}}],
+        tool_choice="required", max_tokens=64, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) >= 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
 
 
 def test_mesh_up_mock_serves_the_mocker(tmp_path):

@@ -24,3 +24,15 @@ def make_dir(root: Path, family: str, tiny_model: Path) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
         "chat_template": (TEMPLATES / template).read_text()}))
     return d
+
+
+def make_plain_dir(root: Path, tiny_model: Path) -> Path:
+    """The tiny tokenizer with bare ChatML (the tiny model's template before it took Qwen2.5's): a
+    template that renders no tools and shows no tool-call format."""
+    d = root / "plain"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "chat_template": (TEMPLATES / "plain.jinja").read_text()}))
+    return d

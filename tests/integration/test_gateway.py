@@ -268,7 +268,7 @@ async def test_n2_choices_and_usage(client, engine, tok):
     assert r.usage.completion_tokens == 12
 
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompt}], n=2, max_tokens=6, temperature=1.0,
+        model="tiny", messages=[{"role": "user", "content": prompt}], n=2, max_tokens=6, temperature=2.0,
         seed=5, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     texts, finished, roles = {0: "", 1: ""}, set(), set()
     async for c in stream:

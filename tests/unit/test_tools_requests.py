@@ -17,7 +17,7 @@ from gateway.output_schemas import REFUSED
 from gateway.outputs import plan_chat, plan_completion
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.tokenizer import Tokenizer
-from tests.helpers.chat_templates import make_dir
+from tests.helpers.chat_templates import make_dir, make_plain_dir
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -183,8 +183,8 @@ def test_a_thinking_model_gets_its_constraint_after_the_thinking(thinker):
     assert plan.constraint.start_after is None  # the template closed the block: the grammar applies at once
 
 
-def test_a_model_without_a_known_tool_format_cannot_take_tools(tiny_model):
-    tok = Tokenizer(tiny_model)
+def test_a_model_without_a_known_tool_format_cannot_take_tools(tmp_path, tiny_model):
+    tok = Tokenizer(make_plain_dir(tmp_path, tiny_model))
     with pytest.raises(APIError) as e:
         plan_chat(chat(tools=[WEATHER], tool_choice="required"), tok, "")
     assert e.value.status == 400 and e.value.param == "tools"
@@ -199,4 +199,4 @@ def test_an_unknown_override_is_the_operators_error(qwen):
 
 def test_the_template_fixtures_exist():
     assert sorted(p.name for p in (Path(__file__).parents[1] / "data" / "chat_templates").iterdir()) == [
-        "llama3_1.jinja", "mistral_v0_3.jinja", "qwen2_5.jinja"]
+        "llama3_1.jinja", "mistral_v0_3.jinja", "plain.jinja", "qwen2_5.jinja"]

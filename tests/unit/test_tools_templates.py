@@ -16,7 +16,7 @@ import pytest
 from gateway.schemas import ChatCompletionRequest
 from gateway.tools import TOOL_FORMATS, tool_format
 from mesh.tokenizer import ChatTemplateError, Tokenizer
-from tests.helpers.chat_templates import FAMILIES, make_dir
+from tests.helpers.chat_templates import FAMILIES, make_dir, make_plain_dir
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather at a place <today> & tomorrow",
@@ -90,8 +90,8 @@ def test_the_override_wins_and_unknown_names_are_refused(dirs):
     assert tool_format("{{ messages }}") is None
 
 
-def test_a_template_that_cannot_render_tools_says_so(tiny_model):
-    tok = Tokenizer(tiny_model)
+def test_a_template_that_cannot_render_tools_says_so(tmp_path, tiny_model):
+    tok = Tokenizer(make_plain_dir(tmp_path, tiny_model))
     assert not tok.template_uses_tools
     with pytest.raises(ChatTemplateError) as e:
         tok.render_chat([{"role": "user", "content": "hi"}], tools=[WEATHER])
@@ -128,3 +128,9 @@ def test_calls_the_real_templates_write_parse_back(dirs, family, calls):
     assert parsed.content is None, written
     assert [c.name for c in parsed.tool_calls] == names[:calls]
     assert [json.loads(c.arguments) for c in parsed.tool_calls] == args[:calls]
+
+
+def test_the_default_tiny_model_renders_tools_in_hermes(tiny_model):
+    tok = Tokenizer(tiny_model)
+    assert tok.template_uses_tools and tool_format(tok.chat_template).name == "hermes"
+    assert "<tool_call>" in tok.render_chat([{"role": "user", "content": "hi"}], tools=[WEATHER])
