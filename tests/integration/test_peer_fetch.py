@@ -148,9 +148,11 @@ async def lend(w, ch, hashes) -> tuple[str, KvFetchDone]:
     """Ask a to lend the run of ``hashes`` to a reader "t" (as a requester on its host does)."""
     fid = uuid.uuid4().hex[:16]
     params = await ch.params(fid, PREFIX_BLOCKS * (1 << 20))
-    req = KvFetchRequest(uuid.uuid4().hex, "tiny", "t", hashes, time.time() + 10, {"shm": params}, fetch_id=fid)
+    asked = time.time()  # for an hour: a holder pins for at most its --peer-pin-max-s (10 s by default)
+    req = KvFetchRequest(uuid.uuid4().hex, "tiny", "t", hashes, asked + 3600, {"shm": params}, fetch_id=fid)
     done = await w.bus.request(w.bus.subjects.kv_fetch("tiny", A), req, KvFetchDone, 10)
     assert done.ok and done.lent is not None and done.num_blocks == PREFIX_BLOCKS and done.release_key, done
+    assert asked < done.lent.until <= time.time() + 10.0
     return fid, done
 
 
