@@ -3,10 +3,14 @@
 A mocker decode worker serving the tiny model's name and two gateways (the official ``openai``
 client against them): a stop sequence of 1,001 characters is a 400 naming ``stop`` (1,000 is
 served); without API keys the LoRA admin routes are closed (403 in OpenAI's error shape) unless
-the gateway runs with ``--insecure-admin``.
+the gateway runs with ``--insecure-admin``. A gateway in this process, on the same bus, shows a
+chat body heavy with tool-call arguments rendered off its event loop.
 """
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import httpx
 import openai
@@ -61,3 +65,40 @@ async def test_admin_routes_are_closed_without_an_admin_key_unless_insecure_admi
         # opened: the request reaches the adapter logic (an unknown adapter, not a refusal)
         r = await http.post(f"{insecure}/v1/unload_lora_adapter", json={"lora_name": "nope"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+async def test_a_chat_body_heavy_with_tool_call_arguments_is_rendered_off_the_event_loop(
+        gateways, cluster, tiny_model, monkeypatch):
+    """Rendering and tokenizing go to a thread by the body's size: tool-call arguments, tools and
+    every message part count, not only the messages' text (here two words)."""
+    from gateway.app import asgi_app
+    from gateway.service import Gateway, GatewayConfig
+
+    threaded = []
+    to_thread = asyncio.to_thread
+
+    async def recording(fn, *args, **kwargs):
+        threaded.append(getattr(fn, "__name__", ""))
+        return await to_thread(fn, *args, **kwargs)
+
+    gw = Gateway(GatewayConfig(nats_url=cluster.nats_url, model_dirs=(str(tiny_model),)))
+    await gw.start()
+    try:
+        for _ in range(100):
+            if "tiny" in gw.live_models():
+                break
+            await asyncio.sleep(0.1)
+        monkeypatch.setattr(asyncio, "to_thread", recording)
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "y" * 20_000})}}
+        heavy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "go"}]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(gw)), base_url="http://gw",
+                                     timeout=30) as http:
+            for messages in ([{"role": "user", "content": "hi"}], heavy):
+                r = await http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": messages})
+                assert r.status_code == 200, r.text
+                if messages is not heavy:
+                    assert "_render" not in threaded  # a small body renders on the loop (a thread costs more)
+        assert "_render" in threaded
+    finally:
+        await gw.stop()
