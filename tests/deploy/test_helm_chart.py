@@ -502,6 +502,11 @@ def test_gateway_takes_its_api_keys_from_a_secret():
     assert {"name": "api-keys", "secret": {"secretName": "api-keys"}} in spec["volumes"]
     c = containers(one(render("default"), "Deployment", component("gateway")))[0]
     assert not [a for a in c["args"] if a.startswith("--api-key")]
+    # no admin key and no --insecure-admin: the chart's admin routes (LoRA loading) are closed
+    for variant in VARIANTS:
+        c = containers(one(render(variant), "Deployment", component("gateway")))[0]
+        assert "--insecure-admin" not in c["args"] and not [a for a in c["args"] if a.startswith("--admin-api-key")]
+        assert "MESH_ADMIN_API_KEYS" not in env(c)
 
 
 def test_worker_metrics_listen_on_the_pod_ip():
