@@ -111,11 +111,12 @@ async def fetch_load(bus: Bus, prefixes: list[list[int]], rate: float, blocks: i
             d = await bus.request(subject, req, KvFetchDone, 10.0)
             try:
                 if channel is not None and d.ok and (not d.transfer_bytes or await channel.take(
-                        fetch_id, d.transfer_bytes, d.lent or None) is None):
+                        fetch_id, d.transfer_bytes, d.lent.to_dict() if d.lent else None) is None):
                     raise RuntimeError(f"{d.num_blocks} blocks said written, bytes missing")
             finally:
                 if d.lent:  # read out of the holder's files: its pins go
-                    await bus.publish(bus.subjects.kv_fetch_release(MODEL, WORKER), KvFetchRelease("bench", fetch_id))
+                    await bus.publish(bus.subjects.kv_fetch_release(MODEL, WORKER),
+                                      KvFetchRelease("bench", fetch_id, d.release_key))
             done.append(d)
         except Exception as e:
             print(f"  fetch failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=3.0,
                    help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
     add_api_key_flags(p)
+    p.add_argument("--insecure-admin", action="store_true",
+                   help="without API keys, open the admin routes (LoRA load/unload) to every client "
+                        "(default: closed until an admin key exists)")
     p.add_argument("--workers", type=int, default=None,
                    help="gateway processes on the port (SO_REUSEPORT; default: one per two cores, at most 4)")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
@@ -106,7 +109,7 @@ def gateway_config(args: argparse.Namespace, nats: NatsConfig, ns: str, models: 
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             **{k: v for k, v in weights if v is not None}),
     )

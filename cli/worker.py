@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
                         "(model workers need a host KV tier; the mocker simulates the transfer)")
     p.add_argument("--peer-fetch-timeout", type=float, default=5.0,
                    help="decode: seconds a peer fetch may take before the request prefills instead")
+    p.add_argument("--peer-pin-max-s", type=float, default=10.0,
+                   help="decode: the longest a peer's fetch keeps this worker's blocks pinned, whatever "
+                        "deadline the peer asks for")
     p.set_defaults(func=run)
 
 
@@ -91,10 +94,12 @@ def run(args: argparse.Namespace) -> int:
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
         drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
         peer_fetch=args.peer_fetch and name == "decode",  # the mocker's is in its MockConfig
-        peer_fetch_timeout=args.peer_fetch_timeout,
+        peer_fetch_timeout=args.peer_fetch_timeout, peer_pin_max_s=args.peer_pin_max_s,
     )
     if args.drain_timeout < 0:
         raise CliError("--drain-timeout must be >= 0")
+    if args.peer_pin_max_s <= 0:
+        raise CliError("--peer-pin-max-s must be > 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     worker = role.worker_class()(ws)
     asyncio.run(worker.run())

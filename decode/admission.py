@@ -189,8 +189,11 @@ class Admission:
 
     # -- the prefill pool -----------------------------------------------------------
     async def on_load(self, report: LoadReport, raw) -> None:
-        if report.role == "prefill":
+        # only from prefill workers of the registry (anyone may claim an id); a worker that left is pruned
+        if report.role == "prefill" and self.membership.vouches(report.worker_id, "prefill", report.model):
             self.prefill_loads[report.worker_id] = report
+            for gone in [w for w in self.prefill_loads if self.membership.get(w) is None]:
+                del self.prefill_loads[gone]
 
     def prefill_route(self, adapter: str = "") -> str:
         """Where a long prompt is prefilled: ``remote`` while a live prefill worker (holding the

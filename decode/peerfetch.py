@@ -21,7 +21,11 @@ On one host with the holder's blocks in shared memory (a CPU worker with the shm
 its KV pool and host-tier slots are /dev/shm files) the holder copies nothing: it *lends*
 the pinned run (``KvFetchDone.lent``: where each block is in its files), the requester
 copies the blocks out on its own cores and sends ``KvFetchRelease``, and the holder unpins
-(or the lease does). Its disk-tier blocks, in no shared file, it writes into the
+(or the lease does). Trust: the requester reads only the files the holder's registry card
+advertises as its own (a reply naming another worker's pool is refused, logged and counted);
+a release counts only with the fetch's ``release_key`` (random, in the reply only the
+requester sees; compared in constant time); and the holder pins for at most
+``--peer-pin-max-s``, whatever deadline the requester asks for. Its disk-tier blocks, in no shared file, it writes into the
 requester's buffer on a thread. Otherwise (a GPU holder, a TP holder, the nats channel):
 
 The holder's engine thread does the copy itself, between two steps, for at most
@@ -45,8 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -60,7 +66,15 @@ from kvstore.hashing import block_hashes
 from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
 from kvstore.transfer.shm import segment_name
-from mesh.protocol import GenerateRequest, KvFetchDone, KvFetchRelease, KvFetchRequest
+from mesh.protocol import (
+    GenerateRequest,
+    KvFetchDone,
+    KvFetchRelease,
+    KvFetchRequest,
+    LentRun,
+    WorkerCard,
+)
+from mesh.registry import Membership
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +100,9 @@ class PeerFetch:
         # their deadline (measured: docs/benchmarks.md, "KV fabric").
         self._sending = asyncio.Semaphore(1)
         self.lendable = self._lend_files()  # {"kv", "slots", "spec"}: a peer on this host reads our blocks
-        self._lent: set[str] = set()  # fetch ids whose pins wait for the requester's KvFetchRelease
+        self._lent: dict[str, str] = {}  # fetch id -> its release key, while the pins wait for the release
+        self.max_pin_s = ctx.settings.peer_pin_max_s  # our own cap on a pin's lease
+        self.membership: Membership | None = None  # the holders' cards: which files are theirs
 
     def _lend_files(self) -> dict | None:
         kv, copier = self.engine.kv_cache, self.engine.tiers.copier
@@ -94,8 +110,9 @@ class PeerFetch:
             return None
         return {"kv": segment_name(kv.shm_path), "slots": segment_name(copier.shm_path), "spec": kv.spec.to_dict()}
 
-    async def start(self, stack: AsyncExitStack) -> None:
+    async def start(self, stack: AsyncExitStack, membership: Membership) -> None:
         ctx, s, model = self.ctx, self.ctx.bus.subjects, self.engine.model_name
+        self.membership = membership
         self.channels = make_channels(ctx.transports, bus=ctx.bus, model=model, worker_id=ctx.worker_id)
         await ctx.subscribe(stack, s.kv_fetch(model, ctx.worker_id), self._on_fetch, KvFetchRequest)
         await ctx.subscribe(stack, s.kv_fetch_release(model, ctx.worker_id), self._on_release, KvFetchRelease)
@@ -103,6 +120,8 @@ class PeerFetch:
     def fill_card(self, card) -> None:
         card.serves_kv_fetch = True
         card.fetches_kv = True
+        if self.lendable is not None and "shm" in card.transports:  # the only files a peer reads from us
+            card.transports["shm"].update(kv=self.lendable["kv"], slots=self.lendable["slots"])
 
     # -- requester -----------------------------------------------------------------------------
     def _wanted(self, req: GenerateRequest) -> tuple[str, list[int]]:
@@ -150,10 +169,13 @@ class PeerFetch:
         n = min(done.num_blocks, len(want))
         channel = self.channels.get(done.transport)
         try:
-            data = None if channel is None or n <= 0 else await channel.take(fetch_id, n * bb, done.lent or None)
+            if done.lent is not None:
+                self._check_lent(source, done.lent, req.request_id)
+            lent = done.lent.to_dict() if done.lent is not None else None
+            data = None if channel is None or n <= 0 else await channel.take(fetch_id, n * bb, lent)
         finally:
-            if done.lent:  # the run stays pinned for us until we say we have read it
-                await self._release(source, fetch_id, req.model)
+            if done.lent is not None:  # the run stays pinned for us until we say we have read it
+                await self._release(source, fetch_id, req.model, done.release_key)
         if n <= 0:
             return 0
         if data is None:
@@ -162,18 +184,32 @@ class PeerFetch:
         self.ctx.counters.bump(f"peer_fetch_via_{done.transport}")
         return n
 
-    async def _release(self, source: str, fetch_id: str, model: str) -> None:
+    def _check_lent(self, source: str, lent: LentRun, rid: str) -> None:
+        """A lent run is read only from the files the holder's card advertises as its own: a reply
+        naming any other (another worker's pool) is refused, logged and counted."""
+        card = self.membership.get(source) if self.membership is not None else None
+        if lent_files(card) != (lent.kv, lent.slots):
+            self.ctx.refuse("unadvertised_lent_files", rid,
+                            f"{source} lent blocks in {lent.kv!r} and {lent.slots!r}, not files its card names")
+            raise RuntimeError(f"{source} lent blocks in files that are not its own")
+
+    async def _release(self, source: str, fetch_id: str, model: str, key: str) -> None:
         with contextlib.suppress(Exception):  # a holder gone or unreachable: its lease unpins
             await self.ctx.bus.publish(self.ctx.bus.subjects.kv_fetch_release(model, source),
-                                       KvFetchRelease(self.ctx.worker_id, fetch_id))
+                                       KvFetchRelease(self.ctx.worker_id, fetch_id, key))
 
     # -- holder --------------------------------------------------------------------------------
     async def _on_release(self, msg: KvFetchRelease, raw) -> None:
         fetch_id = f"{msg.requester}:{msg.fetch_id}"
-        if fetch_id in self._lent:  # only runs we lent: a stray release never unpins a copy under way
-            self._lent.discard(fetch_id)
-            await self.ctx.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))
-            self.ctx.counters.bump("peer_serve_released")
+        key = self._lent.get(fetch_id)
+        if key is None:
+            return  # not a run we lent (or released already): a stray release never unpins a copy under way
+        if not hmac.compare_digest(key.encode(), msg.release_key.encode()):
+            self.ctx.refuse("unbound_fetch_release", fetch_id, "a KvFetchRelease without its fetch's release key")
+            return
+        del self._lent[fetch_id]
+        await self.ctx.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))
+        self.ctx.counters.bump("peer_serve_released")
 
     async def _on_fetch(self, req: KvFetchRequest, raw) -> None:
         if not raw.reply:
@@ -189,6 +225,10 @@ class PeerFetch:
         if not req.hashes or req.deadline <= time.time():
             return "nothing to send in time"
         return ""
+
+    def _lease(self, req: KvFetchRequest) -> float:
+        """Seconds to pin for: what is left of the requester's deadline, at most our own cap."""
+        return min(req.deadline - time.time(), self.max_pin_s)
 
     def _channel(self, transports: dict[str, dict]) -> tuple[FetchChannel, dict] | None:
         for name, params in transports.items():  # the requester's order: best first
@@ -212,24 +252,25 @@ class PeerFetch:
             return
         channel, params = picked
         fetch_id = f"{req.requester}:{req.fetch_id or req.request_id}"
+        until = time.time() + self._lease(req)
         try:
-            run = await ctx.loop.call(partial(_pin, fetch_id, req))
-        except ValueError as e:  # the same fetch twice, or its deadline passed meanwhile
+            run = await ctx.loop.call(partial(_pin, fetch_id, req.hashes, until))
+        except ValueError as e:  # the same fetch twice, or its lease ran out meanwhile
             await bus.publish(reply, KvFetchDone(req.request_id, ctx.worker_id, False, error=str(e)))
             return
         done = KvFetchDone(req.request_id, ctx.worker_id, True)
         lend = self.lendable is not None and channel.name == "shm" and params.get("read") is True
         try:
             if len(run):
-                move = self._lend(run, fetch_id, channel, params, done, req.deadline) if lend else \
+                move = self._lend(run, fetch_id, channel, params, done, until) if lend else \
                     self._send(run, fetch_id, channel, params, done)
-                await asyncio.wait_for(move, max(0.0, req.deadline - time.time()))
+                await asyncio.wait_for(move, max(0.0, until - time.time()))
         except Exception as e:  # a bad buffer, a disk read that failed, past the deadline
             done = KvFetchDone(req.request_id, ctx.worker_id, False, error=f"{type(e).__name__}: {e}")
         finally:
-            if done.ok and done.lent:  # released by the requester (``_on_release``) or the lease
-                self._lent = {f for f in self._lent if self.engine.is_pinned(f)}  # forget lapsed ones
-                self._lent.add(fetch_id)
+            if done.ok and done.lent is not None:  # released by the requester (``_on_release``) or the lease
+                self._lent = {f: k for f, k in self._lent.items() if self.engine.is_pinned(f)}  # forget lapsed ones
+                self._lent[fetch_id] = done.release_key
             else:
                 ctx.loop.call(partial(EngineCore.unpin_run, fetch_id=fetch_id))  # not awaited: also runs on cancellation
         done.transfer_ms = (time.monotonic() - started) * 1000
@@ -261,7 +302,8 @@ class PeerFetch:
         if rows:
             await channel.write_rows(params, rows, self.block_bytes)
         n = len(sources)
-        done.lent = {**self.lendable, "where": where, "index": index, "until": until}
+        done.lent = LentRun(self.lendable["kv"], self.lendable["slots"], self.lendable["spec"], where, index, until)
+        done.release_key = secrets.token_urlsafe(16)  # only the requester sees this reply
         done.transport = channel.name
         done.num_blocks = n
         done.transfer_bytes = n * self.block_bytes
@@ -318,7 +360,14 @@ class PeerFetch:
         return i
 
 
-def _pin(fetch_id: str, req: KvFetchRequest, engine: EngineCore):
-    """Engine thread: pin the run for what is left of the fetch's deadline as of now (ValueError
-    when it has passed while the request waited for the step to end)."""
-    return engine.pin_run(fetch_id, req.hashes, req.deadline - time.time())
+def _pin(fetch_id: str, hashes: list[int], until: float, engine: EngineCore):
+    """Engine thread: pin the run until ``until`` (unix seconds) as of now (ValueError when it has
+    passed while the request waited for the step to end)."""
+    return engine.pin_run(fetch_id, hashes, until - time.time())
+
+
+def lent_files(card: WorkerCard | None) -> tuple[str, str] | None:
+    """The (KV, slots) file names a holder's card advertises as its own (None: none)."""
+    shm = card.transports.get("shm", {}) if card is not None else {}
+    kv, slots = shm.get("kv"), shm.get("slots")
+    return (kv, slots) if isinstance(kv, str) and isinstance(slots, str) else None

@@ -111,7 +111,7 @@ class DecodeWorker(WorkerBase):
         await ctx.subscribe(stack, s.kv_ready(model, self.worker_id), self.remote.on_kv_ready, PrefillDone)
         await ctx.subscribe(stack, s.load_model(model), self.admission.on_load, LoadReport)
         if self.peer_fetch is not None:
-            await self.peer_fetch.start(stack)
+            await self.peer_fetch.start(stack, self.admission.membership)
 
     def card(self):
         card = super().card()

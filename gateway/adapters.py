@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway import errors
 from gateway.errors import APIError
+from mesh import metrics
 from mesh.adapters import broadcast
 from mesh.protocol import LoraReply, LoraRequest
 
@@ -31,7 +32,16 @@ VIEW_WAIT = 5.0  # seconds a success waits for this gateway's registry view to s
 
 
 async def open_admin(request: Request) -> None:
-    """The admin check while no API keys exist: everyone may."""
+    """The admin check without API keys under ``--insecure-admin``: everyone may."""
+
+
+async def closed_admin(request: Request) -> None:
+    """The admin check without API keys (the default): nobody may. Loading an adapter makes every
+    worker read a path of the caller's choosing, which no anonymous client should name."""
+    metrics.GATEWAY_REJECTED.labels("admin_closed").inc()
+    raise APIError(403, "the admin routes are closed: this gateway has no API keys; give it an admin key "
+                        "(--admin-api-key, MESH_ADMIN_API_KEYS or role=admin in --api-key-file), or start it "
+                        "with --insecure-admin to open them to every client", code="permission_denied")
 
 
 class LoadLoraBody(BaseModel):
@@ -48,7 +58,8 @@ class UnloadLoraBody(BaseModel):
 
 
 def install_adapter_routes(app: FastAPI, gateway) -> None:
-    app.state.require_admin = open_admin
+    # with API keys, ``asgi_app`` replaces this with ``gateway.auth.require_admin``
+    app.state.require_admin = open_admin if gateway.config.insecure_admin else closed_admin
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):

@@ -215,23 +215,29 @@ async def _read_body(request: Request) -> bytes:
 
 async def _parse(request: Request, model: type[BaseModel]):
     """The body as ``model``: any content type, JSON only, OpenAI-shaped 400s."""
+    return (await _parse_sized(request, model))[0]
+
+
+async def _parse_sized(request: Request, model: type[BaseModel]):
+    """``_parse``'s body and its size in bytes (what rendering and tokenizing it will cost)."""
     raw = await _read_body(request)
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw), len(raw)
     except ValidationError as e:
         raise errors.from_pydantic(e) from None
 
 
 async def _chat(gw: Gateway, request: Request) -> Response:
-    body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    body, size = await _parse_sized(request, ChatCompletionRequest)
     target = gw.resolve(body.model)
     tok = gw.require_tokenizer(target.model, "messages")
     messages = body.template_messages()
     try:
         with TRACER.start_as_current_span("template+tokenize") as span:
-            text, prompt = await _off_loop(sum(len(m["content"]) for m in messages), _render, tok, body, messages)
+            # sized by the whole body: tools, tool-call arguments and every message part are rendered too
+            text, prompt = await _off_loop(size, _render, tok, body, messages)
             span.set_attribute("pdmesh.prompt_tokens", len(prompt))
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.param) from None

@@ -26,7 +26,7 @@ from gateway import metrics
 from gateway.limits import reply_buffer_limits
 from mesh.bus import Bus
 from mesh.client import StreamError
-from mesh.metrics import REFUSED_MESSAGES
+from mesh.metrics import BUS_DROPPED, REFUSED_MESSAGES
 from mesh.protocol import DecodeError, TokenBatch, TokenChunk, decode
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class ReplyStreams:
         try:
             chunk = decode(msg.data, TokenChunk)
         except DecodeError as e:
+            BUS_DROPPED.labels("TokenChunk", e.reason).inc()
             stream.push(StreamError(f"worker {stream.worker_id} sent a malformed chunk: {e}", 502))
             return
         if chunk.worker != stream.worker_id:
@@ -116,6 +117,7 @@ class ReplyStreams:
             batch = decode(data, TokenBatch)
         except DecodeError as e:
             self.dropped += 1
+            BUS_DROPPED.labels("TokenBatch", e.reason).inc()
             log.warning("dropped a malformed token batch: %s", e)
             return
         metrics.TOKEN_BATCHES.inc()

@@ -34,6 +34,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 # Below this a temperature is greedy: logits / 1e-30 overflow float32 and sampling would fail.
 GREEDY_BELOW = 1e-5
+MAX_STOP_CHARS = 1000  # per stop sequence (OpenAI documents no cap; ours keeps the matching cheap)
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -132,6 +133,10 @@ class SamplingFields(BaseModel):
                 raise ValueError("stop sequences must be non-empty")
         elif v == "":
             raise ValueError("stop sequences must be non-empty")
+        # the gateway matches every stop against each new text on its event loop: a long one costs
+        # every stream's latency (four of 250k characters: 0.86 ms per token)
+        if any(len(s) > MAX_STOP_CHARS for s in ([v] if isinstance(v, str) else v or [])):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters each")
         return v
 
     @model_validator(mode="after")

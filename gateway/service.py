@@ -68,6 +68,7 @@ class GatewayConfig:
     nats: object = None  # mesh.natsauth.NatsConfig: servers, credentials, TLS (None: nats_url + environment)
     tool_call_parser: str | None = None  # a tool-call format for every model (default: each template's)
     reasoning_parser: str | None = None  # a reasoning format, or "none" (default: each template's)
+    insecure_admin: bool = False  # without API keys the admin routes serve everyone (default: closed)
 
 
 @dataclass(frozen=True)

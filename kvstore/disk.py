@@ -3,11 +3,16 @@
 Nothing on disk is trusted blindly. A file is
 
     header (48 bytes): magic "PDKV", version, flags, layout fingerprint, block hash,
-                       parent hash, payload length, xxh3-64 of the payload
+                       parent hash, payload length, checksum
     payload:           the block's bytes, block-major ([layers, 2, block_size, heads, dim])
 
 and a block is served only if every header field matches what this engine expects
-and the checksum of the payload is right. A file that fails (flipped bytes,
+and the checksum is right. The checksum is xxh3-64 of the payload, or, given the mesh
+secret (``checksum_key``), a keyed BLAKE2b-64 of the header's fields and the payload
+(flag ``KEYED``): whoever can write the directory but lacks the secret cannot make a
+block this engine serves, nor move one file to another block's name. The directory is
+the owner's alone (0700, files 0600, refused if it is anyone else's or open to
+others), as the shm transport's is. A file that fails (flipped bytes,
 truncated, another model's, half written by a crash) is a miss: it is removed and
 the block is recomputed. Files are written to a temporary name and renamed, so a
 reader sees a whole file or none (no fsync: a file a crash leaves torn fails its
@@ -31,10 +36,12 @@ Torch-free: payloads are bytes-like; the caller converts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import secrets
+import stat
 import struct
 import time
 from collections import OrderedDict
@@ -50,6 +57,7 @@ MAGIC = b"PDKV"
 VERSION = 1
 HEADER = struct.Struct("<4sHHQQQQQ")  # magic, version, flags, fingerprint, hash, parent, length, xxh3
 HAS_PARENT = 1
+KEYED = 2  # the checksum is keyed BLAKE2b of the header's fields and the payload
 SUFFIX = ".kv"
 STALE_TMP_SECONDS = 600.0  # a temporary file this old was left by a crashed writer
 
@@ -86,11 +94,13 @@ class DiskTier:
     stores_bytes = True
 
     def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: int, payload_bytes: int,
-                 events: KvEventLog | None = None):
+                 events: KvEventLog | None = None, checksum_key: bytes | None = None):
         if capacity_bytes <= 0 or payload_bytes <= 0:
             raise ValueError("the disk tier needs a positive capacity and block size")
-        self.dir = Path(root) / f"{fingerprint:016x}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if checksum_key is not None and not 1 <= len(checksum_key) <= 64:
+            raise ValueError("the disk tier's checksum key is 1 to 64 bytes (BLAKE2b)")
+        self.dir = private_dir(Path(root) / f"{fingerprint:016x}")
+        self.checksum_key = checksum_key
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
@@ -155,7 +165,7 @@ class DiskTier:
     def _read(self, block_hash: int) -> memoryview | None:
         """The whole verified file (OSError if it cannot be read; None if it fails its check)."""
         buf = bytearray(self.file_bytes + 1)  # one byte more: a longer file shows
-        with open(self.path(block_hash), "rb") as f:
+        with os.fdopen(os.open(self.path(block_hash), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             n = f.readinto(buf)
         raw = memoryview(buf)[:n]
         return raw if self._valid(raw, block_hash) else None
@@ -163,10 +173,20 @@ class DiskTier:
     def _valid(self, raw: memoryview, block_hash: int) -> bool:
         if raw.nbytes != self.file_bytes:
             return False
-        magic, version, _flags, fp, h, _parent, length, checksum = HEADER.unpack_from(raw)
+        magic, version, flags, fp, h, _parent, length, checksum = HEADER.unpack_from(raw)
         if (magic, version, fp, h, length) != (MAGIC, VERSION, self.fingerprint, block_hash, self.payload_bytes):
             return False
-        return xxhash.xxh3_64_intdigest(raw[HEADER.size :]) == checksum
+        if bool(flags & KEYED) != (self.checksum_key is not None):
+            return False  # written with another kind of checksum: never trusted
+        return self._checksum(raw[: HEADER.size - 8], raw[HEADER.size :]) == checksum
+
+    def _checksum(self, fields, payload) -> int:
+        """xxh3-64 of the payload; with the key, keyed BLAKE2b-64 of the header's fields and the payload."""
+        if self.checksum_key is None:
+            return xxhash.xxh3_64_intdigest(payload)
+        mac = hashlib.blake2b(fields, digest_size=8, key=self.checksum_key)
+        mac.update(payload)
+        return int.from_bytes(mac.digest(), "little")
 
     # -- writes --------------------------------------------------------------------------
     def touch(self, block_hash: int) -> None:
@@ -186,12 +206,14 @@ class DiskTier:
         while self.used_bytes + self.file_bytes > self.capacity_bytes:
             if not self._evict_coldest():
                 return False  # every file is pinned by a peer fetch: this block is not kept
-        header = HEADER.pack(MAGIC, VERSION, HAS_PARENT if parent is not None else 0, self.fingerprint,
-                             block_hash, parent or 0, data.nbytes, xxhash.xxh3_64_intdigest(data))
+        flags = (HAS_PARENT if parent is not None else 0) | (KEYED if self.checksum_key is not None else 0)
+        fields = (MAGIC, VERSION, flags, self.fingerprint, block_hash, parent or 0, data.nbytes)
+        header = HEADER.pack(*fields, self._checksum(HEADER.pack(*fields, 0)[: HEADER.size - 8], data))
         final = self.path(block_hash)
         tmp = self.dir / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            # 0600, never through a link: the blocks are prompts' KV
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, final)
@@ -237,7 +259,10 @@ class DiskTier:
         found: list[tuple[float, int, int | None]] = []
         for p in self.dir.iterdir():
             try:
-                st = p.stat()
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                    log.warning("ignoring %s in the disk tier: not a private file of this user", p)
+                    continue
                 if p.name.endswith(".tmp"):
                     if now - st.st_mtime > STALE_TMP_SECONDS:
                         p.unlink(missing_ok=True)
@@ -279,6 +304,19 @@ class DiskTier:
             "disk_corrupt_blocks": self.corrupt, "disk_write_errors": self.write_errors,
             "disk_capacity_blocks": self.capacity_bytes // self.file_bytes,
         }
+
+
+def private_dir(d: Path) -> Path:
+    """``d``, created 0700 (and its missing parents) if absent; refused if it is not a directory of
+    this user that nobody else can enter (a link, someone else's, or open to others)."""
+    d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(d, 0o700)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"the disk KV tier's {d} must be a directory of this user that nobody else "
+                              "can enter (mode 0700): remove it, or chmod 700 it, and start again")
+    return d
 
 
 class PinCounts:

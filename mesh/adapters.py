@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack
 
 from mesh.bus import Bus
 from mesh.errors import LoraError
+from mesh.natsperms import lora_reply_inbox
 from mesh.protocol import DecodeError, LoraReply, LoraRequest, decode, encode
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ async def broadcast(bus: Bus, model: str, req: LoraRequest, expected: int,
                     timeout: float = GATHER_SECONDS) -> list[LoraReply]:
     """Send ``req`` to every worker of ``model``; the replies that came within ``timeout``
     (returns as soon as ``expected`` have)."""
-    inbox = bus.nc.new_inbox()
+    inbox = lora_reply_inbox(bus.nc.new_inbox())  # where prefill workers may answer too
     replies: list[LoraReply] = []
     enough = asyncio.Event()
 

@@ -1,7 +1,8 @@
 """One NATS connection per process: subjects, the codec, timeouts, and no crashing handlers.
 
 Every subscription handler gets a decoded message; bytes that do not decode
-are logged and dropped, and an exception in a handler is logged, never
+(over their type's size bound, nested too deeply, malformed) are logged, counted
+(``pdmesh_bus_dropped_messages_total``) and dropped, and an exception in a handler is logged, never
 allowed to kill the subscription. A ``Bus`` is the ``Messenger`` the KV
 transports take (``kvstore.transfer.messenger``).
 """
@@ -19,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from mesh.metrics import BUS_DROPPED
 from mesh.natsauth import NatsConfig, check_jetstream, open_connection
 from mesh.protocol import DecodeError, Subjects, decode, encode
 from mesh.tracing import outgoing_headers
@@ -125,11 +127,14 @@ class Bus:
         self, subject: str, handler: Handler, expect: type | None = None, queue: str = "",
         pending_msgs_limit: int = 65536,
     ) -> Subscription:
+        kind = "message" if expect is None else expect.__name__
+
         async def on_msg(raw: Msg) -> None:
             try:
-                msg = decode(raw.data, expect)
+                msg = decode(raw.data, expect)  # refuses an oversized message before decoding it
             except DecodeError as e:
                 self.dropped += 1
+                BUS_DROPPED.labels(kind, e.reason).inc()
                 log.warning("dropped a message on %s: %s", raw.subject, e)
                 return
             try:

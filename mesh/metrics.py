@@ -57,6 +57,9 @@ GATEWAY_REJECTED = Counter("pdmesh_gateway_rejected", "Requests refused before t
 REFUSED_MESSAGES = Counter("pdmesh_refused_messages", "Bus messages refused (logged and dropped): a PrefillJob naming "
                            "a resource outside the worker's own, or out of bounds; a Cancel, PrefillDone or token "
                            "chunk from a peer the request is not bound to", ["role", "reason"], registry=REGISTRY)
+BUS_DROPPED = Counter("pdmesh_bus_dropped_messages", "Bus messages dropped before any handler saw them: over "
+                      "their type's size bound (never decoded), nested too deeply, or not a valid message of "
+                      "the subject's type", ["message", "reason"], registry=REGISTRY)
 FENCED_BLOCKS = Gauge("pdmesh_kv_fenced_blocks", "Decode KV blocks of timed-out prefill jobs kept out of the pool "
                       "until their writer is known to have stopped", ["model"], registry=REGISTRY)
 ROUTER_FETCHES = Counter("pdmesh_router_fetches", "Decisions naming a peer to fetch prefix blocks from",

@@ -10,7 +10,8 @@ One NATS user per role; each may publish and subscribe only what its role does:
               inboxes, kv_fetch, kv_fetch_data and        kv.snapshot, load, lora, its inbox
               kv_fetch_release (peer fetch), its card
     prefill   kv_ready, kv_data, nccl (requests), load,   lora, its inbox (jobs come by a JetStream
-              lora replies, its registry card             pull)
+              lora replies (only to a gateway's LoRA      pull)
+              inboxes), its registry card
     planner   planner.decisions                           load, planner.decisions, its inbox
 
 plus the JetStream API calls each role makes on the registry bucket
@@ -56,6 +57,17 @@ def inbox(role: str) -> str:
     return f"_INBOX.{role}.>"
 
 
+LORA_REPLIES = "lora"  # a gateway's LoRA broadcasts take replies on _INBOX.gateway.lora.*
+
+
+def lora_reply_inbox(new_inbox: str) -> str:
+    """A gateway's inbox (``nc.new_inbox()``) moved under ``LORA_REPLIES``: prefill workers may
+    publish there (their LoRA replies) and nowhere else among the gateway's inboxes, whose other
+    subjects carry token streams (only decode workers may write those)."""
+    prefix, _, unique = new_inbox.rpartition(".")
+    return f"{prefix}.{LORA_REPLIES}.{unique}"
+
+
 def _registry(ns: str, writes: bool) -> list[str]:
     """The registry bucket: open or create it, watch it (an ordered consumer), read a card;
     workers also put and delete their own card."""
@@ -98,8 +110,8 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
                                             "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
                f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":
-        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load, inbox("gateway"),
-               *_registry(ns, True)]
+        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load,
+               f"_INBOX.gateway.{LORA_REPLIES}.>", *_registry(ns, True)]
         for st in streams:
             pub += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",
                     f"$JS.API.CONSUMER.CREATE.{st}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{st}.*",

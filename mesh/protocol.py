@@ -8,6 +8,12 @@ so a malformed message is rejected at the edge with a ``DecodeError`` instead of
 failing deep inside a worker. Unknown fields are ignored (newer senders may add
 fields); missing fields take their defaults.
 
+Bounds (a peer's bytes cost the receiver no more than their size allows): every message
+type has a size limit (``MAX_BYTES``; each subject carries one type), checked before a
+byte is decoded; no field is an untyped ``dict`` or ``Any``, so nesting is bounded by the
+schema (a transport's parameters, ``Params``, are scalars, flat lists and maps one level
+deep), and input nested past the decoder's recursion limit is a ``DecodeError`` too.
+
 The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
 ``NcclConnect``, ``NcclBegin``, ``NcclReply``) are defined below the mesh, in
 ``kvstore/transfer/messages.py``. Both are re-exported here, and the transports' messages
@@ -19,7 +25,7 @@ go through this codec like every other.
 from __future__ import annotations
 
 import typing
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 from msgspec import field
@@ -30,23 +36,32 @@ from kvstore.transfer.messages import NcclBegin as NcclBegin
 from kvstore.transfer.messages import NcclConnect as NcclConnect
 from kvstore.transfer.messages import NcclReply as NcclReply
 from kvstore.transfer.messages import TransportMessage
+from mesh.params import Transports, checked_transports
 from mesh.subjects import Subjects as Subjects
+from mesh.subjects import max_bytes
 from mesh.subjects import subject_token as subject_token
 
 T = TypeVar("T")
+V = TypeVar("V")
+Tiered = Annotated[dict[str, V], msgspec.Meta(max_length=8)]  # by KV tier: a handful of keys, checked before decoding
 
 # -- codec ----------------------------------------------------------------------
 
 
 class DecodeError(ValueError):
-    """Bytes that are not a valid message of the expected type."""
+    """Bytes that are not a valid message of the expected type. ``reason`` for the counters:
+    oversized (over the type's ``MAX_BYTES``, never decoded) | too_deep | undecodable."""
+
+    def __init__(self, message: str, reason: str = "undecodable"):
+        super().__init__(message)
+        self.reason = reason
 
 
 # Every message and part by class name (docs/protocol.md documents each); only the tagged ones
 # (``Message``s and the transports' messages) arrive on their own.
 MESSAGE_TYPES: dict[str, type] = {}
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS: dict[type | None, msgspec.msgpack.Decoder] = {}
+_DECODERS: dict[type | None, tuple[msgspec.msgpack.Decoder, int]] = {}  # with the size limit
 
 
 def register(cls: type) -> type:
@@ -83,20 +98,28 @@ def encode(msg: Message | TransportMessage) -> bytes:
 
 def decode(data: bytes, expect: type[T] | None = None) -> T:
     """The message in ``data``; ``expect`` a message class to accept only that one."""
-    dec = _DECODERS.get(expect)
-    if dec is None:
+    entry = _DECODERS.get(expect)
+    if entry is None:
         if expect is None:
             tagged = tuple(c for c in MESSAGE_TYPES.values() if c.__struct_config__.tag is not None)
-            dec = msgspec.msgpack.Decoder(typing.Union[tagged])  # noqa: UP007
+            entry = msgspec.msgpack.Decoder(typing.Union[tagged]), max_bytes(None)  # noqa: UP007
         else:
-            dec = msgspec.msgpack.Decoder(expect)
-        _DECODERS[expect] = dec
+            entry = msgspec.msgpack.Decoder(expect), max_bytes(expect.__name__)
+        _DECODERS[expect] = entry
+    dec, limit = entry
+    if len(data) > limit:  # before decoding a byte: the size is all a peer controls
+        raise DecodeError(f"{len(data)} bytes, over the {limit} of a {getattr(expect, '__name__', 'message')}",
+                          "oversized")
     try:
         return dec.decode(data)
     except msgspec.ValidationError as e:  # wrong type tag, field type, or a __post_init__ check
         raise DecodeError(str(e)) from None
     except msgspec.DecodeError as e:
         raise DecodeError(f"not msgpack: {e}") from None
+    except RecursionError:  # msgspec's guard against nesting deeper than the C stack allows
+        raise DecodeError("nested too deeply", "too_deep") from None
+
+
 
 
 # -- messages -------------------------------------------------------------------
@@ -205,7 +228,7 @@ class PrefillJob(Message):
     num_cached_tokens: int  # the decode worker already holds these (a whole number of blocks)
     dest_block_ids: list[int]  # decode blocks for the tokens after num_cached_tokens
     # transports the decode worker accepts, best first: name -> what the sender needs
-    transports: dict[str, dict]
+    transports: Transports
     deadline: float  # unix seconds; nothing may be written into the blocks after it
     block_size: int
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -216,6 +239,9 @@ class PrefillJob(Message):
     # A random capability for this job: its PrefillDone must echo it (only the prefill worker that
     # pulled the job knows it), or the decode worker refuses the PrefillDone.
     token: str = ""
+
+    def __post_init__(self):
+        checked_transports(self.transports)
 
 
 class PrefillDone(Message):
@@ -248,7 +274,7 @@ class WorkerCard(Message):
     pid: int
     started: float
     updated: float
-    transports: dict[str, dict] = field(default_factory=dict)  # name -> what a peer needs to use it
+    transports: Transports = field(default_factory=dict)  # name -> what a peer needs to use it
     status: str = "ready"  # ready | draining
     capacity: int = 0  # concurrent sequences (decode) or prefill jobs (prefill)
     metrics_port: int = 0
@@ -260,6 +286,9 @@ class WorkerCard(Message):
     kv_costs: dict[str, float] = field(default_factory=dict)
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
+
+    def __post_init__(self):
+        checked_transports(self.transports)
 
 
 class LoadReport(Message):
@@ -324,7 +353,7 @@ class KvSnapshot(Message):
     snapshot_id: str
     page: int
     pages: int
-    blocks: dict[str, list[int]] = field(default_factory=dict)  # tier -> hashes on this page
+    blocks: Tiered[list[int]] = field(default_factory=dict)  # tier -> hashes on this page
 
 
 class RouterDecision(Message):
@@ -395,9 +424,12 @@ class KvFetchRequest(Message):
     deadline: float  # unix seconds: past it the holder sends nothing more and unpins
     # transports the requester accepts, best first: name -> where to write (a buffer of this fetch's
     # own: shm {"path", "host", "bytes"}, nats {"subject", "bytes"}); "bytes" is for every hash
-    transports: dict[str, dict] = field(default_factory=dict)
+    transports: Transports = field(default_factory=dict)
     fetch_id: str = ""  # names this fetch's buffers (several fetches may serve one request)
     block_bytes: int = 0  # the requester's bytes per block: a holder with another layout refuses
+
+    def __post_init__(self):
+        checked_transports(self.transports)
 
 
 class KvFetchDone(Message):
@@ -407,7 +439,7 @@ class KvFetchDone(Message):
     holder: str
     ok: bool
     num_blocks: int = 0
-    tiers: dict[str, int] = field(default_factory=dict)  # of those, how many the holder read from each tier
+    tiers: Tiered[int] = field(default_factory=dict)  # of those, how many the holder read from each tier
     transfer_ms: float = 0.0  # holder side: pin to sent
     error: str = ""
     transport: str = ""  # the one the bytes took ("" : none moved)
@@ -416,16 +448,37 @@ class KvFetchDone(Message):
     # {"kv", "slots": file names, "spec": the holder's KV spec, "where": per block 0 (its KV
     # file) / 1 (its host-tier slots) / 2 (written into the requester's buffer at that row),
     # "index": block id / slot / row, "until": unix seconds the pins hold}. The requester reads
-    # the blocks itself, then sends ``KvFetchRelease``; until then (or "until") they stay pinned.
-    lent: dict = field(default_factory=dict)
+    # the blocks itself (only from the files the holder's card names), then sends
+    # ``KvFetchRelease``; until then (or "until") they stay pinned.
+    lent: LentRun | None = None
+    # A lent run: the secret its ``KvFetchRelease`` must carry (random per fetch; only the requester
+    # sees this reply), so nobody else who learns the fetch id can unpin the run while it is read.
+    release_key: str = ""
+
+
+class LentRun(Part):
+    """In ``KvFetchDone``: where a lent run's blocks are in the holder's shared files."""
+
+    kv: str  # the holder's KV file, a name in the mesh's shm directory (its card names it)
+    slots: str  # its host-tier slots file (likewise)
+    spec: dict[str, int | str]  # its KV spec (kvstore.cache.KVCacheSpec.to_dict)
+    where: list[int]  # per block: 0 the KV file, 1 the slots file, 2 the requester's buffer
+    index: list[int]  # per block: a block id, a slot, or its row in the requester's buffer
+    until: float  # unix seconds: the pins' lease
+
+    def to_dict(self) -> dict:
+        """As the shm fetch channel reads it (``kvstore.transfer.fetch.ShmChannel.take``)."""
+        return msgspec.structs.asdict(self)
 
 
 class KvFetchRelease(Message):
     """Requester -> holder, on ``kv_fetch_release.{holder}``: the lent run of this fetch is read;
-    unpin it (the pins' lease ends it anyway)."""
+    unpin it (the pins' lease ends it anyway). Without the fetch's ``release_key`` (from its
+    ``KvFetchDone``) it changes nothing."""
 
     requester: str
     fetch_id: str
+    release_key: str = ""
 
 
 # -- constrained output (issue 17) ----------------------------------------------------------------

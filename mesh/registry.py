@@ -157,6 +157,13 @@ class Membership:
     def get(self, worker_id: str) -> WorkerCard | None:
         return self._cards.get(worker_id)
 
+    def vouches(self, worker_id: str, role: str, model: str) -> bool:
+        """A worker of this id, role and model is in the registry: what a load report or KV event
+        batch claims about its sender is believed only then (anyone on the bus may claim an id;
+        a worker's first reports before its card arrives are dropped, its next ones count)."""
+        card = self._cards.get(worker_id)
+        return card is not None and card.role == role and card.model == model
+
     def models(self) -> list[str]:
         return sorted({c.model for c in self._cards.values()})
 

@@ -105,3 +105,27 @@ class Subjects:
     def kv_fetch_release(self, model: str, worker: str) -> str:
         """The requester -> the holder ``worker``: done reading a lent run (``KvFetchRelease``)."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch_release"
+
+
+# -- size bounds ----------------------------------------------------------------------------------
+# The largest message of each type a receiver decodes (each subject carries one type; the subject
+# table is above); bigger ones are dropped unread. Sized for the largest legitimate
+# message: a prompt of ~1M tokens (5 bytes a token id), a nats KV chunk of the largest max_payload
+# NATS allows, a snapshot page (``mesh.kvevents.SNAPSHOT_PAGE`` hashes), a step's chunks.
+KIB, MIB = 1 << 10, 1 << 20
+DEFAULT_MAX_BYTES = 64 * KIB  # control messages: Cancel, PrefillDone, decisions, LoRA, releases
+MAX_BYTES: dict[str, int] = {
+    "GenerateRequest": 8 * MIB, "PrefillJob": 8 * MIB,
+    "TokenChunk": 1 * MIB, "TokenBatch": 4 * MIB,
+    "KvEventBatch": 4 * MIB, "KvSnapshot": 4 * MIB,
+    "KvFetchRequest": 2 * MIB, "KvFetchDone": 2 * MIB,
+    "KvChunk": 64 * MIB,  # bytes: decoded without growing
+    "WorkerCard": 256 * KIB, "LoadReport": 64 * KIB,
+}
+
+
+def max_bytes(message: str | None) -> int:
+    """The largest message of this type (its class name; None: any message) a receiver decodes."""
+    if message is None:
+        return max(MAX_BYTES.values())
+    return MAX_BYTES.get(message, DEFAULT_MAX_BYTES)

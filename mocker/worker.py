@@ -159,7 +159,7 @@ class MockWorker(DecodeWorker):
 
     async def _serve(self, req: KvFetchRequest, reply: str) -> None:
         started = time.monotonic()
-        lease = req.deadline - time.time()
+        lease = min(req.deadline - time.time(), self.settings.peer_pin_max_s)  # our cap, whatever it asks
         if req.model != self.engine.model_name or lease <= 0 or not req.hashes:
             why = "wrong model" if req.model != self.engine.model_name else "nothing to send in time"
             await self.bus.publish(reply, KvFetchDone(req.request_id, self.worker_id, False, error=why))

@@ -132,6 +132,7 @@ class PrefillWorker(WorkerBase):
         try:
             job = decode(m.data, PrefillJob)
         except DecodeError as e:
+            metrics.BUS_DROPPED.labels("PrefillJob", e.reason).inc()
             log.warning("dropped a malformed prefill job: %s", e)
             with contextlib.suppress(Exception):
                 await m.term()

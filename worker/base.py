@@ -89,6 +89,7 @@ class WorkerSettings:
     metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
+    peer_pin_max_s: float = 10.0  # decode: the longest a peer's fetch keeps our blocks pinned, whatever it asks
 
     @property
     def is_mock(self) -> bool:

@@ -66,8 +66,12 @@ class Planner:
                 await self._sub.unsubscribe()
 
     async def _on_load(self, report: LoadReport, raw) -> None:
-        if self.model is None or report.model == self.model:
+        # only from members (anyone may claim an id); what a worker that left reported goes with it
+        if (self.model is None or report.model == self.model) and \
+                self.membership.vouches(report.worker_id, report.role, report.model):
             self.loads[report.worker_id] = report
+        for gone in [w for w in self.loads if self.membership.get(w) is None]:
+            del self.loads[gone]
 
     async def _run(self) -> None:
         while True:

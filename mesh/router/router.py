@@ -75,6 +75,7 @@ class KvRouter:
         self.resyncs = 0
         self.decisions = 0
         self.fetches = 0
+        self.ignored = 0  # load reports and KV event batches from ids the registry does not vouch for
 
     def index(self, model: str) -> KvIndex:
         idx = self.indexes.get(model)
@@ -122,6 +123,9 @@ class KvRouter:
 
     async def _on_events(self, batch: KvEventBatch, raw) -> None:
         w = batch.worker_id
+        if not self.membership.vouches(w, "decode", batch.model):
+            self._ignore("kv_events", w)  # a member's events before its card: its snapshot has them
+            return
         if w in self._resyncing:
             self._buffered.setdefault(w, []).append(batch)
             return
@@ -132,6 +136,9 @@ class KvRouter:
     async def _on_load(self, report: LoadReport, raw) -> None:
         if report.role != "decode":
             return
+        if not self.membership.vouches(report.worker_id, "decode", report.model):
+            self._ignore("load", report.worker_id)  # kept, an id that is no member would never be pruned
+            return
         self.loads[report.worker_id] = report
         self._heard[report.worker_id] = time.monotonic()
         queue = self.inflight.get(report.worker_id)
@@ -139,8 +146,13 @@ class KvRouter:
             queue.popitem(last=False)
 
     async def _on_decision(self, d: RouterDecision, raw) -> None:
-        if d.router_id != self.router_id:
+        if d.router_id != self.router_id and self.membership.vouches(d.worker_id, "decode", d.model):
             self._count(d.worker_id, d.request_id, _Inflight(d.timestamp, d.prompt_blocks, d.new_blocks))
+
+    def _ignore(self, what: str, worker_id: str) -> None:
+        self.ignored += 1
+        metrics.REFUSED_MESSAGES.labels("router", f"{what}_from_non_member").inc()
+        log.debug("ignored %s from %r: not a decode worker of the registry", what, worker_id)
 
     async def _resync(self, model: str, worker: str) -> None:
         if worker in self._resyncing:

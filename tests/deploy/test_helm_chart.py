@@ -246,7 +246,21 @@ def _nats_conf(docs) -> str:
     return one(docs, "ConfigMap", component("nats"))["data"]["nats.conf"]
 
 
-PASSWORDS = {f"PDMESH_{role.upper()}_PASSWORD": f"pw-{role}-{i}" for i, role in enumerate(ROLES)}
+PASSWORDS = {f"PDMESH_{role.upper()}_PASSWORD": f"pw-{role}-{i}" for i, role in enumerate((*ROLES, "route"))}
+
+
+def nats_server_env(docs) -> dict[str, str]:
+    """The NATS container's environment as Kubernetes gives it: Secret keys from ``PASSWORDS``,
+    ``$(VAR)`` expanded from the variables before it."""
+    (nats,) = containers(one(docs, "StatefulSet", component("nats")))
+    out: dict[str, str] = {}
+    for e in nats["env"]:
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            out[e["name"]] = PASSWORDS[f"PDMESH_{ref['key'].upper()}_PASSWORD"]
+        elif "value" in e:
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out[m.group(1)], e["value"])
+    return out
 
 
 @pytest.mark.parametrize("variant", ["default", "everything", "single-nats", "nats-no-auth", "secured"])
@@ -264,7 +278,7 @@ def test_nats_config_is_accepted_by_nats_server(variant, tmp_path):
     conf = tmp_path / "nats.conf"
     conf.write_text(text)
     r = subprocess.run([find_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "SERVER_NAME": f"{component('nats')}-0", **PASSWORDS})
+                       env={**os.environ, **nats_server_env(render(variant)), "SERVER_NAME": f"{component('nats')}-0"})
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -275,9 +289,12 @@ def test_nats_has_jetstream_and_a_route_per_replica():
     assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["data"]
     for variant in ("default", "everything"):  # the chart's default is a 3-node JetStream cluster
         clustered = _nats_conf(render(variant))
-        routes = [line.strip() for line in clustered.splitlines() if line.strip().startswith("nats://")]
+        # each route logs in with the routes' password, which only the environment holds
+        names = [line.strip() for line in clustered.splitlines() if line.strip().startswith("$PDMESH_ROUTE_")]
+        assert names == [f"$PDMESH_ROUTE_{i}" for i in range(3)] and "pw-route" not in clustered
+        routes = [nats_server_env(render(variant))[n[1:]] for n in names]
         headless = component("nats-headless")
-        assert routes == [f"nats://{component('nats')}-{i}.{headless}:6222" for i in range(3)]
+        assert routes == [f"nats://route:pw-route-4@{component('nats')}-{i}.{headless}:6222" for i in range(3)]
         sts = one(render(variant), "StatefulSet", component("nats"))
         assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == headless
     assert "volumeClaimTemplates" not in one(render("everything"), "StatefulSet", component("nats"))["spec"]
@@ -310,11 +327,11 @@ def test_nats_users_have_exactly_their_roles_permissions(variant, ns, model):
     (nats,) = containers(one(docs, "StatefulSet", component("nats")))
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in nats["env"] if "valueFrom" in e and
             "secretKeyRef" in e["valueFrom"]}
-    assert refs == {f"PDMESH_{r.upper()}_PASSWORD": {"name": secret, "key": r} for r in ROLES}
+    assert refs == {f"PDMESH_{r.upper()}_PASSWORD": {"name": secret, "key": r} for r in (*ROLES, "route")}
     created = find(docs, "Secret", component("nats-auth"))
-    if secret == component("nats-auth"):  # the chart's own: four random passwords
+    if secret == component("nats-auth"):  # the chart's own: five random passwords (the routes' too)
         (doc,) = created
-        assert set(doc["data"]) == set(ROLES) and len(set(doc["data"].values())) == 4
+        assert set(doc["data"]) == {*ROLES, "route"} and len(set(doc["data"].values())) == 5
         assert doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     else:
         assert not created
@@ -378,6 +395,102 @@ async def test_rendered_nats_users_on_a_real_server(tmp_path):
         proc.wait(10)
 
 
+def test_a_network_policy_opens_routes_to_nats_pods_and_clients_to_the_release():
+    docs = render("default")
+    nats_pods = {"app.kubernetes.io/name": "pdmesh", "app.kubernetes.io/instance": RELEASE,
+                 "app.kubernetes.io/component": "nats"}
+    policy = one(docs, "NetworkPolicy", component("nats"))
+    assert policy["spec"]["podSelector"] == {"matchLabels": nats_pods}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    assert all(len(r["ports"]) == 1 for r in policy["spec"]["ingress"])
+    assert rules == {6222: [{"podSelector": {"matchLabels": nats_pods}}],
+                     4222: [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdmesh",
+                                                             "app.kubernetes.io/instance": RELEASE}}}]}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(policy, version, strict=True)
+    # every pod that dials NATS carries the labels the client rule selects
+    for doc, _ in pdmesh_containers(docs):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "pdmesh" and labels["app.kubernetes.io/instance"] == RELEASE
+    # monitoring stays on the pods: no Service exposes 8222
+    for svc in find(docs, "Service"):
+        assert 8222 not in [p["port"] for p in svc["spec"]["ports"]], svc["metadata"]["name"]
+    assert not find(render("external-nats"), "NetworkPolicy")
+    with helm.Chart.load(CHART) as chart:
+        off = chart.render({"nats": {"networkPolicy": {"enabled": False}}}, name=RELEASE, namespace=NAMESPACE,
+                           is_install=True)
+    assert "NetworkPolicy" not in "".join(off.values())
+
+
+async def test_a_nats_server_without_the_route_password_cannot_join_the_cluster(tmp_path):
+    """The chart's clustered NATS config, run by real nats-servers: two with the routes' password
+    form a cluster; a third in the same slot with another password is refused by both (and
+    refuses them); with the password it joins."""
+    import httpx
+
+    conf = _nats_conf(render("default"))
+    cport = {i: free_port() for i in range(3)}
+
+    def start(i: int, password: str) -> tuple[subprocess.Popen, int]:
+        port, http = free_port(), free_port()
+        d = tmp_path / f"n{i}-{password}"
+        d.mkdir()
+        text = (conf.replace("store_dir: /data", f'store_dir: "{d / "js"}"')
+                .replace("pid_file: /var/run/nats/nats.pid", f'pid_file: "{d / "nats.pid"}"')
+                .replace("http_port: 8222", f"http_port: {http}").replace("port: 4222", f"port: {port}")
+                .replace("port: 6222", f"port: {cport[i]}"))
+        (d / "nats.conf").write_text(text)
+        env = {**os.environ, **PASSWORDS, "SERVER_NAME": f"n{i}", "PDMESH_ROUTE_PASSWORD": password,
+               **{f"PDMESH_ROUTE_{j}": f"nats://route:{password}@127.0.0.1:{cport[j]}" for j in range(3)}}
+        proc = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-c", str(d / "nats.conf")], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return proc, http
+
+    async def peers(http: int) -> set[str]:
+        async with httpx.AsyncClient(timeout=2) as client:
+            try:
+                routes = (await client.get(f"http://127.0.0.1:{http}/routez")).json().get("routes") or []
+            except httpx.HTTPError:
+                return set()
+        return {r.get("remote_name", "") for r in routes}
+
+    async def wait(cond, what: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await cond():
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    right = PASSWORDS["PDMESH_ROUTE_PASSWORD"]
+    procs = []
+    try:
+        (n0, h0), (n1, h1) = start(0, right), start(1, right)
+        procs += [n0, n1]
+        await wait(lambda: _has(peers(h0), {"n1"}), "n0 and n1 to form a cluster")
+        intruder, hx = start(2, "not-the-route-password")
+        procs.append(intruder)
+        await asyncio.sleep(3)  # several route attempts each way
+        assert "n2" not in await peers(h0) and "n2" not in await peers(h1)
+        assert await peers(hx) == set()
+        intruder.terminate()
+        intruder.wait(10)
+        member, h2 = start(2, right)
+        procs.append(member)
+        await wait(lambda: _has(peers(h2), {"n0", "n1"}), "n2 to join with the password")
+        assert "n2" in await peers(h0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+async def _has(found, want: set[str]) -> bool:
+    return want <= await found
+
+
 def test_gateway_takes_its_api_keys_from_a_secret():
     c = containers(one(render("secured"), "Deployment", component("gateway")))[0]
     for flag in ("--api-key-file=/etc/pdmesh/api-keys/keys.txt", "--api-key-max-concurrent=4", "--api-key-rpm=600",
@@ -389,6 +502,11 @@ def test_gateway_takes_its_api_keys_from_a_secret():
     assert {"name": "api-keys", "secret": {"secretName": "api-keys"}} in spec["volumes"]
     c = containers(one(render("default"), "Deployment", component("gateway")))[0]
     assert not [a for a in c["args"] if a.startswith("--api-key")]
+    # no admin key and no --insecure-admin: the chart's admin routes (LoRA loading) are closed
+    for variant in VARIANTS:
+        c = containers(one(render(variant), "Deployment", component("gateway")))[0]
+        assert "--insecure-admin" not in c["args"] and not [a for a in c["args"] if a.startswith("--admin-api-key")]
+        assert "MESH_ADMIN_API_KEYS" not in env(c)
 
 
 def test_worker_metrics_listen_on_the_pod_ip():

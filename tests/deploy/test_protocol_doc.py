@@ -25,8 +25,9 @@ def wire_type(tp) -> str:
     """The doc's name for a field's type (msgpack view of the annotation)."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{wire_type(inner)} \\| nil"
+        args = typing.get_args(tp)
+        inner = " \\| ".join(wire_type(a) for a in args if a is not type(None))
+        return f"{inner} \\| nil" if type(None) in args else inner
     if origin is list:
         return f"list[{wire_type(typing.get_args(tp)[0])}]"
     if origin is dict:
@@ -34,6 +35,8 @@ def wire_type(tp) -> str:
         return f"map[{wire_type(key)}, {wire_type(value)}]"
     if tp is dict:
         return "map"
+    if tp is msgspec.Raw:  # a transport parameter (mesh/params.py)
+        return "param"
     return tp.__name__
 
 

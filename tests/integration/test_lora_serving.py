@@ -54,7 +54,7 @@ def mesh(cluster, tiny_model, adapters):
     cluster.worker("decode", *common, *loras, "--disagg-threshold", str(THRESHOLD), "--worker-id", DEC)
     cluster.worker("prefill", *common, *loras, "--prefill-capacity", "8", "--worker-id", PRE)
     cluster.worker("decode", *common, "--max-loras", "2", "--disagg-threshold", "100000", "--worker-id", BASE)
-    url = cluster.gateway(tiny_model)
+    url = cluster.gateway(tiny_model, None, "--insecure-admin")  # no keys here: the admin routes opened
 
     async def ready():
         w = await Watcher.open(cluster.nats_url)

@@ -12,6 +12,7 @@ with a late write after the requester gave up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ import uuid
 import pytest
 from nats.errors import NoRespondersError
 
+from decode.peerfetch import lent_files
 from kvstore.hashing import block_hashes, model_seed
 from mesh.bus import Bus
 from mesh.client import generate
@@ -31,6 +33,8 @@ from mesh.protocol import (
     KvFetchRequest,
     PeerFetchPlan,
     SamplingOptions,
+    WorkerCard,
+    encode,
 )
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
@@ -127,15 +131,111 @@ async def test_a_lent_run_and_a_copied_one_carry_the_same_bytes(cluster, workers
             req = KvFetchRequest(uuid.uuid4().hex, "tiny", "t", hashes, time.time() + 10, {"shm": params},
                                  fetch_id=fid)
             done = await w.bus.request(w.bus.subjects.kv_fetch("tiny", A), req, KvFetchDone, 10)
-            assert done.ok and done.num_blocks == PREFIX_BLOCKS and bool(done.lent) == read, done
-            got[read] = bytes(await ch.take(fid, done.transfer_bytes, done.lent or None))
+            assert done.ok and done.num_blocks == PREFIX_BLOCKS and (done.lent is not None) == read, done
+            got[read] = bytes(await ch.take(fid, done.transfer_bytes, done.lent.to_dict() if read else None))
             if read:
-                await w.bus.publish(w.bus.subjects.kv_fetch_release("tiny", A), KvFetchRelease("t", fid))
+                await w.bus.publish(w.bus.subjects.kv_fetch_release("tiny", A),
+                                    KvFetchRelease("t", fid, done.release_key))
             await ch.forget(fid)
         assert len(got[True]) == done.transfer_bytes and got[True] == got[False]
         a = (await w.fresh_load(A)).counters
         assert a["peer_serve_released"] == before + 1 and a["fetch_pinned_now"] == 0
     finally:
+        await w.close()
+
+
+async def lend(w, ch, hashes) -> tuple[str, KvFetchDone]:
+    """Ask a to lend the run of ``hashes`` to a reader "t" (as a requester on its host does)."""
+    fid = uuid.uuid4().hex[:16]
+    params = await ch.params(fid, PREFIX_BLOCKS * (1 << 20))
+    asked = time.time()  # for an hour: a holder pins for at most its --peer-pin-max-s (10 s by default)
+    req = KvFetchRequest(uuid.uuid4().hex, "tiny", "t", hashes, asked + 3600, {"shm": params}, fetch_id=fid)
+    done = await w.bus.request(w.bus.subjects.kv_fetch("tiny", A), req, KvFetchDone, 10)
+    assert done.ok and done.lent is not None and done.num_blocks == PREFIX_BLOCKS and done.release_key, done
+    assert asked < done.lent.until <= time.time() + 10.0
+    return fid, done
+
+
+async def held_prompt(w, seed: int) -> tuple[list[int], list[int]]:
+    """A new prompt served by a (its prefix cached there) and its prefix's block hashes."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
+    await ask(w.bus, A, prompt)
+    return prompt, block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+
+
+async def test_a_release_without_the_fetch_key_changes_nothing(cluster, workers):
+    """Anyone who saw a fetch id could unpin the run while its requester reads it; only the
+    release key from the holder's reply (which only the requester sees) unpins it."""
+    from kvstore.transfer.fetch import ShmChannel
+
+    w = await Watcher.open(cluster.nats_url, ns=NS)
+    ch = ShmChannel(worker_id="t")
+    try:
+        await w.wait_workers("decode", 2, timeout=120)
+        _, hashes = await held_prompt(w, 11)
+        before = (await w.fresh_load(A)).counters
+        fid, done = await lend(w, ch, hashes)
+        assert lent_files(w.membership.get(A)) == (done.lent.kv, done.lent.slots)  # a's card names its files
+        release = w.bus.subjects.kv_fetch_release("tiny", A)
+        for forged in ("", "not-the-key", done.release_key[:-1]):
+            await w.bus.publish(release, KvFetchRelease("t", fid, forged))
+        a = (await w.fresh_load(A)).counters
+        assert a["fetch_pinned_now"] == PREFIX_BLOCKS  # still pinned for the reader
+        assert a.get("peer_serve_released", 0) == before.get("peer_serve_released", 0)
+        assert a["refused_messages"] == before.get("refused_messages", 0) + 3
+        await w.bus.publish(release, KvFetchRelease("t", fid, done.release_key))
+        a = (await w.fresh_load(A)).counters
+        assert a["fetch_pinned_now"] == 0 and a["peer_serve_released"] == before.get("peer_serve_released", 0) + 1
+        await ch.forget(fid)
+    finally:
+        await w.close()
+
+
+async def test_a_forged_reply_lending_another_workers_pool_is_refused(cluster, workers):
+    """A peer answers b's fetch with a lent run in a's files (a's blocks, as a lent them to someone
+    else): b reads only files the answering holder's card names as its own, so it refuses, counts
+    it and prefills. Without the check b would stage a's blocks as its request's prefix."""
+    from kvstore.transfer.fetch import ShmChannel
+    from kvstore.transfer.shm import host_id
+    from mesh.registry import open_bucket
+
+    evil = "pf-evil"
+    w = await Watcher.open(cluster.nats_url, ns=NS)
+    ch = ShmChannel(worker_id="t")
+    try:
+        await w.wait_workers("decode", 2, timeout=120)
+        prompt, hashes = await held_prompt(w, 12)
+        cold, _ = await ask(w.bus, A, prompt)
+        fid, stolen = await lend(w, ch, hashes)  # a real lent run of a's
+        now = time.time()
+        card = WorkerCard(evil, "decode", "tiny", BS, 64, 2048, "h", 1, now, now, serves_kv_fetch=True,
+                          transports={"shm": {"host": host_id(), "kv": "kv-1-evil", "slots": "kv-1-evil.host"}})
+        await (await open_bucket(w.bus)).put(evil, encode(card))
+        asked = []
+
+        async def on_fetch(req: KvFetchRequest, raw) -> None:  # the forger replays a's run as its own
+            asked.append(req)
+            forged = KvFetchDone(req.request_id, evil, True, num_blocks=PREFIX_BLOCKS, transport="shm",
+                                 transfer_bytes=stolen.transfer_bytes, lent=stolen.lent, release_key="k")
+            await w.bus.respond(raw, forged)
+
+        await w.bus.subscribe(w.bus.subjects.kv_fetch("tiny", evil), on_fetch, KvFetchRequest)
+        await w.bus.flush(5)
+        before = (await w.fresh_load(B)).counters
+        await asyncio.sleep(0.5)  # b's registry view has the forger's card
+        tokens, cached = await ask(w.bus, B, prompt, plan=PeerFetchPlan(evil, PREFIX_BLOCKS, 0))
+        assert len(asked) == 1 and tokens == cold
+        assert cached == 0  # prefilled: none of a's blocks became b's prefix
+        b = (await w.fresh_load(B)).counters
+        assert b["peer_fetch_failed"] == before.get("peer_fetch_failed", 0) + 1
+        assert b["refused_messages"] == before.get("refused_messages", 0) + 1
+        assert b.get("hit_blocks_peer", 0) == before.get("hit_blocks_peer", 0)
+        await w.bus.publish(w.bus.subjects.kv_fetch_release("tiny", A), KvFetchRelease("t", fid, stolen.release_key))
+        await ch.forget(fid)
+    finally:
+        with contextlib.suppress(Exception):
+            await (await open_bucket(w.bus)).delete(evil)
         await w.close()
 
 
@@ -152,6 +252,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
     try:
         await w.wait_workers("decode", 2, timeout=120)
         await w.bus.subscribe(w.bus.subjects.kv_fetch("tiny", A), on_fetch, KvFetchRequest)
+        before = (await w.fresh_load(B)).counters
         rng = random.Random(6)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
         hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
@@ -168,7 +269,8 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
         tokens, cached = await asyncio.wait_for(served, 60)
         assert tokens == cold and cached == 0  # prefilled instead after the fetch timed out: same tokens
         b = (await w.fresh_load(B)).counters
-        assert b["peer_fetch_failed"] == 1 and b["peer_fetch_ok"] == 1 and b["hit_blocks_peer"] == PREFIX_BLOCKS
+        assert b["peer_fetch_failed"] == before.get("peer_fetch_failed", 0) + 1  # nothing fetched this time
+        assert (b["peer_fetch_ok"], b["hit_blocks_peer"]) == (before["peer_fetch_ok"], before["hit_blocks_peer"])
     finally:
         await router.stop()
         await w.close()

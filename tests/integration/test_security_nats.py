@@ -27,9 +27,9 @@ import pytest
 
 from mesh.bus import Bus
 from mesh.natsauth import NatsConfig
-from mesh.natsperms import authorization_block, permissions
+from mesh.natsperms import authorization_block, lora_reply_inbox, permissions
 from mesh.natsserver import EmbeddedNats, free_port
-from mesh.protocol import GenerateRequest, SamplingOptions, encode
+from mesh.protocol import GenerateRequest, SamplingOptions, TokenChunk, encode
 from mesh.registry import Membership
 from tests.helpers.cluster import Cluster, Watcher, wait_http_ok
 
@@ -143,6 +143,43 @@ async def test_worker_credentials_cannot_act_as_a_gateway(secured):
         assert any("Publish Violation" in v and generate in v for v in logged), logged
     finally:
         await worker.close()
+        await admin.close()
+
+
+async def test_prefill_credentials_cannot_write_a_gateways_token_streams(secured):
+    """Only decode workers write token chunks to a gateway's inboxes; a prefill worker may answer
+    a LoRA broadcast (``_INBOX.gateway.lora.*``) and nothing else there."""
+    server, seeds, _ = secured
+    errors: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+
+    admin = await nats.connect(url_for(server, "admin", ADMIN_PASSWORD))
+    seen = []
+
+    async def on_msg(msg) -> None:
+        seen.append(msg.subject)
+
+    stream, lora = "_INBOX.gateway.abc123.r1", lora_reply_inbox("_INBOX.gateway.abc123")
+    await admin.subscribe("_INBOX.gateway.>", cb=on_msg)
+    await admin.flush()
+    prefill = await nats.connect(server.url, nkeys_seed=str(seeds["prefill"]), error_cb=on_error,
+                                 inbox_prefix="_INBOX.prefill")
+    try:
+        chunk = TokenChunk("victim", 0, [1, 2], worker="dec-sec")
+        await prefill.publish(stream, encode(chunk))
+        await prefill.publish(lora, b"reply")
+        await prefill.flush()
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        text = " | ".join(str(e) for e in errors).lower()
+        assert f'permissions violation for publish to "{stream.lower()}"' in text, text
+        assert seen == [lora]  # the token stream got nothing; the LoRA reply went through
+    finally:
+        await prefill.close()
         await admin.close()
 
 

@@ -46,6 +46,7 @@ def test_mesh_up_passes_the_flags_on_to_its_workers(tiny_model):
     (["--enforce-eager", "--cuda-graphs"], "contradict"),
     (["--attention-backend", "tensorrt"], "unknown attention backend"),
     (["--async-scheduling", "--tp", "2"], "--tp > 1"),
+    (["--peer-pin-max-s", "0"], "--peer-pin-max-s must be > 0"),
 ])
 def test_bad_combinations_are_one_line_errors(tiny_model, capsys, flags, message):
     rc = cli.main(["worker", "decode", "--nats", "nats://127.0.0.1:1", "--model", str(tiny_model), *flags])

@@ -304,6 +304,31 @@ class _Cards:
     def cards(self, model=None, role=None):
         return [c for c in self._cards if (model is None or c.model == model) and (role is None or c.role == role)]
 
+    def vouches(self, worker_id, role, model):
+        return any((c.worker_id, c.role, c.model) == (worker_id, role, model) for c in self._cards)
+
+
+async def test_the_router_keeps_nothing_from_ids_the_registry_does_not_vouch_for():
+    """Anyone on the bus may claim a worker id: load reports, KV events and other routers'
+    decisions count only for decode workers of that model in the registry, and what a worker
+    left behind is pruned when it leaves."""
+    from mesh.protocol import KvEvent, KvEventBatch, LoadReport, RouterDecision, WorkerCard
+    from mesh.router.router import KvRouter
+
+    cards = [WorkerCard("a", "decode", "m", 16, 100, 1024, "h", 1, 0.0, 0.0)]
+    router = KvRouter(None, _Cards(cards), RouterConfig())
+    for i in range(50):  # self-claimed ids, or a member's id with another model or role
+        await router._on_load(LoadReport(f"ghost-{i}", "m", "decode", 0.0), None)
+        await router._on_events(KvEventBatch(f"ghost-{i}", f"model-{i}", 1, [KvEvent("stored", [i])]), None)
+        await router._on_decision(RouterDecision("other", "m", f"ghost-{i}", f"r{i}", 1, 1, 0.0, "kv", 0.0), None)
+    await router._on_load(LoadReport("a", "other-model", "decode", 0.0), None)
+    assert router.loads == {} and router.indexes == {} and router.inflight == {} and router.ignored == 101
+    await router._on_load(LoadReport("a", "m", "decode", 0.0), None)
+    await router._on_decision(RouterDecision("other", "m", "a", "r", 1, 1, 0.0, "kv", 0.0), None)
+    assert set(router.loads) == {"a"} and set(router.inflight) == {"a"}
+    router._on_member("a", None)  # a left
+    assert router.loads == {} and router.inflight == {}
+
 
 async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
     import mesh.router.router as router_module

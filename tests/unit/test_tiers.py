@@ -4,6 +4,7 @@ matching and onboarding (bookkeeping), the disk tier's files, and the mocker's v
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 
@@ -279,6 +280,53 @@ def test_corrupt_truncated_and_foreign_files_are_misses(tmp_path):
     again = disk(tmp_path)
     assert again.hashes() == [] and again.corrupt == 1
     assert d.get(3) is None  # gone from under the first engine: a plain miss
+
+
+def test_the_disk_tier_is_private_to_its_user(tmp_path):
+    d = disk(tmp_path / "root")
+    d.put(1, None, payload(1))
+    assert stat.S_IMODE(d.dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(d.path(1).stat().st_mode) == 0o600
+    open_dir = tmp_path / "open"
+    (open_dir / f"{7:016x}").mkdir(parents=True, mode=0o755)
+    os.chmod(open_dir / f"{7:016x}", 0o755)  # open to others: refused, not served from
+    with pytest.raises(PermissionError, match="0700"):
+        disk(open_dir)
+    link = tmp_path / "link"
+    link.mkdir()
+    (link / f"{7:016x}").symlink_to(d.dir)  # a link to a private directory is not one
+    with pytest.raises(PermissionError):
+        disk(link)
+    os.chmod(d.path(1), 0o644)  # a file others could have written is not indexed
+    assert disk(tmp_path / "root").hashes() == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+def test_a_disk_tier_directory_of_another_user_is_refused(tmp_path):
+    foreign = tmp_path / "foreign"
+    (foreign / f"{7:016x}").mkdir(parents=True, mode=0o700)
+    os.chown(foreign / f"{7:016x}", 65534, 65534)
+    with pytest.raises(PermissionError, match="of this user"):
+        disk(foreign)
+
+
+def test_a_keyed_checksum_refuses_blocks_written_without_the_key(tmp_path):
+    keyed = DiskTier(tmp_path, 8 * (HEADER.size + PAYLOAD), 7, PAYLOAD, checksum_key=b"mesh-secret")
+    assert keyed.put(1, None, payload(1)) and keyed.get(1) == payload(1)
+    # a forger without the key: an unkeyed tier (the same layout) writes block 2
+    unkeyed = DiskTier(tmp_path, 8 * (HEADER.size + PAYLOAD), 7, PAYLOAD)
+    assert unkeyed.get(1) is None  # and the keyed file is no block to it either
+    unkeyed.put(2, None, payload(2))
+    other = DiskTier(tmp_path, 8 * (HEADER.size + PAYLOAD), 7, PAYLOAD, checksum_key=b"another-key")
+    other.put(3, None, payload(3))
+    again = DiskTier(tmp_path, 8 * (HEADER.size + PAYLOAD), 7, PAYLOAD, checksum_key=b"mesh-secret")
+    assert again.get(2) is None and again.get(3) is None and again.corrupt == 2
+    keyed.put(4, None, payload(4))
+    raw = bytearray(keyed.path(4).read_bytes())
+    raw[16:24] = (5).to_bytes(8, "little")  # the header says block 5: the MAC covers the header too
+    keyed.path(5).write_bytes(bytes(raw))
+    os.chmod(keyed.path(5), 0o600)
+    assert DiskTier(tmp_path, 8 * (HEADER.size + PAYLOAD), 7, PAYLOAD, checksum_key=b"mesh-secret").get(5) is None
 
 
 def test_spill_writes_only_reused_blocks(tmp_path):
