@@ -21,7 +21,7 @@ import uuid
 import pytest
 from nats.errors import NoRespondersError
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.protocol import (
@@ -76,7 +76,7 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster, 
         assert all(c.serves_kv_fetch and c.fetches_kv for c in cards)
         rng = random.Random(5)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, cached = await ask(w.bus, A, prompt)
         assert cached == 0
         for _ in range(3):  # other prompts push the prefix out of a's 24-block device pool into its host tier
@@ -116,7 +116,7 @@ async def test_a_lent_run_and_a_copied_one_carry_the_same_bytes(cluster, workers
         rng = random.Random(7)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
         await ask(w.bus, A, prompt)
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         before = (await w.fresh_load(A)).counters.get("peer_serve_released", 0)
         got, room = {}, PREFIX_BLOCKS * (1 << 20)
         for read in (True, False):
@@ -154,7 +154,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
         await w.bus.subscribe(w.bus.subjects.kv_fetch("tiny", A), on_fetch, KvFetchRequest)
         rng = random.Random(6)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, _ = await ask(w.bus, A, prompt)
         idx = router.index("tiny")
         await w.wait_for(lambda: all(idx.tiers_of(A, h) for h in hashes), 10, "a's events")
