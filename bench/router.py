@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.protocol import KvEvent, KvEventBatch, decode, encode
 from mesh.router.index import KvIndex
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_worker
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     args = p.parse_args()
     rng = random.Random(0)
-    seed = model_seed("bench")
+    seed = hash_seed(DEFAULT_HASH_KEY, "bench")
     system = [rng.randrange(50_000) for _ in range(1024)]  # a 64-block system prompt everyone shares
 
     # -- ingest: every worker's blocks arrive as wire batches of 64-block stored runs ------------
