@@ -86,6 +86,10 @@ async def test_cache_salt_makes_its_own_scope(mesh):
     assert await cached(base, "sk-tenant-a-1", p, cache_salt="s2") == 0
     assert await cached(base, "sk-tenant-a-1", p) == 0
     assert await cached(base, "sk-tenant-a-2", p, cache_salt="s1") == 64
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(openai.BadRequestError) as e:
+            await cached(base, "sk-tenant-a-1", p, cache_salt=bad)
+        assert e.value.status_code == 400 and "cache_salt" in str(e.value.body)
 
 
 async def test_priority_is_lowered_to_the_keys_max(mesh, cluster):
