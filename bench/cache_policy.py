@@ -33,7 +33,7 @@ import trace_replay as tr
 
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool
 from kvstore.tiers import HostTier, TieredCache
@@ -42,7 +42,7 @@ from kvstore.tiers import HostTier, TieredCache
 def run(requests, workers: int, blocks: int, policy: str, block_size: int = 16, seed: int = 0,
         uncached: list[int] | None = None) -> float:
     """Prefix hit rate; ``uncached`` (if given) gets each request's prompt tokens left to prefill."""
-    hseed = model_seed(tr.MODEL)
+    hseed = hash_seed(DEFAULT_HASH_KEY, tr.MODEL)
     share = 0.0 if policy == "lru" else 0.5
     pools = [BlockPool(blocks, protected_share=share) for _ in range(workers)]
     prefilled = [0] * workers
@@ -83,7 +83,7 @@ def belady(requests, workers: int, blocks: int, block_size: int = 16, seed: int 
     """Routing as ``run`` with LRU would route it is not knowable in advance, so this routes by
     longest prefix over the caches Belady keeps (ties as above) and evicts, per worker, the
     block whose next use is farthest away (a prompt block's next request, if any)."""
-    hseed = model_seed(tr.MODEL)
+    hseed = hash_seed(DEFAULT_HASH_KEY, tr.MODEL)
     seqs = [block_hashes(r.prompt, block_size, hseed) for r in requests]
     next_use: list[dict[int, int]] = []
     upcoming: dict[int, int] = {}
@@ -125,7 +125,7 @@ def tiered(requests, workers: int, blocks: int, host_blocks: int, placement: str
     ``placement``: ``prefix`` (the worker holding the longest run, any tier; ties: fewest
     tokens prefilled) or ``rr`` (round-robin). ``peer``: blocks past the chosen worker's own run
     that another worker holds (any tier) are fetched instead of computed."""
-    hseed = model_seed(tr.MODEL)
+    hseed = hash_seed(DEFAULT_HASH_KEY, tr.MODEL)
     pools = [BlockPool(blocks) for _ in range(workers)]
     kvs = []
     for pool in pools:

@@ -31,7 +31,7 @@ import trace_replay as tr
 from replay_report import attribution, balance, issue_table, reuse_table, summarize, table
 
 from engine.sampling import SamplingParams
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.kvevents import to_wire
 from mesh.protocol import KvEventBatch
 from mesh.router.index import KvIndex
@@ -78,7 +78,7 @@ class Sim:
         self._heap: list = []
         self._n = itertools.count()
         self.rr = 0
-        self.hseed = model_seed(tr.MODEL)
+        self.hseed = hash_seed(DEFAULT_HASH_KEY, tr.MODEL)
         self.fetches = {"peer_fetch_requests": 0, "peer_fetch_ok": 0, "peer_fetch_blocks": 0}
 
     def at(self, t: float, fn, *args) -> None:

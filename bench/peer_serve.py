@@ -41,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsserver import EmbeddedNats
@@ -225,7 +225,7 @@ def real_channel(args, bus: Bus):
 async def measure(args, bus: Bus, rng: random.Random, url: str) -> int:
     await wait_ready(bus, 180.0)
     channel = real_channel(args, bus)
-    seed = model_seed(MODEL)
+    seed = hash_seed(DEFAULT_HASH_KEY, MODEL)
     prompts = [[rng.randrange(1, VOCAB) for _ in range((args.fetch_blocks + 1) * BS)] for _ in range(args.prefixes)]
     for i in range(0, len(prompts), 8):  # warm: the worker holds every prefix (the oldest in its host tier)
         await asyncio.gather(*(

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, HashSeed, block_hashes, hash_seed
 from mesh.protocol import KvEvent, KvEventBatch, decode, encode
 from mesh.router.index import KvIndex
 from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_worker
@@ -24,7 +24,7 @@ from mesh.router.policy import RouterConfig, RouteRequest, WorkerLoad, pick_work
 BS = 16
 
 
-def chain(rng: random.Random, n_blocks: int, seed: int, prefix: list[int] | None = None) -> list[int]:
+def chain(rng: random.Random, n_blocks: int, seed: HashSeed, prefix: list[int] | None = None) -> list[int]:
     tokens = (prefix or []) + [rng.randrange(50_000) for _ in range(n_blocks * BS)]
     return block_hashes(tokens, BS, seed)
 
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     args = p.parse_args()
     rng = random.Random(0)
-    seed = model_seed("bench")
+    seed = hash_seed(DEFAULT_HASH_KEY, "bench")
     system = [rng.randrange(50_000) for _ in range(1024)]  # a 64-block system prompt everyone shares
 
     # -- ingest: every worker's blocks arrive as wire batches of 64-block stored runs ------------

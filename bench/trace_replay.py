@@ -66,7 +66,7 @@ from replay_report import (
     table,
 )
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
 from mesh.natsserver import free_port
 from mesh.protocol import LoadReport, RouterDecision
@@ -144,7 +144,7 @@ def load_trace(path: Path, speedup: float, limit: int | None, duration_cap: floa
 
 def oracle_hits(requests: list[TraceRequest], block_size: int = BLOCK_SIZE) -> list[int]:
     """Cached tokens per request with one unlimited cache over all of them, in arrival order."""
-    seed = model_seed(MODEL)
+    seed = hash_seed(DEFAULT_HASH_KEY, MODEL)
     seen: set[int] = set()
     hits = []
     for r in requests:

@@ -26,6 +26,9 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
                    help="NATS URL, or several comma-separated (a cluster); user:password@ or a token@ in "
                         "the URL authenticate (default: $MESH_NATS_URL, or an embedded server for mesh up)")
     p.add_argument("--ns", default=None, help="subject namespace (default: mesh)")
+    p.add_argument("--hash-key-file", default=None, metavar="FILE",
+                   help="the mesh's block-hash secret, 64 hex digits (mesh up writes one; default: "
+                        "$MESH_HASH_KEY, else a public key: block hashes unkeyed)")
     NatsConfig.add_args(p)
 
 
@@ -37,6 +40,25 @@ def nats_config(args: argparse.Namespace, role: str, url: str | None = None) -> 
     if not url:
         raise CliError("--nats URL is required (or MESH_NATS_URL)")
     return NatsConfig.from_args(args, url, role=role)
+
+
+def hash_key(args: argparse.Namespace):
+    """The process's block-hash secret: ``--hash-key-file``, else ``MESH_HASH_KEY``, else the public
+    default (with one warning: prefixes are then forgeable by anyone who can send prompts)."""
+    import logging
+
+    from kvstore.hashing import DEFAULT_HASH_KEY, UNKEYED_WARNING, HashKey
+    from mesh.config import settings
+
+    try:
+        if getattr(args, "hash_key_file", None):
+            return HashKey.from_file(args.hash_key_file)
+        if settings().hash_key:
+            return HashKey.from_hex(settings().hash_key)
+    except ValueError as e:
+        raise CliError(f"{e} (--hash-key-file or MESH_HASH_KEY)") from None
+    logging.getLogger("mesh").warning(UNKEYED_WARNING)
+    return DEFAULT_HASH_KEY
 
 
 def add_pool_flags(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
@@ -64,7 +86,8 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
                    help="a key that may also load and unload LoRA adapters (role admin); repeatable; also "
                         "$MESH_ADMIN_API_KEYS (comma-separated)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=admin]; reread "
+                   help="keys, one per line: KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=admin] [tenant=NAME] "
+                        "[cache_group=NAME] [max_priority=N] (docs/operations.md); reread "
                         "on SIGHUP and when it changes")
     p.add_argument("--api-key-max-concurrent", type=int, default=0, metavar="N",
                    help="requests in flight per key, for keys without their own (0: no limit); beyond: 429")

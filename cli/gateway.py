@@ -13,6 +13,7 @@ from cli.flags import (
     add_bus_flags,
     add_parser_flags,
     auth_config,
+    hash_key,
     nats_config,
 )
 from mesh.natsauth import NatsConfig
@@ -111,7 +112,7 @@ def gateway_config(args: argparse.Namespace, nats: NatsConfig, ns: str, models: 
         idle_timeout=args.idle_timeout, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
-                            **{k: v for k, v in weights if v is not None}),
+                            hash_key=hash_key(args), **{k: v for k, v in weights if v is not None}),
     )
 
 

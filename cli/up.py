@@ -19,6 +19,7 @@ from cli.flags import (
     add_pool_flags,
     auth_config,
     engine_config,
+    hash_key,
     nats_config,
 )
 from engine.flags import gpu_execution_argv
@@ -76,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 1:
         raise CliError("--decode must be >= 1 and --prefill >= 0")
     models = _models(args)
-    worker_flags = _worker_flags(args)
+    key_flags = _hash_key_flags(args)
+    worker_flags = _worker_flags(args) + key_flags
     gateway_flags, gateway_env = _gateway_flags(args, models)
+    gateway_flags += key_flags
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
     planner = None if args.no_planner else PlannerConfig.from_args(args)
@@ -89,6 +92,32 @@ def run(args: argparse.Namespace) -> int:
                   gateway_flags=gateway_flags, planner=planner, served_name=args.served_name,
                   gateway_env=gateway_env)
     return asyncio.run(run_up(plan))
+
+
+def _hash_key_flags(args: argparse.Namespace) -> list[str]:
+    """Every process of the mesh hashes blocks under one secret: ``--hash-key-file`` or
+    ``MESH_HASH_KEY`` as given (the children inherit the variable), else a new one, written 0600
+    in this run's directory (removed when ``mesh up`` exits) and passed by its path."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from kvstore.hashing import generate_hash_key
+    from mesh.config import settings
+
+    if args.hash_key_file:
+        hash_key(args)  # a bad file is one line here, not crash-looping workers
+        return ["--hash-key-file", str(Path(args.hash_key_file).resolve())]
+    if settings().hash_key:
+        hash_key(args)
+        return []
+    run_dir = Path(tempfile.mkdtemp(prefix="pdmesh-up-"))  # 0700
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+    path = run_dir / "hash.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_hash_key().hex() + "\n")
+    return ["--hash-key-file", str(path)]
 
 
 def _models(args: argparse.Namespace) -> list[str]:

@@ -7,7 +7,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cli.flags import CliError, add_bus_flags, add_pool_flags, engine_config, nats_config
+from cli.flags import CliError, add_bus_flags, add_pool_flags, engine_config, hash_key, nats_config
 
 if TYPE_CHECKING:
     from worker.base import WorkerBase
@@ -76,6 +76,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    from dataclasses import replace
 
     from mesh.config import settings
     from worker.base import WorkerSettings
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     nats = nats_config(args, role.nats_role)
     ws = WorkerSettings(
         nats_url=nats.url, nats=nats, ns=args.ns or settings().ns, worker_id=args.worker_id,
-        engine=engine_config(args, mock=mock),
+        engine=replace(engine_config(args, mock=mock), hash_key=hash_key(args)),
         transports=tuple(t for t in args.transports.split(",") if t),
         disagg_threshold=args.disagg_threshold, prefill_timeout=args.prefill_timeout,
         stream_interval_ms=args.stream_interval_ms,

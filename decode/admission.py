@@ -97,7 +97,8 @@ class Admission:
         if error is None:
             try:
                 seq = ctx.engine.new_sequence(req.token_ids, sampling_params(req.sampling),
-                                              request_id=req.request_id, lora=req.adapter or None)
+                                              request_id=req.request_id, lora=req.adapter or None,
+                                              cache_scope=req.cache_scope)
                 if not 0 <= req.output_offset < len(req.token_ids):
                     raise ValueError(f"output_offset {req.output_offset} does not fit the prompt")
             except UnknownAdapterError as e:

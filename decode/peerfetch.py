@@ -133,7 +133,11 @@ class PeerFetch:
         end = min((len(req.token_ids) - 1) // bs, plan.hit_blocks + plan.fetch_blocks)
         if end <= plan.hit_blocks:
             return "", []
-        return plan.fetch_source, block_hashes(req.token_ids[: end * bs], bs, self.engine.hash_seed)[plan.hit_blocks:]
+        return plan.fetch_source, block_hashes(req.token_ids[: end * bs], bs, self._seed(req))[plan.hit_blocks:]
+
+    def _seed(self, req: GenerateRequest):
+        """The request's own block-hash seed: its scope and adapter name the blocks it may fetch."""
+        return self.engine.seed_for(req.cache_scope, req.adapter or None)
 
     async def fetch_for(self, req: GenerateRequest) -> int:
         """Stage the blocks the router's plan names (the request's tokens are valid ids); returns

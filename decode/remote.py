@@ -87,6 +87,7 @@ class RemoteKv:
             deadline=time.time() + timeout, block_size=engine.block_size,
             sampling=req.sampling, created=time.time(), output_offset=req.output_offset,
             priority=req.priority, token=remote.token, adapter=req.adapter,
+            cache_scope=req.cache_scope,
         )
         remote.deadline = asyncio.get_running_loop().call_later(timeout, self._on_deadline, rid)
         span = rec.enter("prefill.remote", **{"pdmesh.cached_tokens": num_cached, "pdmesh.blocks": len(dest)})

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import backend_names
 from engine.kernels import FUSED_KERNELS
+from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {
@@ -292,6 +293,7 @@ class EngineConfig:
     simulated: ClassVar[bool] = False  # a model, not a timing model (``worker.base.SimulatedEngineConfig``)
     model: str | Path
     served_name: str | None = None  # the model name on the bus; defaults to the directory name
+    hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # default: cuda if available
     block_size: int = 16

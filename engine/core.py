@@ -30,7 +30,7 @@ from engine.overlap import OverlappedSteps
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from engine.sequence import SampledToken, Sequence
-from kvstore.hashing import model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, HashKey, HashSeed, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pins import KvPins, PinnedRun
 from kvstore.pool import BlockPool
@@ -51,6 +51,7 @@ class CoreConfig:
     enable_prefix_caching: bool = True
     max_loras: int = 0  # LoRA adapters one step can run; 0: LoRA off
     async_scheduling: bool = False  # overlap host work with the device's step (needs launch())
+    hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (kvstore/hashing.py)
 
 
 class _Done:
@@ -83,7 +84,8 @@ class EngineCore:
             ),
             self.kv_manager,
         )
-        self.hash_seed = model_seed(core.model_name)
+        self.hash_key = core.hash_key
+        self.hash_seed = self.seed_for()  # the base model's, in no cache scope
         self.num_steps = 0
         self.kv_cache = None  # engines with real KV bytes set this (transports need it)
         self.tiers: TieredCache | None = None  # enable_tiers()
@@ -152,9 +154,10 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------
     def new_sequence(
         self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
-        lora: str | None = None,
+        lora: str | None = None, cache_scope: str = "",
     ) -> Sequence:
-        """A request of ``prompt_token_ids``, on LoRA adapter ``lora`` (None: the base model)."""
+        """A request of ``prompt_token_ids``, on LoRA adapter ``lora`` (None: the base model), whose
+        blocks are named in ``cache_scope`` (its tenant and cache salt: prefixes are shared only within)."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -171,9 +174,13 @@ class EngineCore:
             prompt_token_ids=prompt,
             params=params,
             block_size=self.block_size,
-            hash_seed=self.hash_seed if adapter is None else adapter.hash_seed,
+            hash_seed=self.seed_for(cache_scope, lora),
             lora=adapter,
         )
+
+    def seed_for(self, cache_scope: str = "", lora: str | None = None) -> HashSeed:
+        """The block-hash seed of a request in ``cache_scope`` on adapter ``lora`` (None: the base model)."""
+        return hash_seed(self.hash_key, self.model_name, cache_scope, lora)
 
     # -- LoRA adapters (the real engine's LoraManager does the work) -----------------
     def lora_adapter(self, name: str):

@@ -98,6 +98,7 @@ class Engine(EngineCore):
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=config.lora_slots,
             async_scheduling=config.use_async_scheduling,
+            hash_key=config.hash_key,
         )
 
     def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:

@@ -32,7 +32,6 @@ from safetensors.torch import load as load_safetensors
 from engine.config import ModelConfig
 from engine.lora_adapter import LoraAdapter, SliceWeights
 from engine.lora_layers import LoraBatch, LoraLinear, LoraSlots, LoraTable, projections
-from kvstore.hashing import model_seed
 from mesh.errors import LoraError
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, model_name: str,
     except Exception as e:  # safetensors raises its own types for truncated or corrupt files
         raise LoraError(f"cannot read {weights_file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     fingerprint = xxhash.xxh3_64_hexdigest(raw + json.dumps(peft, sort_keys=True).encode())
-    adapter = LoraAdapter(name, path, fingerprint, 0, model_seed(model_name, lora=name))
+    adapter = LoraAdapter(name, path, fingerprint, 0)
     pairs = _pair_tensors(tensors, weights_file, cfg)
     for (layer, module), (a, b) in sorted(pairs.items()):
         group, index = MODULES[module]

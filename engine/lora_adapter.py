@@ -29,7 +29,6 @@ class LoraAdapter:
     path: Path
     fingerprint: str  # of the weights and config bytes
     rank: int  # the largest rank of any module
-    hash_seed: int  # block-hash seed: the adapter's prefixes are its own
     # (layer, group) -> one entry per slice of the fused projection (None: slice not targeted)
     weights: dict[tuple[int, str], tuple[SliceWeights | None, ...]] = field(repr=False, default_factory=dict)
 

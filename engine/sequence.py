@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
-from kvstore.hashing import block_hashes
+from kvstore.hashing import HashSeed, chain_hashes
 
 if TYPE_CHECKING:
     from engine.constraints.state import GrammarState
@@ -73,7 +73,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_size: int
-    hash_seed: int
+    hash_seed: HashSeed  # model, cache scope (tenant, salt) and LoRA adapter under the mesh's key
     arrival: float = 0.0
     priority: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -89,11 +89,12 @@ class Sequence:
     # Migrated requests: the last ``output_offset`` prompt tokens were generated elsewhere before.
     # Seeded sampling continues at that index and penalties count them as outputs.
     output_offset: int = 0
-    # The LoRA adapter the request runs (its block hashes use the adapter's ``hash_seed``); None: the base model
+    # The LoRA adapter the request runs (part of ``hash_seed``); None: the base model
     lora: LoraAdapter | None = None
     # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
     grammar: GrammarState | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
+    _chain_state: bytes | None = field(default=None, repr=False)  # the hash chain after _hashes[-1]
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -160,16 +161,13 @@ class Sequence:
         want = full if num_blocks is None else min(num_blocks, full)
         have = len(self._hashes)
         if want > have:
-            parent = self._hashes[-1] if self._hashes else None
-            end = want * self.block_size
-            self._hashes.extend(
-                block_hashes(
-                    self.tokens_between(have * self.block_size, end),
-                    self.block_size,
-                    self.hash_seed,
-                    parent=parent,
-                )
+            names, self._chain_state = chain_hashes(
+                self.tokens_between(have * self.block_size, want * self.block_size),
+                self.block_size,
+                self.hash_seed,
+                self._chain_state,
             )
+            self._hashes.extend(names)
         return self._hashes[:want]
 
     @property

@@ -44,6 +44,7 @@ from gateway.streaming import (
     sse_events,
     unless_disconnected,
 )
+from gateway.tenancy import cache_scope, clamp_priority
 from mesh.constraints.spec import Constraint
 from mesh.procutil import settle_heap
 from mesh.protocol import ConstraintSpec, SamplingOptions
@@ -378,12 +379,14 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
     server_span = trace.get_current_span()
     server_span.set_attributes({"pdmesh.request_id": fmt.rid, "pdmesh.model": body.model})
     max_out = _check_limits(gw, body, prompts, target.model)
-    priority = _priority(body, request)
+    key = request.scope.get("state", {}).get("api_key")  # ApiKeys set it; None when keys are off
+    priority = clamp_priority(_priority(body, request), key)
+    scope = cache_scope(gw.config.router.hash_key, key, body.cache_salt)
     admission = _Admission(gw, len(prompts) * body.n)
     streams = [
         gw.stream_choice(i, f"{fmt.rid}-{i}", target.model, prompts[i // body.n],
                          _sampling(body, max_out, body.choice_seed(i % body.n), plan.constraint), body.stop_list,
-                         priority, plan, target.adapter)
+                         priority, plan, target.adapter, cache_scope=scope)
         for i in range(len(prompts) * body.n)
     ]
     headers = {"x-request-id": fmt.rid}

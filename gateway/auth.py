@@ -8,8 +8,11 @@
 may carry limits (concurrent requests, requests per minute), answered with 429
 and ``Retry-After``. Keys come from ``--api-key``, ``MESH_API_KEYS`` and
 ``--api-key-file`` (one per line: ``KEY [name=LABEL] [max_concurrent=N]
-[rpm=N] [role=admin]``; ``#`` comments), the file reread on SIGHUP and when it
-changes (a mounted Kubernetes Secret). Keys are held as SHA-256 digests and
+[rpm=N] [role=admin] [tenant=NAME] [cache_group=NAME] [max_priority=N]``; ``#``
+comments), the file reread on SIGHUP and when it changes (a mounted Kubernetes
+Secret). A key's tenant (default: the key itself) owns its prefix cache, shared
+with keys of the same ``cache_group``; ``max_priority`` (default 0, admin keys
+unbounded) caps the priority it may ask for (``gateway/tenancy.py``). Keys are held as SHA-256 digests and
 every presented key is compared with all of them in constant time. The key a
 request came with is in ``scope["state"]["api_key"]`` (``request.state.api_key``):
 ``require_admin`` refuses the admin routes (adapter loading) to keys without
@@ -69,42 +72,64 @@ class ApiKey:
     digest: bytes  # SHA-256 of the key
     limits: KeyLimits
     role: str = "user"
+    tenant: str = ""  # whose prefix cache the key uses; "": its own (named by its digest)
+    cache_group: str = ""  # keys with the same group share one prefix cache across their tenants
+    # The highest priority the key may ask for (a higher one is lowered to it); None: unbounded
+    max_priority: int | None = 0
 
     @property
     def admin(self) -> bool:
         return self.role == "admin"
+
+    @property
+    def cache_owner(self) -> str:
+        """Who owns the key's prefix cache: its group, else its tenant, else the key itself (by a
+        digest of its digest: never the key)."""
+        if self.cache_group:
+            return f"group:{self.cache_group}"
+        return f"tenant:{self.tenant}" if self.tenant else f"key:{hashlib.sha256(self.digest).hexdigest()[:32]}"
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+KEY_OPTIONS = "name, max_concurrent, rpm, role, tenant, cache_group, max_priority"
+
+
 def parse_key_line(line: str, default: KeyLimits, index: int) -> ApiKey | None:
-    """One line of a key file: ``KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=user|admin]``;
-    None for a blank or comment line. ValueError names what is wrong (never the key itself)."""
+    """One line of a key file: ``KEY [name=LABEL] [max_concurrent=N] [rpm=N] [role=user|admin]
+    [tenant=NAME] [cache_group=NAME] [max_priority=N]``; None for a blank or comment line.
+    ValueError names what is wrong (never the key itself)."""
     line = line.split("#", 1)[0].strip()
     if not line:
         return None
     key, *options = line.split()
-    name, role = f"key-{index}", "user"
+    text = {"name": f"key-{index}", "role": "user", "tenant": "", "cache_group": ""}
     limits = {"max_concurrent": default.max_concurrent, "rpm": default.rpm}
+    max_priority: int | None = None
     for opt in options:
         k, sep, v = opt.partition("=")
         if not sep:
             raise ValueError(f"line {index}: {opt!r} is not name=value")
-        if k == "name":
-            name = v
-        elif k == "role":
-            if v not in ROLES:
+        if k in text:
+            if k == "role" and v not in ROLES:
                 raise ValueError(f"line {index}: role must be one of {', '.join(ROLES)}")
-            role = v
+            text[k] = v
         elif k in limits:
             if not v.isdigit():
                 raise ValueError(f"line {index}: {k} must be a whole number >= 0")
             limits[k] = int(v)
+        elif k == "max_priority":
+            if not v.removeprefix("-").isdigit() or not -(1 << 31) <= int(v) < (1 << 31):
+                raise ValueError(f"line {index}: max_priority must be an integer (a 32-bit one)")
+            max_priority = int(v)
         else:
-            raise ValueError(f"line {index}: unknown option {k!r} (name, max_concurrent, rpm, role)")
-    return ApiKey(name, _digest(key), KeyLimits(**limits), role)
+            raise ValueError(f"line {index}: unknown option {k!r} ({KEY_OPTIONS})")
+    if max_priority is None:  # admin keys: unbounded unless the line bounds them
+        max_priority = None if text["role"] == "admin" else 0
+    return ApiKey(text["name"], _digest(key), KeyLimits(**limits), text["role"], text["tenant"],
+                  text["cache_group"], max_priority)
 
 
 @dataclass
@@ -129,7 +154,7 @@ class KeyRing:
         self.config = config
         self._fixed = [ApiKey(f"key-{i}", _digest(k), config.limits) for i, k in enumerate(config.keys, 1)
                        if k.strip()]
-        self._fixed += [ApiKey(f"admin-{i}", _digest(k), config.limits, "admin")
+        self._fixed += [ApiKey(f"admin-{i}", _digest(k), config.limits, "admin", max_priority=None)
                         for i, k in enumerate(config.admin_keys, 1) if k.strip()]
         self._from_file: list[ApiKey] = []
         self._mtime = 0.0

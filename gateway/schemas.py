@@ -114,6 +114,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)  # vLLM's: EOS, stop ids and stop strings wait for this many tokens
     user: str | None = None
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+    # vLLM's: prefixes are cached and reused only among requests with the same salt (and tenant)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False  # vLLM's extension: token_ids (and prompt_token_ids) in each choice
     response_format: ResponseFormat | None = None
 

@@ -195,12 +195,12 @@ class Gateway:
         return min(lens) if lens else 0
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
-                    parent: trace.Span | None = None, adapter: str = "") -> Decision:
+                    parent: trace.Span | None = None, adapter: str = "", cache_scope: str = "") -> Decision:
         """The router decides which ready decode worker serves the request (and whether it fetches
         prefix blocks from a peer first); the gateway sends."""
         with TRACER.start_as_current_span("route", context=child_context(parent)) as span:
             try:
-                d = self.router.route(model, token_ids, request_id, exclude, adapter=adapter)
+                d = self.router.route(model, token_ids, request_id, exclude, adapter=adapter, cache_scope=cache_scope)
             except LookupError:
                 span.set_attribute("pdmesh.error", "no live worker")
                 raise APIError(503, f"no live worker for {adapter or model!r}") from None
@@ -228,7 +228,7 @@ class Gateway:
     async def stream_choice(
         self, index: int, request_id: str, model: str, prompt_ids: list[int],
         sampling: SamplingOptions, stops: list[str], priority: int = 0, plan: OutputPlan | None = None,
-        adapter: str = "",
+        adapter: str = "", cache_scope: str = "",
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
         ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
@@ -250,7 +250,8 @@ class Gateway:
                 if run.state is ChoiceState.BACKOFF:
                     await self._back_off(run)
                 if run.state is ChoiceState.ROUTING:
-                    stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter)
+                    stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter,
+                                             cache_scope)
                 try:
                     chunks = await stream.next_batch(run.timeout)
                 except StreamError as e:
@@ -320,18 +321,20 @@ class Gateway:
             self._cancel_later(model, stream, request_id)
 
     async def _send(self, run: ChoiceRun, request_id: str, model: str, prompt_ids: list[int],
-                    sampling: SamplingOptions, priority: int, span: trace.Span, adapter: str = "") -> ReplyStream:
+                    sampling: SamplingOptions, priority: int, span: trace.Span, adapter: str = "",
+                    cache_scope: str = "") -> ReplyStream:
         """Pick a worker for the choice (after the tokens it already has) and send it the request."""
         generated = run.generated
         try:
-            d = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span, adapter)
+            d = self.pick_worker(model, prompt_ids + generated, run.tried, request_id, span, adapter, cache_scope)
         except APIError as e:
             run.no_worker(e)
             raise
         worker_id = d.worker_id
         stream = self.replies.open(worker_id)
         req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
-                              batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter)
+                              batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter,
+                              cache_scope=cache_scope)
         if d.fetch_source:  # the worker fetches these prefix blocks from a peer before prefilling
             req.peer_fetch = PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks)
         if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs

@@ -28,6 +28,7 @@ class Settings:
     # the gateway's API keys (comma-separated); --api-key and --api-key-file add to them
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()  # keys that may also load and unload LoRA adapters
+    hash_key: str | None = None  # the mesh's block-hash secret, 64 hex digits; --hash-key-file wins
 
 
 def _number(env, name: str, kind: type):
@@ -59,4 +60,5 @@ def settings() -> Settings:
         js_replicas=_number(env, "MESH_JS_REPLICAS", int),
         api_keys=tuple(k.strip() for k in env.get("MESH_API_KEYS", "").split(",") if k.strip()),
         admin_api_keys=tuple(k.strip() for k in env.get("MESH_ADMIN_API_KEYS", "").split(",") if k.strip()),
+        hash_key=env.get("MESH_HASH_KEY") or None,
     )

@@ -54,6 +54,8 @@ ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt c
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
 GATEWAY_REJECTED = Counter("pdmesh_gateway_rejected", "Requests refused before the API: a missing or invalid API "
                            "key, a key over its limits, a body over the cap", ["reason"], registry=REGISTRY)
+GATEWAY_PRIORITY_CLAMPED = Counter("pdmesh_gateway_priority_clamped", "Requests whose priority was lowered to their "
+                                   "API key's max_priority", registry=REGISTRY)
 REFUSED_MESSAGES = Counter("pdmesh_refused_messages", "Bus messages refused (logged and dropped): a PrefillJob naming "
                            "a resource outside the worker's own, or out of bounds; a Cancel, PrefillDone or token "
                            "chunk from a peer the request is not bound to", ["role", "reason"], registry=REGISTRY)

@@ -164,6 +164,9 @@ class GenerateRequest(Message):
     # The router's plan (issue 20): fetch ``fetch_blocks`` blocks after the first ``hit_blocks``
     # of the prompt from the peer ``fetch_source`` before prefilling (None: no fetch planned).
     peer_fetch: PeerFetchPlan | None = None
+    # The request's cache scope (issue 32): an opaque id of its tenant (or cache group) and
+    # cache_salt, part of its block-hash seed, so prefixes are shared only within one scope. "": none.
+    cache_scope: str = ""
 
 
 class PeerFetchPlan(Part):
@@ -236,6 +239,7 @@ class PrefillJob(Message):
     output_offset: int = 0  # see GenerateRequest.output_offset
     priority: int = 0  # see GenerateRequest.priority
     adapter: str = ""  # see GenerateRequest.adapter: a prefill worker without it leaves the job to others
+    cache_scope: str = ""  # see GenerateRequest.cache_scope
     # A random capability for this job: its PrefillDone must echo it (only the prefill worker that
     # pulled the job knows it), or the decode worker refuses the PrefillDone.
     token: str = ""

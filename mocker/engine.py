@@ -27,6 +27,7 @@ from engine.flags import gpu_execution_argv
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken, Sequence
 from kvstore.disk import VirtualDiskTier
+from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.router import costs as ref
 from mesh.router.costs import KvCosts, transfer_ms
 
@@ -158,6 +159,7 @@ class MockConfig:
     peer_fetch: bool = False  # fetch prefix blocks from the peer a router's decision names
     fetch_timeout: float = 5.0  # seconds (wall) before a peer fetch is given up for prefill
     hint_wait: float = 0.05  # seconds (wall) to wait for the router's decision about a request
+    hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -230,6 +232,7 @@ class MockEngine(EngineCore):
                 max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                hash_key=config.hash_key,
             )
         )
         if config.host_kv_blocks or config.peer_fetch:  # host_kv_blocks 0: only the stage of fetched blocks

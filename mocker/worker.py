@@ -125,7 +125,7 @@ class MockWorker(DecodeWorker):
         bs = self.engine.block_size
         end = min((len(req.token_ids) - 1) // bs, hint.hit_blocks + hint.fetch_blocks)
         try:
-            hashes = block_hashes(req.token_ids[: end * bs], bs, self.engine.hash_seed)
+            hashes = block_hashes(req.token_ids[: end * bs], bs, self.engine.seed_for(req.cache_scope, req.adapter or None))
         except (OverflowError, TypeError, ValueError):
             return  # not token ids: the admission answers the error
         # Past our own run as the router saw it (asking the engine would wait for its next step

@@ -178,7 +178,7 @@ class PrefillWorker(WorkerBase):
             try:
                 params = sampling_params(job.sampling, max_tokens=1)
                 seq = self.engine.new_sequence(job.token_ids, params, request_id=job.request_id,
-                                               lora=job.adapter or None)
+                                               lora=job.adapter or None, cache_scope=job.cache_scope)
                 if not 0 <= job.output_offset < len(job.token_ids):
                     raise ValueError("output_offset does not fit the prompt")
                 seq.output_offset = job.output_offset

@@ -39,6 +39,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.router.costs import DISK, HOST, KvCosts, default_costs
 from mesh.router.index import PrefixMatch
 
@@ -59,6 +60,7 @@ class RouterConfig:
     adapter_cost: float = 4.0
     peer_fetch: bool = False  # plan fetches of prefix blocks from peers (workers that can serve them)
     fetch_min_blocks: int = 2  # a shorter fetch is not worth a round trip
+    hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret: the router hashes as the workers do
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

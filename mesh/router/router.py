@@ -22,7 +22,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import block_hashes, hash_seed
 from mesh import metrics
 from mesh.bus import Bus
 from mesh.protocol import (
@@ -208,9 +208,11 @@ class KvRouter:
         return live or ready
 
     def route(self, model: str, token_ids: list[int], request_id: str = "",
-              exclude: set[str] | frozenset[str] = frozenset(), adapter: str = "") -> Decision:
+              exclude: set[str] | frozenset[str] = frozenset(), adapter: str = "",
+              cache_scope: str = "") -> Decision:
         """``adapter``: a LoRA adapter; only workers that hold it serve it, its prefixes are hashed
-        with its seed, and a worker with it in a device slot now is preferred (``adapter_cost``)."""
+        with its seed, and a worker with it in a device slot now is preferred (``adapter_cost``).
+        ``cache_scope``: the request's (``GenerateRequest.cache_scope``), part of its block hashes."""
         live = self.candidates(model)
         cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
         if not cards:
@@ -220,7 +222,7 @@ class KvRouter:
         matches = {}
         idx = self.index(model)
         if self.config.mode == "kv":
-            hashes = block_hashes(token_ids, bs, model_seed(model, lora=adapter or None))
+            hashes = block_hashes(token_ids, bs, hash_seed(self.config.hash_key, model, cache_scope, adapter or None))
             idx.expire()
             matches = idx.match(hashes)
         now = time.time()

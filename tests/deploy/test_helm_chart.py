@@ -60,7 +60,8 @@ VARIANTS: dict[str, dict] = {
         "nats": {"tls": {"secretName": "nats-tls"}, "auth": {"existingSecret": "nats-passwords"}},
         "gateway": {"apiKeys": {"existingSecret": "api-keys", "key": "keys.txt", "maxConcurrent": 4, "rpm": 600,
                                 "metricsAuth": True}},
-        "model": {"servedName": "Qwen/Qwen2.5-7B"}, "mesh": {"namespace": "team-b", "jsReplicas": 5},
+        "model": {"servedName": "Qwen/Qwen2.5-7B"}, "mesh": {"namespace": "team-b", "jsReplicas": 5,
+                                                                       "hashKey": {"existingSecret": "hash-key"}},
     },
     "external-creds": {"nats": {"external": {"url": "tls://n1.infra:4222,tls://n2.infra:4222", "credsSecret": "creds"},
                                 "tls": {"secretName": "nats-ca"}}},
@@ -507,6 +508,15 @@ def test_gateway_takes_its_api_keys_from_a_secret():
         c = containers(one(render(variant), "Deployment", component("gateway")))[0]
         assert "--insecure-admin" not in c["args"] and not [a for a in c["args"] if a.startswith("--admin-api-key")]
         assert "MESH_ADMIN_API_KEYS" not in env(c)
+
+
+def test_the_block_hash_secret_reaches_the_gateway_and_workers_only():
+    ref = {"name": "MESH_HASH_KEY", "valueFrom": {"secretKeyRef": {"name": "hash-key", "key": "hash-key"}}}
+    docs = render("secured")
+    for name in ("gateway", "prefill", "decode"):
+        assert ref in containers(one(docs, "Deployment", component(name)))[0]["env"]
+    assert "MESH_HASH_KEY" not in env(containers(one(docs, "Deployment", component("planner")))[0])
+    assert not [c for _, c in pdmesh_containers(render("default")) if "MESH_HASH_KEY" in env(c)]
 
 
 def test_worker_metrics_listen_on_the_pod_ip():

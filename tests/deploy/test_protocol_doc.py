@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.prefill_queue import JOB_MAX_AGE
 from mesh.protocol import MESSAGE_TYPES, Cancel, Subjects, encode
 from mesh.registry import DEFAULT_TTL
@@ -125,14 +125,14 @@ def test_codec_example_is_the_real_encoding():
 
 
 def test_block_hash_test_vector():
-    m = re.search(r'model "(\w+)"\s+->\s+seed (\d+)\nblock_size (\d+), tokens \[([\d, ]+)\]\n\s+->\s+\[([\d, ]+)\]',
-                  DOC)
+    m = re.search(r'model "(\w+)", cache_scope "(\w*)", no adapter\nblock_size (\d+), tokens \[([\d, ]+)\]\n'
+                  r'\s+->\s+\[([\d, ]+)\]', DOC)
     assert m, "the block-hash test vector is missing"
-    model, seed, bs = m.group(1), int(m.group(2)), int(m.group(3))
+    model, scope, bs = m.group(1), m.group(2), int(m.group(3))
     tokens = [int(t) for t in m.group(4).split(",")]
     hashes = [int(h) for h in m.group(5).split(",")]
-    assert model_seed(model) == seed
-    assert block_hashes(tokens, bs, seed) == hashes
+    assert f"public default key\n`{DEFAULT_HASH_KEY.hex()}`" in DOC
+    assert block_hashes(tokens, bs, hash_seed(DEFAULT_HASH_KEY, model, scope)) == hashes
 
 
 def test_registry_and_work_queue_settings_are_the_codes():

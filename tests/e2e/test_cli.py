@@ -76,3 +76,14 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, tiny_model, case):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("mesh: error:") and expect in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content", [None, "not hex", "00" * 16])
+def test_a_bad_hash_key_file_is_one_line_and_nonzero(tmp_path, content):
+    key = tmp_path / "hash.key"
+    if content is not None:
+        key.write_text(content)
+    r = mesh("worker", "mock", "--nats", "nats://127.0.0.1:1", "--hash-key-file", str(key))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mesh: error:") and "hash-key" in lines[0], r.stderr

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import stat
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -65,9 +67,18 @@ def test_mesh_up_mock_serves_the_mocker(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["usage"] == {"prompt_tokens": 39, "completion_tokens": 7, "total_tokens": 46,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
+        # one generated block-hash secret (0600) for the gateway and every worker, by its path
+        argvs = [Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0") for k in descendants(proc.pid)]
+        keyed = [a for a in argvs if b"cli" in a and (b"gateway" in a or b"worker" in a)]
+        assert len(keyed) >= 4  # the gateway, 2 decode and 1 prefill workers
+        files = {a[a.index(b"--hash-key-file") + 1].decode() for a in keyed}
+        (key_file,) = files
+        assert stat.S_IMODE(Path(key_file).stat().st_mode) == 0o600
+        assert len(bytes.fromhex(Path(key_file).read_text())) == 32
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+    assert not Path(key_file).parent.exists()  # the run directory goes with mesh up
 
 
 def test_mesh_up_mock_with_a_model_speaks_its_language(tmp_path, tiny_model):

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions
 from mesh.router.policy import RouterConfig
@@ -56,7 +56,7 @@ async def test_router_follows_the_prefix_forgets_evictions_and_dead_workers(clus
         await w.wait_workers("decode", 3)
         rng = random.Random(5)
         prefix = [rng.randrange(3, 4096) for _ in range(640)]  # 40 blocks
-        hashes = block_hashes(prefix, 16, model_seed("tiny"))
+        hashes = block_hashes(prefix, 16, hash_seed(DEFAULT_HASH_KEY, "tiny"))
 
         # 1. the first request goes somewhere; the ones sharing its prefix follow it there
         first = router.route("tiny", prefix + [1, 2, 3], "first")
@@ -111,7 +111,7 @@ async def test_a_new_router_resyncs_from_snapshots(cluster, workers):
         # started after the blocks were stored: it can only know them from a snapshot
         router = KvRouter(w.bus, w.membership, RouterConfig(mode="kv"))
         await router.start()
-        hashes = block_hashes(prompt, 16, model_seed("tiny"))
+        hashes = block_hashes(prompt, 16, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         await w.wait_for(lambda: router.index("tiny").overlap(hashes).get(live[0], 0) >= 19, 10, "a snapshot")
         assert router.resyncs >= len(live)
         await router.stop()

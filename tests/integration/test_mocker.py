@@ -63,7 +63,7 @@ async def ask(bus, worker_id, tokens, request_id, router=None, max_tokens=4):
 async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster):
     import random
 
-    from kvstore.hashing import block_hashes, model_seed
+    from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
     from mesh.router.policy import RouterConfig
     from mesh.router.router import KvRouter
 
@@ -78,7 +78,7 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster):
         await w.wait_workers("decode", 2)
         rng = random.Random(3)
         prefix = [rng.randrange(1, 32000) for _ in range(640)]  # 40 blocks
-        hashes = block_hashes(prefix, 16, model_seed("mock"))
+        hashes = block_hashes(prefix, 16, hash_seed(DEFAULT_HASH_KEY, "mock"))
         cold, _ = await ask(w.bus, "fetch-a", prefix + [7], "cold")
         # other prompts push the prefix out of a's 128-block device pool into its host tier
         for i in range(4):
@@ -115,7 +115,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
     import random
     import signal
 
-    from kvstore.hashing import block_hashes, model_seed
+    from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
     from mesh.router.policy import RouterConfig
     from mesh.router.router import KvRouter
 
@@ -131,7 +131,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
         await w.wait_workers("decode", 2)
         rng = random.Random(4)
         prefix = [rng.randrange(1, 32000) for _ in range(640)]
-        hashes = block_hashes(prefix, 16, model_seed("mock"))
+        hashes = block_hashes(prefix, 16, hash_seed(DEFAULT_HASH_KEY, "mock"))
         cold, _ = await ask(w.bus, "kill-a", prefix + [7], "cold")
         idx = router.index("mock")
         await w.wait_for(lambda: all("device" in idx.tiers_of("kill-a", h) for h in hashes), 10, "a's events")

@@ -23,7 +23,7 @@ import pytest
 from nats.errors import NoRespondersError
 
 from decode.peerfetch import lent_files
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.protocol import (
@@ -80,7 +80,7 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster, 
         assert all(c.serves_kv_fetch and c.fetches_kv for c in cards)
         rng = random.Random(5)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, cached = await ask(w.bus, A, prompt)
         assert cached == 0
         for _ in range(3):  # other prompts push the prefix out of a's 24-block device pool into its host tier
@@ -120,7 +120,7 @@ async def test_a_lent_run_and_a_copied_one_carry_the_same_bytes(cluster, workers
         rng = random.Random(7)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
         await ask(w.bus, A, prompt)
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         before = (await w.fresh_load(A)).counters.get("peer_serve_released", 0)
         got, room = {}, PREFIX_BLOCKS * (1 << 20)
         for read in (True, False):
@@ -161,7 +161,7 @@ async def held_prompt(w, seed: int) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
     await ask(w.bus, A, prompt)
-    return prompt, block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+    return prompt, block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
 
 
 async def test_a_release_without_the_fetch_key_changes_nothing(cluster, workers):
@@ -255,7 +255,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
         before = (await w.fresh_load(B)).counters
         rng = random.Random(6)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, _ = await ask(w.bus, A, prompt)
         idx = router.index("tiny")
         await w.wait_for(lambda: all(idx.tiers_of(A, h) for h in hashes), 10, "a's events")

@@ -7,13 +7,13 @@ import pytest
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from kvstore.events import BlockRemoved, BlockStored
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool, NoFreeBlocks
 
 
 def seq(tokens, bs=4, rid="r"):
-    return Sequence(rid, list(tokens), SamplingParams(), block_size=bs, hash_seed=model_seed("m"))
+    return Sequence(rid, list(tokens), SamplingParams(), block_size=bs, hash_seed=hash_seed(DEFAULT_HASH_KEY, "m"))
 
 
 def test_allocate_and_free_round_trip():
@@ -152,8 +152,8 @@ def test_can_admit_counts_reclaimed_cached_hits():
 
 def test_sequence_hashes_are_the_chained_block_hashes():
     s = seq(range(10), bs=4)
-    assert s.block_hashes() == block_hashes(list(range(10)), 4, model_seed("m"))
+    assert s.block_hashes() == block_hashes(list(range(10)), 4, hash_seed(DEFAULT_HASH_KEY, "m"))
     s.append_token(10)
     s.append_token(11)  # completes the third block
-    full = block_hashes(list(range(12)), 4, model_seed("m"))
+    full = block_hashes(list(range(12)), 4, hash_seed(DEFAULT_HASH_KEY, "m"))
     assert s.block_hashes() == full and len(full) == 3

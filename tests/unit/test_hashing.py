@@ -1,31 +1,85 @@
-import xxhash
+import random
 
-from kvstore.hashing import block_hashes, model_seed
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from kvstore.hashing import (
+    DEFAULT_HASH_KEY,
+    HashKey,
+    block_hashes,
+    chain_hashes,
+    generate_hash_key,
+    hash_seed,
+)
+
+KEY = HashKey(bytes(range(32)))
 
 
-def test_chained_hash_definition():
-    seed = model_seed("tiny")
+def test_keyed_chain_definition():
+    """Each name is the first 8 bytes of the AES-128-CBC ciphertext block ending that token block."""
+    seed = hash_seed(KEY, "tiny")
     toks = list(range(40))
     h = block_hashes(toks, 16, seed)
     assert len(h) == 2  # only full blocks
-    b0 = b"".join(t.to_bytes(4, "little") for t in toks[:16])
-    b1 = b"".join(t.to_bytes(4, "little") for t in toks[16:32])
-    assert h[0] == xxhash.xxh3_64_intdigest(b0, seed=seed)
-    assert h[1] == xxhash.xxh3_64_intdigest(h[0].to_bytes(8, "little") + b1, seed=seed)
+    data = b"".join(t.to_bytes(4, "little") for t in toks[:32])
+    ct = Cipher(algorithms.AES(seed.aes_key), modes.CBC(seed.iv)).encryptor().update(data)
+    assert h == [int.from_bytes(ct[48:56], "little"), int.from_bytes(ct[112:120], "little")]
 
 
-def test_incremental_hashing_equals_whole():
-    seed = model_seed("m")
-    toks = list(range(100))
-    whole = block_hashes(toks, 8, seed)
-    head = block_hashes(toks[:40], 8, seed)
-    tail = block_hashes(toks[40:96], 8, seed, parent=head[-1])
-    assert head + tail == whole
+@pytest.mark.parametrize("bs", [4, 8, 10, 16, 7])
+def test_continuation_equals_one_shot(bs):
+    seed = hash_seed(KEY, "m", "scope", "lora")
+    toks = [random.Random(bs).randrange(200_000) for _ in range(12 * bs + 3)]
+    whole = block_hashes(toks, bs, seed)
+    assert len(whole) == 12
+    names, state = [], None
+    for cut in (0, 3 * bs, 5 * bs, 11 * bs, 12 * bs + 3):  # uneven pieces, whole blocks each
+        piece = toks[len(names) * bs: cut]
+        more, state = chain_hashes(piece, bs, seed, state)
+        names += more
+    assert names == whole
 
 
-def test_prefix_divergence_changes_all_later_hashes_and_models_differ():
-    seed = model_seed("m")
+def test_padding_keeps_odd_block_sizes_apart():
+    """Block size 10 pads each block to 12 words with a word no token id is: no 12-token block names the same."""
+    seed = hash_seed(KEY, "m")
+    assert block_hashes(list(range(1, 11)), 10, seed) != block_hashes([*range(1, 11), 0, 0], 12, seed)
+    assert len(set(block_hashes(list(range(100)), 10, seed))) == 10
+
+
+def test_prefix_divergence_changes_all_later_names():
+    seed = hash_seed(KEY, "m")
     a = block_hashes(list(range(32)), 8, seed)
     b = block_hashes([*range(8), 99, *range(9, 32)], 8, seed)
     assert a[0] == b[0] and all(x != y for x, y in zip(a[1:], b[1:], strict=True))
-    assert block_hashes(list(range(8)), 8, model_seed("other")) != a[:1]
+
+
+def test_key_model_scope_and_lora_each_change_every_name():
+    toks = list(range(64))
+    seeds = [hash_seed(KEY, "m"), hash_seed(DEFAULT_HASH_KEY, "m"), hash_seed(generate_hash_key(), "m"),
+             hash_seed(KEY, "other"), hash_seed(KEY, "m", "tenant-a"), hash_seed(KEY, "m", "tenant-b"),
+             hash_seed(KEY, "m", lora="a"), hash_seed(KEY, "m", "tenant-a", "a")]
+    names = [block_hashes(toks, 16, s) for s in seeds]
+    flat = [h for n in names for h in n]
+    assert len(set(flat)) == len(flat)
+    assert hash_seed(KEY, "m", "tenant-a") == hash_seed(HashKey(bytes(range(32))), "m", "tenant-a")
+
+
+def test_hash_key_parsing_and_secrecy(tmp_path):
+    k = generate_hash_key()
+    assert HashKey.from_hex(k.hex()) == k and not k.is_default and DEFAULT_HASH_KEY.is_default
+    assert k.hex() not in repr(k) and k.hex() not in repr(hash_seed(k, "m"))
+    f = tmp_path / "key"
+    f.write_text(k.hex() + "\n")
+    assert HashKey.from_file(f) == k
+    for bad in ("zz", "00" * 31):
+        with pytest.raises(ValueError, match="hex digits"):
+            HashKey.from_hex(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        HashKey.from_file(tmp_path / "missing")
+
+
+def test_no_full_block_keeps_the_state():
+    seed = hash_seed(KEY, "m")
+    _, state = chain_hashes(list(range(16)), 16, seed)
+    assert chain_hashes([1, 2], 16, seed, state) == ([], state)

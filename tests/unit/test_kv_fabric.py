@@ -8,7 +8,7 @@ import pytest
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from kvstore.events import KvEventLog
-from kvstore.hashing import model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.peer import PeerStage
 from kvstore.pins import KvPins
@@ -19,7 +19,7 @@ BS = 4
 
 
 def seq(tokens, rid="r"):
-    return Sequence(rid, list(tokens), SamplingParams(max_tokens=1), block_size=BS, hash_seed=model_seed("m"))
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=1), block_size=BS, hash_seed=hash_seed(DEFAULT_HASH_KEY, "m"))
 
 
 def cached_run(pool: BlockPool, hashes: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.lora_layers import LoraBatch, LoraSlots, Projection, TableEntry, add_lora
 from engine.sampling import SamplingParams
-from kvstore.hashing import model_seed
+from kvstore.hashing import hash_seed
 from mesh.errors import LoraError, UnknownAdapterError
 from tests.helpers.lora import peft_references
 from tests.helpers.references import prompts_of
@@ -94,8 +94,8 @@ def test_prefixes_are_cached_per_adapter(lora_reference):
     assert a.output_token_ids == a2.output_token_ids == expected["all"][2]
     assert b.output_token_ids == expected["attn"][2] and base.output_token_ids == expected[None][2]
     assert len({a.hash_seed, b.hash_seed, base.hash_seed}) == 3
-    assert a.hash_seed == model_seed(engine.model_name, lora="all")
-    assert base.hash_seed == model_seed(engine.model_name) == model_seed(engine.model_name, lora=None)
+    assert a.hash_seed == hash_seed(engine.hash_key, engine.model_name, lora="all")
+    assert base.hash_seed == hash_seed(engine.hash_key, engine.model_name) == engine.hash_seed
 
 
 # -- loading at runtime, slots ------------------------------------------------------------

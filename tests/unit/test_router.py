@@ -359,7 +359,7 @@ async def test_a_worker_whose_load_reports_stop_gets_no_new_work(monkeypatch):
 
 
 async def test_lora_requests_go_where_the_adapter_is_hot_and_its_prefix_cached():
-    from kvstore.hashing import block_hashes, model_seed
+    from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
     from mesh.protocol import LoadReport, WorkerCard
     from mesh.router.router import KvRouter
 
@@ -374,8 +374,8 @@ async def test_lora_requests_go_where_the_adapter_is_hot_and_its_prefix_cached()
     router.finished("c", "r1")
     # b caches 8 blocks of ``two`` under x, c the same tokens under the base model: b wins (2 + 4 < 10)
     idx = router.index("m")
-    idx.predict("b", block_hashes(two, 16, model_seed("m", lora="x"))[:8], 60.0)
-    idx.predict("c", block_hashes(two, 16, model_seed("m")), 60.0)
+    idx.predict("b", block_hashes(two, 16, hash_seed(DEFAULT_HASH_KEY, "m", lora="x"))[:8], 60.0)
+    idx.predict("c", block_hashes(two, 16, hash_seed(DEFAULT_HASH_KEY, "m")), 60.0)
     d = router.route("m", two, "r2", adapter="x")
     assert (d.worker_id, d.overlap_blocks, d.cost) == ("b", 8.0, 2 + RouterConfig().adapter_cost)
     assert router.route("m", two, "r3").worker_id == "c"  # the base model's prefix is c's
@@ -396,9 +396,9 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     cards[3].fetches_kv = False  # a worker that does not fetch (a model worker, before phase B)
     router = KvRouter(None, _Cards(cards), RouterConfig(peer_fetch=True))
     tokens = list(range(1000, 1000 + 16 * 30 + 1))
-    from kvstore.hashing import block_hashes, model_seed
+    from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 
-    hashes = block_hashes(tokens, 16, model_seed("m"))
+    hashes = block_hashes(tokens, 16, hash_seed(DEFAULT_HASH_KEY, "m"))
     idx = router.index("m")
     idx.load_snapshot("a", 0, {"device": hashes})
     for w in ("b", "c", "d"):

@@ -12,7 +12,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from kvstore.disk import HEADER, DiskTier
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
-from kvstore.hashing import model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pool import BlockPool, EvictedBlock, NoFreeBlocks
 from kvstore.tiers import HostTier, TieredCache
@@ -21,7 +21,7 @@ BS = 4
 
 
 def seq(tokens, rid="r"):
-    return Sequence(rid, list(tokens), SamplingParams(), block_size=BS, hash_seed=model_seed("m"))
+    return Sequence(rid, list(tokens), SamplingParams(), block_size=BS, hash_seed=hash_seed(DEFAULT_HASH_KEY, "m"))
 
 
 def ev(bid, h, parent=None, hits=0):

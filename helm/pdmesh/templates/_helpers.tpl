@@ -168,6 +168,13 @@ mock
   value: {{ $v.mesh.natsConnectTimeout | quote }}
 - name: MESH_NS
   value: {{ $v.mesh.namespace | quote }}
+{{- if and $v.mesh.hashKey.existingSecret (ne .component "planner") }}
+- name: MESH_HASH_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.mesh.hashKey.existingSecret }}
+      key: {{ $v.mesh.hashKey.key }}
+{{- end }}
 - name: MESH_LOG_LEVEL
   value: {{ $v.mesh.logLevel | quote }}
 {{- if and (include "pdmesh.usesModel" .root) (ne .component "planner") }}
