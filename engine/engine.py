@@ -212,8 +212,9 @@ class Engine(EngineCore):
             layout = {k: v for k, v in spec.to_dict().items() if k != "num_blocks"}
             cap = (cfg.disk_kv_blocks * (HEADER.size + spec.block_bytes) if cfg.disk_kv_blocks is not None
                    else int(cfg.disk_kv_gb * _GIB))
+            # checksums keyed with the mesh secret: a file planted without it is never read back as KV
             disk = DiskTier(cfg.disk_kv_dir, cap, layout_fingerprint(identity, layout), spec.block_bytes,
-                            self.pool.events)
+                            self.pool.events, checksum_key=cfg.hash_key.subkey("disk-tier checksum"))
         kv = self.kv_cache
         # beside a KV pool in shared memory, the host tier's slots too: a peer on this host reads
         # the blocks it fetches out of both (kvstore/transfer/fetch.py, lent runs)

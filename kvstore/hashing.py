@@ -66,6 +66,11 @@ class HashKey:
         if len(self.secret) != HASH_KEY_BYTES:
             raise ValueError(f"a block-hash key is {HASH_KEY_BYTES} bytes, not {len(self.secret)}")
 
+    def subkey(self, purpose: str) -> bytes:
+        """A 32-byte key for another use of the mesh secret (the disk tier's checksum), domain-separated
+        so that no output of one use says anything about another's."""
+        return hashlib.blake2b(purpose.encode(), key=self.secret, digest_size=32, person=b"pdmesh-subkey").digest()
+
     @classmethod
     def from_hex(cls, text: str) -> HashKey:
         try:
