@@ -234,7 +234,9 @@ class NixlSender:
                    src_blocks: list[int]) -> TransferResult:
         p = check_params(params)
         t0 = time.perf_counter()
-        mine = await asyncio.to_thread(region_of, self.node, "kv", one_tensor(src))
+        tensor = one_tensor(src)
+        mine = self.node.registered(tensor.data_ptr(), tensor.numel() * tensor.element_size()) or \
+            await asyncio.to_thread(region_of, self.node, "kv", tensor)  # once: registering takes a while
         peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
         dst = self._region(peer.regions, p)
         local, remote = self._plan(target, p, src, src_blocks, mine, dst)

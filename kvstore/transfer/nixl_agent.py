@@ -45,7 +45,8 @@ REFUSED = Counter("pdmesh_nixl_refused", "nixl transport messages refused (logge
 PEERS_KEPT = 64  # remote agents a sender keeps added (least recently used dropped first)
 NOTIFS_KEPT = 4096
 MD_TIMEOUT = 5.0  # seconds for a peer's metadata or grant
-POLL_MIN, POLL_MAX = 0.0002, 0.005  # seconds between polls of a transfer's state
+POLL_MIN, POLL_MAX = 0.0002, 0.002  # seconds between polls of a transfer's state
+POST_INLINE = 256  # descriptors posted on the event loop; more are built in a thread
 
 
 def available() -> bool:
@@ -114,6 +115,9 @@ class NixlNode:
         return len(self.regions)
 
     # -- our memory ----------------------------------------------------------------
+    def registered(self, addr: int, size: int) -> Region | None:
+        return next((r for r in self.regions if r.addr == addr and r.size == size), None)
+
     def register(self, kind: str, addr: int, size: int, mem: str = "DRAM", device: int = 0) -> Region:
         """Register one region (once per address: the whole KV pool, or the fetch buffers)."""
         with self._registering:
@@ -218,7 +222,10 @@ class NixlNode:
         """One-sided WRITE of ``local`` (addr, len) pieces into ``remote``'s, then ``notif`` to the
         peer. Returns once the transfer is done; the wait outlives a cancellation (the bytes may
         still be landing: the receiver's fence holds the memory until the notification)."""
-        handle = await asyncio.to_thread(self._post, peer, src, local, dst, remote, notif)
+        if len(local) <= POST_INLINE:  # a few descriptors post in microseconds: no thread hop
+            handle = self._post(peer, src, local, dst, remote, notif)
+        else:
+            handle = await asyncio.to_thread(self._post, peer, src, local, dst, remote, notif)
         waiting = asyncio.ensure_future(self._wait_done(peer, handle))
         try:
             await asyncio.shield(waiting)
