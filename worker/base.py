@@ -106,6 +106,9 @@ class WorkerSettings:
             raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl, nixl or nats")
         if "nixl" in names and not nixl_available():
             raise ValueError("the nixl transport needs NIXL: pip install 'pdmesh[nixl]'")
+        if "nixl" in names and getattr(self.engine, "tp", 1) != 1:
+            log.warning("the nixl transport serves TP 1 workers only: KV between hosts goes over nats")
+            names = tuple(n for n in names if n != "nixl")
         return ordered(names)
 
 
