@@ -168,7 +168,7 @@ class NixlReceiver:
                 log.warning("nixl: no completion of %s came (%s)", request_id, job.state.name)
                 return False
             await asyncio.sleep(pause)
-            pause = min(POLL_MAX, pause * 2)
+            pause = min(POLL_MAX, pause * 1.5)
         return True
 
     def revoke(self, request_id: str) -> bool:

@@ -124,7 +124,7 @@ class NixlChannel:
             if sl.state is not JobState.WRITING or time.monotonic() > end:
                 return None
             await asyncio.sleep(pause)
-            pause = min(POLL_MAX, pause * 2)
+            pause = min(POLL_MAX, pause * 1.5)
         return memoryview(self.buffer[sl.offset : sl.offset + nbytes].numpy().tobytes())  # a copy: the slice is reused
 
     async def forget(self, fetch_id: str) -> None:
