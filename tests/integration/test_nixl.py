@@ -9,6 +9,8 @@ nats-server, real decode and prefill worker processes, ``--transports nixl,nats`
 - A write that ends after the job's deadline (``MESH_FAULT_KV_COPY_DELAY_S``): the request
   prefills locally at the deadline, the written blocks stay fenced until the write's
   notification or its PrefillDone, then come back; tokens stay the engine's.
+- The fence contract on its own (two agents in this process): a job never granted revokes at
+  once and its writer is refused; a granted one only after its notification.
 """
 
 from __future__ import annotations
@@ -152,3 +154,52 @@ async def test_a_late_nixl_write_is_fenced_until_it_lands(cluster, tiny_model, e
         assert toks == expected(engine, p)  # from its cached blocks: the late write landed in none of them
     finally:
         await w.close()
+
+
+async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(nats_server):
+    """The fence contract in one process (two agents, a real nats-server): blocks of a job never
+    granted are free at once and its writer is refused; a granted job's blocks are not, until
+    the write's notification has come; the bytes land intact in the named blocks only."""
+    import torch
+
+    from kvstore.cache import KVCache, KVCacheSpec
+    from kvstore.transfer import Refused, TransferTarget, make_receiver, make_sender
+    from mesh.bus import Bus
+    from tests.helpers.cluster import wait_until
+
+    bus = await Bus.connect(nats_server.url, "test-nixl-fence", ns="nxfence")
+    try:
+        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
+        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
+        src.tensor.normal_()
+        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id="fence-dec")
+        await rx.start()
+        tx = make_sender("nixl", bus=bus, worker_id="fence-pre")
+
+        params = rx.params("r1", [5, 6, 7, 2])
+        result = await tx.send(TransferTarget("r1", "fence-dec", [5, 6, 7, 2], 4), params, src, [0, 1, 2, 9])
+        assert result.chunks == 2 * 2 * 2  # (layer, K|V) planes x runs [5,6,7] and [2]
+        assert await rx.finish("r1") and rx.revoke("r1")
+        for s, d in zip([0, 1, 2, 9], [5, 6, 7, 2], strict=True):
+            assert torch.equal(dst.tensor[:, :, d], src.tensor[:, :, s])
+        assert dst.tensor[:, :, [0, 1, 3, 4, 8]].abs().sum() == 0  # nothing else written
+
+        params = rx.params("r2", [1])
+        assert rx.revoke("r2")  # never granted: free at once, and no write will start
+        with pytest.raises(RuntimeError, match="no write grant"):
+            await tx.send(TransferTarget("r2", "fence-dec", [1], 4), params, src, [3])
+        assert dst.tensor[:, :, 1].abs().sum() == 0
+
+        params = rx.params("r3", [4])
+        await tx.node.ask_grant(bus, params["begin"], "kv", "r3", params["gen"])  # granted, not yet written
+        assert not rx.revoke("r3")  # a write may still land
+        peer = await tx.node.peer(bus, params["md"], params["agent"], params["rev"])
+        mine = tx.node.registered(src.tensor.data_ptr(), spec.total_bytes)
+        dst_region = tx._region(peer.regions, params)
+        local, remote = tx._plan(TransferTarget("r3", "fence-dec", [4], 4), params, src, [3], mine, dst_region)
+        await tx.node.write(peer, mine, local, dst_region, remote, f"kv:r3:{params['gen']}".encode())
+        await wait_until(lambda: rx.revoke("r3"), 5, "the write's notification")
+        with pytest.raises(Refused):  # a block past the pool
+            tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
+    finally:
+        await bus.close()
