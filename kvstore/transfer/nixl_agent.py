@@ -187,8 +187,9 @@ class NixlNode:
                 return peer
             try:
                 md = await bus.request(md_subject, NixlMetadataRequest(agent), NixlMetadata, MD_TIMEOUT)
-            except TimeoutError:
-                raise refuse("unknown_agent", f"no agent {agent!r} answers on {md_subject}") from None
+            except Exception as e:  # no responders, a timeout: the peer left (or never was)
+                self.drop_peer(agent)
+                raise RuntimeError(f"no agent answers on {md_subject} ({type(e).__name__})") from None
             if md.agent != agent:
                 raise refuse("unknown_agent", f"{md_subject} is agent {md.agent!r}, not {agent!r}")
             if not len(md.kinds) == len(md.addrs) == len(md.sizes) == len(md.mems) == len(md.devices):
