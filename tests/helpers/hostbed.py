@@ -277,8 +277,10 @@ class HostBed:
         """Every host's server, comma-separated (what ``--nats`` takes for the whole cluster)."""
         return ",".join(h.nats_url for h in self.hosts.values())
 
-    def spawn(self, i: int, argv: list[str], env: dict | None = None, remember: bool = True) -> subprocess.Popen:
-        """Run ``argv`` on host ``i`` (``remember``: ``restart_host`` starts it again)."""
+    def spawn(self, i: int, argv: list[str], env: dict | None = None, remember: bool = True,
+              pipes: bool = False) -> subprocess.Popen:
+        """Run ``argv`` on host ``i`` (``remember``: ``restart_host`` starts it again; ``pipes``: text
+        stdin and stdout to talk to it)."""
         host = self.hosts[i]
         full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(host.root / "tmp"), **(env or {})}
         log = subprocess.DEVNULL
@@ -286,8 +288,9 @@ class HostBed:
             name = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else Path(argv[0]).name
             log = open(self.log_dir / f"h{i}-{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
-            proc = subprocess.Popen([*host.enter(), *argv], env=full_env, stdout=subprocess.DEVNULL, stderr=log,
-                                    start_new_session=True)
+            proc = subprocess.Popen([*host.enter(), *argv], env=full_env, stderr=log, start_new_session=True,
+                                    stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE if pipes else subprocess.DEVNULL, text=pipes or None)
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()

@@ -26,11 +26,12 @@ def cluster(nats_server) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def hostbed() -> Iterator[HostBed]:
+def hostbed(tmp_path) -> Iterator[HostBed]:
     """Three simulated hosts (``tests.helpers.hostbed``), each its own namespaces and nats-server of one
-    cluster; everything of the bed is removed afterwards, whatever the test did."""
+    cluster; everything of the bed is removed afterwards, whatever the test did. Its processes log
+    to the test's ``tmp_path`` (``h<i>-<worker id>.log``)."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with HostBed(3) as bed:
+    with HostBed(3, log_dir=tmp_path) as bed:
         yield bed
