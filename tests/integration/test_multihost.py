@@ -11,6 +11,7 @@ gives the cold run's tokens.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -19,8 +20,11 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kvstore.hashing import block_hashes, model_seed
+from mesh.bus import Bus
 from mesh.client import generate
-from mesh.protocol import GenerateRequest, PeerFetchPlan, SamplingOptions
+from mesh.natsauth import NatsConfig
+from mesh.prefill_queue import PrefillQueue
+from mesh.protocol import GenerateRequest, PeerFetchPlan, PrefillJob, SamplingOptions, decode
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
 from tests.helpers.multihost import completion_ids, cross_host_transport, open_watcher, wait_gateway
@@ -108,3 +112,36 @@ async def test_peer_fetch_across_hosts_gives_the_cold_runs_tokens(hostbed, tiny_
     finally:
         await router.stop()
         await w.close()
+
+
+async def test_the_prefill_queue_survives_the_loss_of_its_streams_leader_host(hostbed):
+    """Jobs queued on a stream of three replicas (``--js-replicas 3``: one per host) are all still
+    there, in order, for a prefill worker on a surviving host after the host of the stream's
+    leader is killed whole."""
+    config = NatsConfig.build(hostbed.nats_urls, js_replicas=3, connect_timeout=30)
+    bus = await Bus.connect(hostbed.hosts[1].nats_url, "queue-test", config=config)
+    queue = PrefillQueue(bus, "tiny")
+    ids = [f"job-{k}" for k in range(5)]
+    for rid in ids:
+        await queue.publish(PrefillJob(rid, "tiny", [1, 2, 3], "nobody", 0, [0], {}, time.time() + 60, 16), timeout=10)
+    info = await bus.js.stream_info(queue.stream)
+    assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
+    leader = int(info.cluster.leader.rsplit("-h", 1)[1])  # server names: <cluster>-h<i>
+    await bus.close()
+    hostbed.kill_host(leader)
+    survivor = next(i for i in hostbed.hosts if i != leader)
+    bus = await Bus.connect(hostbed.hosts[survivor].nats_url, "queue-test-2",
+                            config=NatsConfig.build(hostbed.hosts[survivor].nats_url, js_replicas=3, connect_timeout=30))
+    try:
+        sub, got = None, []
+        for _ in range(30):  # the two survivors elect new leaders first (as a prefill worker, retry)
+            try:
+                sub = sub or await PrefillQueue(bus, "tiny").pull()
+                got += [decode(m.data, expect=PrefillJob).request_id for m in await sub.fetch(5 - len(got), timeout=2)]
+            except Exception:  # (a timeout or 503 while the new leader is elected)
+                pass
+            if len(got) == 5:
+                break
+        assert got == ids
+    finally:
+        await bus.close()
