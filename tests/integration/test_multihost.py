@@ -10,7 +10,9 @@ gives the cold run's tokens.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import time
 import uuid
 
@@ -23,11 +25,19 @@ from kvstore.hashing import block_hashes, model_seed
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsauth import NatsConfig
+from mesh.planner.connectors import LocalConnector
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import GenerateRequest, PeerFetchPlan, PrefillJob, SamplingOptions, decode
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
-from tests.helpers.multihost import completion_ids, cross_host_transport, open_watcher, wait_gateway
+from tests.helpers.cluster import stream_tokens
+from tests.helpers.multihost import (
+    BUS_FLAGS,
+    completion_ids,
+    cross_host_transport,
+    open_watcher,
+    wait_gateway,
+)
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
@@ -145,3 +155,26 @@ async def test_the_prefill_queue_survives_the_loss_of_its_streams_leader_host(ho
         assert got == ids
     finally:
         await bus.close()
+
+
+async def test_the_planners_local_connector_places_workers_on_any_host(hostbed):
+    """The planner's process connector with one launcher per bed host (``nsenter`` into hosts 2 and
+    3): scaling the decode pool to 2 starts one worker on each host (their cards carry the hosts'
+    names), both serve, and scaling to 0 drains them."""
+    argv = {"decode": [sys.executable, "-m", "cli", "worker", "mock", "--nats", hostbed.nats_urls, *BUS_FLAGS,
+                       "--mock-speedup", "20"], "prefill": []}
+    conn = LocalConnector(argv, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, drain_timeout=20,
+                          launchers=[hostbed.hosts[i].enter() for i in (2, 3)])
+    w = await open_watcher(hostbed.hosts[1].nats_url)
+    try:
+        await conn.scale("decode", 2)
+        cards = await w.wait_workers("decode", 2, model="mock", timeout=120)
+        assert sorted(c.host for c in cards) == [hostbed.hosts[2].hostname, hostbed.hosts[3].hostname]
+        for c in cards:
+            toks, last = await stream_tokens(w.bus, c.worker_id, [5, 6, 7, 8], max_tokens=4, model="mock")
+            assert len(toks) == 4 and last.finish_reason == "length"
+        await conn.scale("decode", 0)
+        await w.wait_for(lambda: not w.membership.cards("mock", "decode"), 60, "the pool drained")
+    finally:
+        await conn.close()
+        await w.close()
