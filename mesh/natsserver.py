@@ -49,9 +49,10 @@ class EmbeddedNats:
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", store_dir: str | None = None,
                  max_payload: int | None = None, config: str = "", jetstream: bool = True,
-                 scheme: str = "nats"):
+                 scheme: str = "nats", launcher: tuple[str, ...] = ()):
         """``config``: more nats-server configuration (users and permissions, TLS, a cluster
-        block); the flags for host, port and store win over it."""
+        block); the flags for host, port and store win over it. ``launcher``: argv the server's
+        command runs under (``nsenter ...``: a simulated host's namespaces)."""
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
@@ -60,6 +61,7 @@ class EmbeddedNats:
         self.config = config
         self.jetstream = jetstream
         self.scheme = scheme
+        self.launcher = tuple(launcher)
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -69,7 +71,7 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-sd", self.store_dir]
+        cmd = [*self.launcher, find_binary(), "-a", self.host, "-p", str(self.port), "-sd", self.store_dir]
         if self.jetstream:
             cmd.append("-js")
         conf = self.config + (f"\nmax_payload: {self.max_payload}\n" if self.max_payload else "")

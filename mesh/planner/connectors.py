@@ -70,7 +70,9 @@ class _Proc:
 
 @dataclass
 class LocalConnector:
-    """Worker processes of this machine. ``argv[pool]`` is the command line without ``--worker-id``."""
+    """Worker processes of this machine. ``argv[pool]`` is the command line without ``--worker-id``.
+    ``launchers``: argv prefixes taken in turn, one per started worker (``nsenter ...`` into the
+    namespaces of a host of the multi-host test bed, ``ssh HOST`` ...): the pool spreads over them."""
 
     argv: dict[str, list[str]]
     env: dict[str, str] | None = None
@@ -80,6 +82,8 @@ class LocalConnector:
     _ids: itertools.count = field(default_factory=itertools.count)
     prefix: str = field(default_factory=lambda: f"w{os.getpid()}")
     exited: list[tuple[str, int]] = field(default_factory=list)  # (worker id, status) of reaped processes
+    launchers: list[list[str]] = field(default_factory=list)
+    _placed: itertools.count = field(default_factory=itertools.count)
 
     def _alive(self, pool: str) -> list[_Proc]:
         return [p for p in self.procs[pool] if p.proc.poll() is None and not p.draining]
@@ -109,8 +113,9 @@ class LocalConnector:
         wid = f"{pool}-{self.prefix}-{next(self._ids)}"  # the prefix keeps ids unique per connector
         # its own process group: a terminal's Ctrl-C reaches whoever runs the connector, which
         # then signals each worker exactly once (a second signal would cut the worker's drain)
-        proc = subprocess.Popen([*self.argv[pool], "--worker-id", wid], env=self.env, preexec_fn=die_with_parent,
-                                process_group=0)
+        launcher = self.launchers[next(self._placed) % len(self.launchers)] if self.launchers else []
+        proc = subprocess.Popen([*launcher, *self.argv[pool], "--worker-id", wid], env=self.env,
+                                preexec_fn=die_with_parent, process_group=0)
         p = _Proc(wid, proc)
         self.procs[pool].append(p)
         log.info("started %s (pid %d)", wid, proc.pid)

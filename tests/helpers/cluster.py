@@ -128,9 +128,9 @@ async def completion_events(response: httpx.Response):
         yield event
 
 
-async def stream_tokens(bus: Bus, worker_id: str, prompt: list[int], max_tokens: int = 16):
-    """One greedy request of ``tiny`` sent straight to ``worker_id``: its tokens and its last chunk."""
-    req = GenerateRequest(uuid.uuid4().hex, "tiny", prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+async def stream_tokens(bus: Bus, worker_id: str, prompt: list[int], max_tokens: int = 16, model: str = "tiny"):
+    """One greedy request of ``model`` sent straight to ``worker_id``: its tokens and its last chunk."""
+    req = GenerateRequest(uuid.uuid4().hex, model, prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
     toks, last = [], None
     async for chunk in generate(bus, worker_id, req, first_timeout=120, idle_timeout=60):
         assert chunk.error is None, chunk.error
