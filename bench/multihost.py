@@ -146,11 +146,12 @@ async def ttft_of(url: str, prompts: list[list[int]]) -> list[float]:
             t0 = time.monotonic()
             async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
                 assert r.status_code == 200, r.status_code
-                async for line in r.aiter_lines():
+                lines = r.aiter_lines()
+                async for line in lines:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         out.append(time.monotonic() - t0)
                         break
-                async for _ in r.aiter_lines():
+                async for _ in lines:  # the rest of the stream
                     pass
     return out
 
@@ -161,8 +162,10 @@ async def ttft_layout(model_dir: Path, pre: int, dec: int, prompts: list[list[in
     with HostBed(3, name="mh") as bed:
         model = ["--model", str(model_dir), "--device-kv-blocks", "1024", *BUS_FLAGS]
         bed.worker(pre, "prefill", *model, "--worker-id", "tt-pre")
-        bed.worker(dec, "decode", *model, "--worker-id", "tt-dec", "--disagg-threshold", "64")
-        url = bed.gateway(1, "--model", str(model_dir), *GW_FLAGS)
+        bed.worker(dec, "decode", *model, "--worker-id", "tt-dec", "--disagg-threshold", "64",
+                   "--prefill-timeout", "120")
+        # a 4k-token prefill of the small model takes seconds on a CPU
+        url = bed.gateway(1, "--model", str(model_dir), *BUS_FLAGS, "--first-token-timeout", "300")
         w = await open_watcher(bed.hosts[1].nats_url)
         try:
             await w.wait_for(lambda: w.membership.get("tt-pre") and w.membership.get("tt-dec"), 180, "both workers")
