@@ -12,8 +12,8 @@
 #   PYTHON_IMAGE   the cpu variant's base
 #   CUDA_IMAGE     the cuda variant's base; its CUDA major must match TORCH's build and EXTRAS
 #   TORCH_VERSION  torch from PyPI (the project's tested version)
-#   EXTRAS         pdmesh extras: auto = none for cpu, cu12 for cuda; or cu12 / cu13
-#                  (FlashInfer + CuPy) / none
+#   EXTRAS         pdmesh extras: auto = nixl for cpu, cu12,nixl for cuda; or cu12 / cu13
+#                  (FlashInfer + CuPy), each with ,nixl (KV between hosts over NIXL/UCX) / none
 #
 # torch from PyPI brings its CUDA libraries even in the cpu variant (a larger image,
 # same behaviour on a CPU). The cuda variant's TORCH_VERSION, CUDA_IMAGE and EXTRAS must
@@ -25,14 +25,14 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
 # -- bases -----------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base-cpu
-ENV PDMESH_EXTRAS_DEFAULT=""
+ENV PDMESH_EXTRAS_DEFAULT="nixl"
 
 FROM ${CUDA_IMAGE} AS base-cuda
 # Ubuntu 24.04's python3 is 3.12; python3-dev for FlashInfer's JIT (Python.h), git for its build.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-ENV PDMESH_EXTRAS_DEFAULT="cu12"
+ENV PDMESH_EXTRAS_DEFAULT="cu12,nixl"
 
 # -- the image -----------------------------------------------------------------------------
 FROM base-${VARIANT} AS runtime

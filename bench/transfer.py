@@ -7,6 +7,11 @@ worker with the real senders. One transfer moves a whole prompt's KV (2k or
 25.6 KB per token) and ends when the bytes are in the receiver's blocks.
 
     python bench/transfer.py [--tokens 2048 32768] [--repeat 3] [--fragmented]
+
+Between two simulated hosts (network namespaces on a veth pair; root): nixl against a plain TCP
+socket and the nats channel over the same link (``bench/transfer_hosts.py``):
+
+    python bench/transfer.py --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -141,7 +146,21 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 32768])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fragmented", action="store_true", help="scatter the destination blocks")
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                   help="2: between two network namespaces (root), against a TCP socket and nats")
+    p.add_argument("--transport", default="nixl", help="with --hosts 2: the transport to compare (nixl)")
+    p.add_argument("--mb", type=int, nargs="+", default=[1, 16, 256], help="with --hosts 2: MB per transfer")
     args = p.parse_args()
+    if args.hosts == 2:
+        # bench/transfer_hosts.py: this script's directory is first on sys.path
+        from transfer_hosts import report, run_hosts
+
+        # UCX over TCP with 256k segments (8k/64k by default: 16 MB writes at half the speed);
+        # any UCX_* variable given replaces these
+        env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
+            "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+        report(run_hosts(args.mb, args.repeat, args.transport, env), args.repeat, env)
+        return
     asyncio.run(run(args))
 
 

@@ -120,6 +120,8 @@ class DecodeWorker(WorkerBase):
         kv = self.engine.kv_cache
         if "shm" in card.transports:
             card.transports["shm"] = {"path": kv.shm_path, "host": host_id()}
+        if "nixl" in card.transports:  # its agent; the metadata is asked on its subject, once per peer
+            card.transports["nixl"] = self.receivers["nixl"].card_params()
         if self.peer_fetch is not None:
             self.peer_fetch.fill_card(card)
         return card

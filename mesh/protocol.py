@@ -9,7 +9,7 @@ failing deep inside a worker. Unknown fields are ignored (newer senders may add
 fields); missing fields take their defaults.
 
 The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
-``NcclConnect``, ``NcclBegin``, ``NcclReply``) are defined below the mesh, in
+``NcclConnect``, ``NcclBegin``, ``NcclReply``, the ``Nixl*`` handshake) are defined below the mesh, in
 ``kvstore/transfer/messages.py``. Both are re-exported here, and the transports' messages
 go through this codec like every other.
 
@@ -29,6 +29,10 @@ from kvstore.transfer.messages import KvChunk as KvChunk
 from kvstore.transfer.messages import NcclBegin as NcclBegin
 from kvstore.transfer.messages import NcclConnect as NcclConnect
 from kvstore.transfer.messages import NcclReply as NcclReply
+from kvstore.transfer.messages import NixlBegin as NixlBegin
+from kvstore.transfer.messages import NixlMetadata as NixlMetadata
+from kvstore.transfer.messages import NixlMetadataRequest as NixlMetadataRequest
+from kvstore.transfer.messages import NixlReply as NixlReply
 from kvstore.transfer.messages import TransportMessage
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import subject_token as subject_token

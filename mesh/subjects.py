@@ -83,6 +83,11 @@ class Subjects:
         """The nccl transport's rendezvous and per-transfer handshake (verb: connect | begin)."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.nccl.{subject_token(verb)}"
 
+    def nixl(self, model: str, worker: str, verb: str) -> str:
+        """The nixl transport's handshake with ``worker`` (verb: md | begin): its agent metadata,
+        and the grant of one write into its memory (``NixlBegin``)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.nixl.{subject_token(verb)}"
+
     def lora(self, model: str) -> str:
         """Runtime LoRA load/unload: every worker of the model answers (a request gathers replies)."""
         return f"{self._m(model)}.lora"

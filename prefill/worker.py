@@ -75,7 +75,8 @@ class PrefillWorker(WorkerBase):
         speedup = getattr(self.settings.engine, "speedup", 1.0)
         copy_delay_s = settings().fault_kv_copy_delay_s
         for name in names:
-            self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup, copy_delay_s=copy_delay_s)
+            self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup, copy_delay_s=copy_delay_s,
+                                             worker_id=self.worker_id)
         self.queue = PrefillQueue(self.bus, self.engine.model_name)
         self._sub = await self.queue.pull()
         stack.push_async_callback(self._unsubscribe)

@@ -68,7 +68,7 @@ class WorkerSettings:
     ns: str = "mesh"
     worker_id: str = ""
     engine: EngineConfig | SimulatedEngineConfig | None = None  # None: a custom worker builds its own
-    transports: tuple[str, ...] = ()  # () = for the device: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA
+    transports: tuple[str, ...] = ()  # () = for the device: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA (nixl: if installed)
     disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
     prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
     prefill_capacity: int = 4  # prefill: jobs held at once
@@ -96,15 +96,39 @@ class WorkerSettings:
 
     def transport_names(self) -> list[str]:
         """The KV transports this worker offers (decode) or uses (prefill), best first."""
-        from kvstore.transfer import ordered
+        from kvstore.transfer import nixl_available, ordered
 
         if self.is_mock:
             return ["mock"]
         on_cuda = self.engine.torch_device.type == "cuda"
-        names = self.transports or (("cuda_ipc", "nccl", "nats") if on_cuda else ("shm", "nats"))
+        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1))
         if on_cuda and "shm" in names:
-            raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl or nats")
+            raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl, nixl or nats")
+        if "nixl" in names and not nixl_available():
+            raise ValueError("the nixl transport needs NIXL: pip install 'pdmesh[nixl]'")
+        if "nixl" in names and getattr(self.engine, "tp", 1) != 1:
+            log.warning("the nixl transport serves TP 1 workers only: KV between hosts goes over nats")
+            names = tuple(n for n in names if n != "nixl")
         return ordered(names)
+
+
+_told_no_nixl = False
+
+
+def _default_transports(on_cuda: bool, tp: int) -> tuple[str, ...]:
+    """Same-host transports, nixl between hosts when NIXL imports (TP 1: it registers one pool
+    tensor), nats as the fallback."""
+    from kvstore.transfer import nixl_available
+
+    global _told_no_nixl
+    same_host = ("cuda_ipc", "nccl") if on_cuda else ("shm",)
+    if tp == 1 and nixl_available():
+        return (*same_host, "nixl", "nats")
+    if not _told_no_nixl:
+        _told_no_nixl = True
+        log.info("KV between hosts goes over nats (%s)",
+                 "NIXL serves TP 1 only" if tp != 1 else "NIXL is not installed: pip install 'pdmesh[nixl]'")
+    return (*same_host, "nats")
 
 
 def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> EngineCore:

@@ -11,8 +11,8 @@ Two sides, one name per transport:
 ``src`` (and the receiver's ``kv``) is the worker's ``engine.kv_cache``: a
 ``KVCache``, or for a tensor-parallel worker a ``ShardedKVCache`` (the full head
 set over one cache per rank, no single tensor). ``shm`` and ``nats`` re-shard
-heads between any two TP degrees; ``cuda_ipc`` and ``nccl`` take one tensor and
-do not serve TP > 1 yet.
+heads between any two TP degrees; ``cuda_ipc``, ``nccl`` and ``nixl`` take one tensor
+and do not serve TP > 1 yet.
 
 The decode worker lists the transports it accepts, best first; the prefill
 worker uses the first one it can. Coordination (job, completion) is always a
@@ -25,6 +25,7 @@ as their ``bus`` argument.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,14 +37,21 @@ from typing import Any, Protocol
 
 @lru_cache(maxsize=1)
 def host_id() -> str:
-    """Same value in every process that shares this kernel (so /dev/shm, and CUDA IPC)."""
+    """Same value in every process that shares this kernel (so /dev/shm, and CUDA IPC).
+    ``MESH_HOST_ID`` overrides it (read here only): workers of one machine that should act as
+    different hosts (tests, the multi-host bed) then use the transports between hosts."""
+    override = os.environ.get("MESH_HOST_ID", "").strip()
+    if override:
+        return override
     boot = ""
     with contextlib.suppress(OSError):
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return f"{socket.gethostname()}:{boot}"
 
 
-PREFERENCE = ("cuda_ipc", "nccl", "shm", "nats", "mock")
+# Same-host paths first (cuda_ipc, nccl, shm: their ``usable`` says False on another host), then
+# nixl between hosts, nats as the fallback that always works.
+PREFERENCE = ("cuda_ipc", "nccl", "shm", "nixl", "nats", "mock")
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,18 @@ _MODULES = {
     "mock": "kvstore.transfer.mock",
     "cuda_ipc": "kvstore.transfer.cuda_ipc",
     "nccl": "kvstore.transfer.nccl",
+    "nixl": "kvstore.transfer.nixl",
 }
+
+
+def nixl_available() -> bool:
+    """NIXL (the ``nixl`` extra) imports here: workers offer the ``nixl`` transport by default."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("nixl_cu12") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _load(name: str) -> None:

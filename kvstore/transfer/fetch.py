@@ -44,6 +44,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, Protocol
 
 from kvstore.tiers import DeviceBlock, gather_blocks
@@ -83,6 +84,9 @@ def register(name: str):
         return cls
 
     return deco
+
+
+CHANNELS["nixl"] = lambda **kw: import_module("kvstore.transfer.nixl_fetch").NixlChannel(**kw)  # between hosts
 
 
 def make_channels(names, **kwargs) -> dict[str, FetchChannel]:

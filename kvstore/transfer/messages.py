@@ -1,5 +1,5 @@
 """The KV transports' own wire messages: the ``nats`` transport's ``KvChunk`` and the ``nccl``
-transport's handshake.
+and ``nixl`` transports' handshakes.
 
 They are defined here, below the mesh, so that a transport needs nothing of it. They have the
 form of every message of the mesh (msgspec Structs: a msgpack map of their fields plus
@@ -52,4 +52,41 @@ class NcclReply(TransportMessage):
     error: str = ""
 
 
-MESSAGES = (KvChunk, NcclConnect, NcclBegin, NcclReply)
+# -- the nixl transport's handshake (kvstore/transfer/nixl_agent.py) ----------------
+
+
+class NixlMetadataRequest(TransportMessage):
+    """Sender -> receiver, request on ``nixl.md``: your NIXL agent's metadata, please."""
+
+    agent: str  # the agent the asker expects (the params name it): another is refused
+
+
+class NixlMetadata(TransportMessage):
+    """The reply: the agent's metadata and the one region of each kind it registered (flat)."""
+
+    agent: str
+    rev: int  # how many regions it has registered: a sender holding an older rev asks again
+    metadata: bytes  # nixl_agent.get_agent_metadata()
+    kinds: list[str]  # "kv" (the KV pool), "fetch" (peer-fetch buffers), one per region
+    addrs: list[int]
+    sizes: list[int]
+    mems: list[str]  # "DRAM" (CPU) or "VRAM" (GPU), one per region
+    devices: list[int]  # the GPU of a VRAM region (0 for DRAM)
+
+
+class NixlBegin(TransportMessage):
+    """Sender -> receiver, request on ``nixl.begin``: may I write job ``job_id`` (a request id, or a
+    fetch id) now? Granted only for a job armed with ``gen`` and not revoked."""
+
+    kind: str  # "kv" | "fetch"
+    job_id: str
+    gen: int
+    agent: str  # the writer's agent: its completion notification must come from it
+
+
+class NixlReply(TransportMessage):
+    ok: bool
+    error: str = ""
+
+
+MESSAGES = (KvChunk, NcclConnect, NcclBegin, NcclReply, NixlMetadataRequest, NixlMetadata, NixlBegin, NixlReply)

@@ -31,6 +31,8 @@ class TransferSubjects(Protocol):
 
     def nccl(self, model: str, worker: str, verb: str) -> str: ...
 
+    def nixl(self, model: str, worker: str, verb: str) -> str: ...
+
 
 class Delivery(Protocol):
     """A received message's envelope (a ``nats.aio.msg.Msg``)."""

@@ -39,7 +39,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"python3 -m venv \.venv", ".ci/run"),
     (r"\. \.venv/bin/activate", ".ci/run"),
     (r"pip install (-q )?torch==2\.13\.0", ".ci/run"),
-    (r"pip install (-q )?-e '\.\[dev\]'", ".ci/run"),
+    (r"pip install (-q )?-e '\.\[dev(,nixl)?\]'", ".ci/run"),
     (r"python -m pytest( -q)?", ".ci/run"),
     (r"mesh model tiny \S+", "tests/e2e/test_cli.py::test_model_tiny_is_deterministic"),
     (r"mesh generate --model \S+ .+", "tests/e2e/test_cli.py::test_generate_json_matches_the_engine"),

@@ -477,7 +477,7 @@ def test_gpu_limits_appear_when_asked_and_only_there():
         spec = pool["spec"]["template"]["spec"]
         assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
         assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
-        assert "--transports=nccl,nats" in containers(pool)[0]["args"]
+        assert "--transports=nccl,nixl,nats" in containers(pool)[0]["args"]
         assert containers(pool)[0]["image"] == "pdmesh:0.1.0-cuda"
     for name in ("gateway", "planner"):
         assert "nvidia.com/gpu" not in _limits(one(docs, "Deployment", component(name)))
@@ -670,3 +670,17 @@ async def test_probe_script_reads_the_registry(tmp_path):
             await bus.close()
         url = server.url
     assert (await probe(url)).returncode == 2  # NATS gone
+
+
+def test_workers_use_nixl_between_pods_with_the_ucx_environment():
+    for variant in ("default", "gpu"):
+        for role in ("decode", "prefill"):
+            c = containers(one(render(variant), "Deployment", component(role)))[0]
+            want = "--transports=nccl,nixl,nats" if variant == "gpu" else "--transports=nixl,nats"
+            assert want in c["args"], c["args"]
+            assert {"name": "UCX_TLS", "value": "tcp"} in c["env"]
+    with helm.Chart.load(CHART) as chart:  # nixl off: nats between pods, no UCX environment
+        out = chart.render({"workers": {"nixl": {"enabled": False}}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    c = containers(one(docs, "Deployment", component("decode")))[0]
+    assert "--transports=nats" in c["args"] and not any(e["name"] == "UCX_TLS" for e in c["env"])

@@ -1,0 +1,216 @@
+"""KV transfer between two simulated hosts (``bench/transfer.py --hosts 2``): nixl against a plain
+TCP socket and the nats channel, over the same veth link, in the same run.
+
+Host A (a network namespace) runs the nats-server and the receiver (the decode worker's side: a
+KV pool with the real ``NatsReceiver`` and ``NixlReceiver``, and a TCP server that ``recv_into``s
+a buffer); host B runs the sender (the real senders; ``sendall`` for the socket). One transfer
+moves N MB of consecutive blocks (256 KB each: 8 layers x 4 KV heads x 64 dims x 16 tokens,
+fp32) and ends when the receiver holds the bytes in its blocks (nats, nixl: the receiver's
+``finish`` answered) or in its buffer (socket: its one-byte ack). Root only (namespaces).
+
+    sudo python bench/transfer.py --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+LAYERS, HEADS, DIM, BS = 8, 4, 64, 16
+MODEL, WORKER = "bench", "bench-decode"
+TCP_PORT, NATS_PORT = 17411, 17422
+HERE = Path(__file__).resolve()
+
+
+def spec(num_blocks: int):
+    from kvstore.cache import KVCacheSpec
+
+    return KVCacheSpec(LAYERS, num_blocks, BS, HEADS, DIM, torch.float32)
+
+
+def digest(kv, ids: list[int]) -> str:
+    return hashlib.sha1(kv.read_blocks(ids).contiguous().numpy().tobytes()).hexdigest()
+
+
+# -- host A: the receiver ------------------------------------------------------------------
+def tcp_server(addr: str, max_bytes: int) -> None:
+    buf = bytearray(max_bytes)
+    srv = socket.create_server((addr, TCP_PORT))
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            view = memoryview(buf)
+            while (head := conn.recv(8, socket.MSG_WAITALL)) and len(head) == 8:
+                n, got = int.from_bytes(head, "little"), 0
+                while got < n:
+                    k = conn.recv_into(view[got:n])
+                    if not k:
+                        return
+                    got += k
+                conn.sendall(b"k")
+
+
+async def receiver(url: str, addr: str, num_blocks: int) -> None:
+    from kvstore.cache import KVCache
+    from kvstore.transfer import make_receiver
+    from mesh.bus import Bus
+
+    kv = KVCache(spec(num_blocks), torch.device("cpu"))
+    threading.Thread(target=tcp_server, args=(addr, num_blocks * spec(1).block_bytes), daemon=True).start()
+    bus = await Bus.connect(url, "bench-receiver")
+    rxs = {n: make_receiver(n, kv=kv, bus=bus, model=MODEL, worker_id=WORKER) for n in ("nats", "nixl")}
+    for rx in rxs.values():
+        await rx.start()
+
+    async def on_expect(msg):
+        q = json.loads(msg.data)
+        await msg.respond(json.dumps(rxs[q["transport"]].params(q["rid"], q["blocks"])).encode())
+
+    async def on_finish(msg):
+        q = json.loads(msg.data)
+        ok = await rxs[q["transport"]].finish(q["rid"])
+        rxs[q["transport"]].forget(q["rid"])
+        await msg.respond(b"ok" if ok else b"fail")
+
+    async def on_digest(msg):  # untimed: what the receiver's blocks hold
+        await msg.respond(digest(kv, json.loads(msg.data)["blocks"]).encode())
+
+    await bus.nc.subscribe("bench.expect", cb=on_expect)
+    await bus.nc.subscribe("bench.finish", cb=on_finish)
+    await bus.nc.subscribe("bench.digest", cb=on_digest)
+    await bus.nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+# -- host B: the sender --------------------------------------------------------------------
+async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str]) -> None:
+    from kvstore.cache import KVCache
+    from kvstore.transfer import TransferTarget, make_sender
+    from mesh.bus import Bus
+
+    bb = spec(1).block_bytes
+    n_max = max(mbs) * (1 << 20) // bb
+    src = KVCache(spec(n_max), torch.device("cpu"))
+    src.tensor.normal_()
+    bus = await Bus.connect(url, "bench-sender")
+    senders = {n: make_sender(n, bus=bus, worker_id="bench-prefill") for n in transports if n != "socket"}
+    sock = socket.create_connection((addr_a, TCP_PORT), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def one(name: str, rid: str, ids: list[int], check: bool) -> tuple[float, float]:
+        """(seconds in all, of which the sender's ``send``)."""
+        if name == "socket":
+            payload = memoryview(src.read_block_major(ids).view(-1).view(torch.uint8).numpy())
+            t0 = time.perf_counter()
+            await asyncio.to_thread(_socket_send, sock, payload)
+            return time.perf_counter() - t0, 0.0
+        q = {"transport": name, "rid": rid, "blocks": ids}
+        params = json.loads((await bus.nc.request("bench.expect", json.dumps(q).encode(), 10)).data)
+        t0 = time.perf_counter()
+        await senders[name].send(TransferTarget(rid, WORKER, ids, BS), params, src, ids)
+        sent = time.perf_counter() - t0
+        reply = await bus.nc.request("bench.finish", json.dumps(q).encode(), 60)
+        seconds = time.perf_counter() - t0
+        assert reply.data == b"ok", name
+        if check:  # the receiver's blocks hold exactly our bytes
+            theirs = await bus.nc.request("bench.digest", json.dumps(q).encode(), 60)
+            assert theirs.data.decode() == digest(src, ids), f"{name}: the bytes differ"
+        return seconds, sent
+
+    rows = []
+    for name in transports:  # warm-up: connections, the peer's metadata, registration
+        await one(name, f"warm-{name}", list(range(4)), check=True)
+    for mb in mbs:
+        ids = list(range(mb * (1 << 20) // bb))
+        for name in transports:
+            times = [await one(name, f"{mb}-{name}-{r}", ids, check=r == 0) for r in range(repeat)]
+            rows.append({"mb": mb, "transport": name, "seconds": [t for t, _ in times], "send": [s for _, s in times]})
+    print("RESULT " + json.dumps(rows), flush=True)
+    sock.close()
+    await bus.close()
+
+
+def _socket_send(sock: socket.socket, payload: memoryview) -> None:
+    sock.sendall(len(payload).to_bytes(8, "little"))
+    sock.sendall(payload)
+    if sock.recv(1) != b"k":
+        raise RuntimeError("the socket receiver did not ack")
+
+
+# -- the driver (root namespace) -----------------------------------------------------------
+def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str]) -> list[dict]:
+    # bench/netns_pair.py: this script's directory is first on sys.path
+    from netns_pair import HostPair
+
+    from mesh.natsserver import find_binary
+
+    transports = ["socket", "nats", transport] if transport not in ("socket", "nats") else ["socket", "nats"]
+    num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
+    procs: list[subprocess.Popen] = []
+    env = {**env, "PYTHONPATH": str(HERE.parents[1])}
+    with HostPair() as pair:
+        url = f"nats://{pair.addr_a}:{NATS_PORT}"
+        try:
+            procs.append(pair.run(pair.ns_a, [find_binary(), "-a", pair.addr_a, "-p", str(NATS_PORT), "-js", "-sd",
+                                              f"/tmp/{pair.ns_a}-js"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL))
+            time.sleep(0.5)
+            rx = pair.run(pair.ns_a, [sys.executable, str(HERE), "receiver", url, pair.addr_a, str(num_blocks)],
+                          env=env, stdout=subprocess.PIPE, text=True)
+            procs.append(rx)
+            for line in rx.stdout:  # NIXL logs on stdout too
+                if line.strip() == "ready":
+                    break
+            else:
+                raise SystemExit("the receiver did not start")
+            tx = pair.run(pair.ns_b, [sys.executable, str(HERE), "sender", url, pair.addr_a, json.dumps(mbs),
+                                      str(repeat), ",".join(transports)], env=env, stdout=subprocess.PIPE, text=True)
+            procs.append(tx)
+            out, _ = tx.communicate(timeout=1200)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if tx.returncode or not lines:
+                raise SystemExit(f"the sender failed (exit {tx.returncode})")
+            return json.loads(lines[-1][len("RESULT "):])
+        finally:
+            for p in reversed(procs):
+                p.kill()
+                p.wait(timeout=10)
+
+
+def report(rows: list[dict], repeat: int, env: dict[str, str]) -> None:
+    by = {(r["mb"], r["transport"]): statistics.median(r["seconds"]) for r in rows}
+    names = list(dict.fromkeys(r["transport"] for r in rows))
+    print(f"KV transfer between two network namespaces over a veth pair ({', '.join(f'{k}={v}' for k, v in env.items())}),"
+          f" median of {repeat}, GB/s (1e9 bytes/s)")
+    print(f"{'MB':>5} | " + " | ".join(f"{n:>8}" for n in names)
+          + (" | nixl/socket | nixl/nats" if "nixl" in names else ""))
+    for mb in dict.fromkeys(r["mb"] for r in rows):
+        g = {n: mb * (1 << 20) / by[(mb, n)] / 1e9 for n in names}
+        line = f"{mb:>5} | " + " | ".join(f"{g[n]:>8.3f}" for n in names)
+        if "nixl" in g:
+            line += f" | {g['nixl'] / g['socket']:>11.2f} | {g['nixl'] / g['nats']:>9.2f}"
+        print(line)
+    for r in rows:
+        print(f"  {r['mb']:>4} MB {r['transport']:>6}: " + " ".join(f"{s * 1000:.1f}" for s in r["seconds"])
+              + " ms (send: " + " ".join(f"{s * 1000:.1f}" for s in r["send"]) + ")")
+
+
+if __name__ == "__main__":
+    role, *rest = sys.argv[1:]
+    sys.path.insert(0, str(HERE.parents[1]))
+    if role == "receiver":
+        asyncio.run(receiver(rest[0], rest[1], int(rest[2])))
+    elif role == "sender":
+        asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(",")))

@@ -1,0 +1,260 @@
+"""``nixl``: any host, CPU (DRAM) or GPU (VRAM). The sender WRITEs its blocks straight into the
+decode worker's KV pool over NIXL (UCX: TCP between hosts here, RDMA and GPUDirect in a
+datacenter); a NIXL notification tells the receiver the bytes have landed.
+
+Each worker registers its whole KV pool once (``NixlNode.register``); the pool is the
+``[layers, 2, blocks, ...]`` tensor, so a run of consecutive blocks is one contiguous piece per
+(layer, K|V) plane: one descriptor per plane and run (``pieces``).
+
+    params  {"agent", "host", "rev", "md", "begin",             the receiver's agent and handshake
+             "addr", "size", "num_blocks", "layers",            its registered pool (flat values)
+             "block_size", "heads", "head_dim", "dtype", "gen"} the job's write generation
+
+Trust: the sender writes only into a region the receiver's agent itself lists in its metadata
+(the params' ``addr``/``size`` must be exactly that region, every descriptor inside it, every
+block id in range), and only after the receiver granted this job's generation (``NixlBegin``);
+anything else is ``Refused`` (logged, counted: ``pdmesh_nixl_refused``; the prefill worker
+counts it too and goes on serving).
+
+Fence (the shm contract, ``fence.py``): a job is armed by ``params``; a grant moves it to
+writing; ``revoke`` is True for a job never granted (no write will start: the grant is refused
+from now on) or one whose notification came, False while a granted write may still land.
+
+Tensor parallelism: TP 1 pools only (one tensor per side). A TP > 1 worker registers one region
+per rank (``head_shards``), and a head-range overlap of two shards is strided inside a block
+(heads are the second-last dim), so each (plane, run, overlap) needs a descriptor per token
+row: that is the work left for TP > 1; such workers use shm or nats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from kvstore.cache import KVCache, ShardedKVCache, block_runs
+from kvstore.transfer import (
+    TransferResult,
+    TransferTarget,
+    host_id,
+    register_receiver,
+    register_sender,
+)
+from kvstore.transfer.messenger import Messenger
+from kvstore.transfer.nixl_agent import POLL_MAX, POLL_MIN, NixlNode, Region, refuse
+
+log = logging.getLogger(__name__)
+
+FINISH_TIMEOUT = 5.0  # seconds the receiver waits for a notification once the sender says it is done
+
+
+class JobState(Enum):
+    ARMED = 1  # params handed out: no write granted yet
+    WRITING = 2  # a writer has its grant: bytes may land until its notification
+    DONE = 3  # the notification came
+    REVOKED = 4  # given up before any grant: none will be given
+
+
+@dataclass
+class _Job:
+    blocks: list[int]
+    gen: int
+    state: JobState = JobState.ARMED
+    writer: str = ""
+
+
+def one_tensor(kv: KVCache | ShardedKVCache):
+    """The pool as one contiguous tensor (TP 1), or ValueError."""
+    shards = kv.head_shards()
+    if len(shards) != 1 or not shards[0][2].tensor.is_contiguous():
+        raise ValueError("the nixl transport serves TP 1 KV pools (one tensor) only")
+    return shards[0][2].tensor
+
+
+def region_of(node: NixlNode, kind: str, tensor) -> Region:
+    mem = "VRAM" if tensor.is_cuda else "DRAM"
+    return node.register(kind, tensor.data_ptr(), tensor.numel() * tensor.element_size(), mem,
+                         tensor.device.index or 0 if tensor.is_cuda else 0)
+
+
+def pieces(base: int, num_blocks: int, planes: int, plane_block: int,
+           runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(addr, len) of each (plane, run of ``(first block, count)``) of a ``[planes, blocks, ...]`` pool."""
+    return [(base + (p * num_blocks + first) * plane_block, count * plane_block)
+            for p in range(planes) for first, count in runs]
+
+
+_INT = ("rev", "addr", "size", "num_blocks", "layers", "block_size", "heads", "head_dim", "gen")
+_STR = ("agent", "host", "md", "begin", "dtype")
+
+
+def check_params(params: dict) -> dict:
+    """The params, checked flat and well formed; ``Refused`` otherwise."""
+    try:
+        bad = [k for k in _INT if type(params[k]) is not int or params[k] < 0] + \
+              [k for k in _STR if not isinstance(params[k], str) or not params[k]]
+    except (KeyError, TypeError):
+        raise refuse("malformed", "nixl params lack a field") from None
+    if bad:
+        raise refuse("malformed", f"nixl params: bad {', '.join(bad)}")
+    return params
+
+
+@register_receiver("nixl")
+class NixlReceiver:
+    name = "nixl"
+
+    def __init__(self, kv: KVCache | ShardedKVCache, bus: Messenger, model: str, worker_id: str, **_):
+        self.tensor = one_tensor(kv)
+        self.spec = kv.spec
+        self.bus, self.model, self.worker_id = bus, model, worker_id
+        self.node = NixlNode.for_worker(worker_id)
+        self.region: Region | None = None
+        self.jobs: dict[str, _Job] = {}
+        self._gen = 0
+        s = bus.subjects
+        self._static = {"agent": self.node.name, "host": host_id(), "md": s.nixl(model, worker_id, "md"),
+                        "begin": s.nixl(model, worker_id, "begin"), "num_blocks": self.spec.num_blocks,
+                        "layers": self.spec.num_layers, "block_size": self.spec.block_size,
+                        "heads": self.spec.num_kv_heads, "head_dim": self.spec.head_dim,
+                        "dtype": str(self.spec.dtype).removeprefix("torch.")}
+
+    async def start(self) -> None:
+        # registering a large pool can take a while: off the event loop
+        self.region = await asyncio.to_thread(region_of, self.node, "kv", self.tensor)
+        self._static.update(addr=self.region.addr, size=self.region.size)
+        self.node.grants["kv"] = self._grant
+        await self.node.serve(self.bus, self.model, self.worker_id)
+
+    def card_params(self) -> dict:
+        """What the worker card says: the agent (its metadata is asked on ``md``, once per peer)."""
+        return {"agent": self.node.name, "host": host_id(), "md": self._static["md"]}
+
+    def params(self, request_id: str, dest_blocks: list[int]) -> dict:
+        self._gen = self._gen % (1 << 62) + 1
+        self.jobs[request_id] = _Job(list(dest_blocks), self._gen)
+        return {**self._static, "rev": self.node.rev, "gen": self._gen}
+
+    def _grant(self, job_id: str, gen: int, agent: str) -> str | None:
+        job = self.jobs.get(job_id)
+        if job is None or job.gen != gen:
+            return "no such job armed (late, or forged)"
+        if job.state is not JobState.ARMED:
+            return f"the job is {job.state.name.lower()}"
+        job.state, job.writer = JobState.WRITING, agent
+        return None
+
+    def _landed(self, request_id: str, job: _Job) -> bool:
+        """Has the writer's notification come (then the job is DONE)?"""
+        if job.state is JobState.WRITING:
+            who = self.node.take_notif(f"kv:{request_id}:{job.gen}".encode())
+            if who is not None and who != job.writer:
+                refuse("unknown_agent", f"a completion of {request_id} from {who!r}, not its writer")
+            elif who is not None:
+                job.state = JobState.DONE
+        return job.state is JobState.DONE
+
+    async def finish(self, request_id: str) -> bool:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        end, pause = time.monotonic() + FINISH_TIMEOUT, POLL_MIN
+        while not self._landed(request_id, job):
+            if job.state is not JobState.WRITING or time.monotonic() > end:
+                log.warning("nixl: no completion of %s came (%s)", request_id, job.state.name)
+                return False
+            await asyncio.sleep(pause)
+            pause = min(POLL_MAX, pause * 1.5)
+        return True
+
+    def revoke(self, request_id: str) -> bool:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return True
+        if job.state is JobState.ARMED:
+            job.state = JobState.REVOKED  # its grant is refused from now on: no write will start
+        return job.state is not JobState.WRITING or self._landed(request_id, job)
+
+    def forget(self, request_id: str) -> None:
+        self.jobs.pop(request_id, None)
+
+
+@register_sender("nixl")
+class NixlSender:
+    """``copy_delay_s``: fault injection (tests, chaos runs): each write waits this long after its
+    grant, so that it ends after the job's deadline."""
+
+    name = "nixl"
+
+    def __init__(self, bus: Messenger, worker_id: str = "", copy_delay_s: float = 0.0, **_):
+        self.bus = bus
+        self.node = NixlNode.for_worker(worker_id or f"sender-{os.getpid()}")
+        self.copy_delay_s = copy_delay_s
+
+    def usable(self, params: dict) -> bool:
+        check_params(params)
+        peer = self.node.peers.get(params["agent"])
+        if peer is not None and peer.rev >= params["rev"]:
+            self._region(peer.regions, params)  # Refused now, before the job is taken
+        return True
+
+    @staticmethod
+    def _region(regions: list[Region], params: dict) -> Region:
+        for r in regions:
+            if r.kind == "kv" and r.addr == params["addr"] and r.size == params["size"]:
+                return r
+        raise refuse("unregistered_memory", f"params name memory agent {params['agent']!r} never registered "
+                                            f"({params['size']} bytes at {params['addr']:#x})")
+
+    def _plan(self, target: TransferTarget, p: dict, src, src_blocks: list[int], mine: Region, dst: Region):
+        """The local and remote (addr, len) pieces of this job's blocks, every remote one inside ``dst``."""
+        spec = src.spec
+        if (p["layers"], p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
+                spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                str(spec.dtype).removeprefix("torch.")):
+            raise ValueError("the decode worker's KV layout or dtype differs from ours")
+        nb = p["num_blocks"]
+        if len(target.dest_block_ids) != len(src_blocks) or nb * spec.block_bytes != dst.size:
+            raise refuse("malformed", "blocks do not match the registered pool")
+        if any(not 0 <= b < nb for b in target.dest_block_ids):
+            raise refuse("block_range", "destination block out of range")
+        planes, plane_block = 2 * spec.num_layers, spec.block_bytes // (2 * spec.num_layers)
+        runs = block_runs(src_blocks, target.dest_block_ids)
+        local = pieces(mine.addr, spec.num_blocks, planes, plane_block, [(s, n) for s, _, n in runs])
+        remote = pieces(dst.addr, nb, planes, plane_block, [(d, n) for _, d, n in runs])
+        if not all(dst.holds(a, n) for a, n in remote):
+            raise refuse("unregistered_memory", "a descriptor outside the registered pool")
+        return local, remote
+
+    async def send(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache,
+                   src_blocks: list[int]) -> TransferResult:
+        p = check_params(params)
+        t0 = time.perf_counter()
+        tensor = one_tensor(src)
+        mine = self.node.registered(tensor.data_ptr(), tensor.numel() * tensor.element_size()) or \
+            await asyncio.to_thread(region_of, self.node, "kv", tensor)  # once: registering takes a while
+        peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
+        dst = self._region(peer.regions, p)
+        local, remote = self._plan(target, p, src, src_blocks, mine, dst)
+        await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
+        # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
+        # so that the PrefillDone sent after it means nothing writes the blocks any more.
+        write = asyncio.ensure_future(self._write(peer, mine, local, dst, remote,
+                                                  f"kv:{target.request_id}:{p['gen']}".encode()))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await write
+            raise
+        nbytes = len(src_blocks) * src.spec.block_bytes
+        return TransferResult(self.name, nbytes, time.perf_counter() - t0, len(local))
+
+    async def _write(self, peer, mine: Region, local, dst: Region, remote, notif: bytes) -> None:
+        if self.copy_delay_s:  # fault injection: a write that ends after the deadline
+            await asyncio.sleep(self.copy_delay_s)
+        await self.node.write(peer, mine, local, dst, remote, notif)

@@ -1,0 +1,205 @@
+"""The ``nixl`` KV transport between two workers that act as two hosts (``MESH_HOST_ID``): real
+nats-server, real decode and prefill worker processes, ``--transports nixl,nats``.
+
+- Greedy output through a prefill -> decode pair over nixl equals the single-process engine's,
+  every long prompt crossed nixl (counters of both sides, the transfer metric by transport).
+- Forged descriptors through real jobs (memory the decode worker never registered, a block out
+  of range, an agent that is not the worker's) are refused, logged and counted, and the same
+  prefill worker goes on serving over nixl.
+- A write that ends after the job's deadline (``MESH_FAULT_KV_COPY_DELAY_S``): the request
+  prefills locally at the deadline, the written blocks stay fenced until the write's
+  notification or its PrefillDone, then come back; tokens stay the engine's.
+- The fence contract on its own (two agents in this process): a job never granted revokes at
+  once and its writer is refused; a granted one only after its notification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from mesh.prefill_queue import PrefillQueue
+from mesh.protocol import PrefillDone, PrefillJob
+from tests.helpers.cluster import Watcher, run_all
+
+pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
+
+THRESHOLD = 64
+LENGTHS = [20, 70, 130, 200, 333]
+MAX_TOKENS = 8
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return Engine(EngineConfig(tiny_model, num_kv_blocks=256))
+
+
+def expected(engine, p: list[int], n: int = MAX_TOKENS) -> list[int]:
+    return engine.generate([p], SamplingParams(max_tokens=n, temperature=0.0))[0].output_token_ids
+
+
+def pair(cluster, tiny_model, tag: str, blocks: int, prefill_env: dict | None = None, *decode_flags: str):
+    """A decode and a prefill worker on two simulated hosts, in namespace ``tag``."""
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", str(blocks), "--transports", "nixl,nats",
+             "--ns", tag]
+    cluster.worker("decode", *flags, "--worker-id", f"dec-{tag}", "--disagg-threshold", str(THRESHOLD),
+                   *decode_flags, env={"MESH_HOST_ID": f"host-a-{tag}"})
+    cluster.worker("prefill", *flags, "--worker-id", f"pre-{tag}", "--prefill-capacity", "8",
+                   env={"MESH_HOST_ID": f"host-b-{tag}", **(prefill_env or {})})
+
+
+async def ready(cluster, tag: str) -> Watcher:
+    w = await Watcher.open(cluster.nats_url, ns=tag)
+    await w.wait_for(lambda: w.membership.get(f"dec-{tag}") and w.membership.get(f"pre-{tag}"), 120, "both workers")
+    await w.fresh_load(f"pre-{tag}")  # the decode worker hears the prefill worker's load too
+    await asyncio.sleep(1.2)
+    return w
+
+
+def forged_job(params: dict, blocks: list[int]) -> PrefillJob:
+    return PrefillJob(request_id=f"forged-{uuid.uuid4().hex[:8]}", model="tiny", token_ids=list(range(3, 35)),
+                      decode_worker="ghost", num_cached_tokens=0, dest_block_ids=blocks,
+                      transports={"nixl": params}, deadline=time.time() + 30, block_size=16)
+
+
+async def test_greedy_output_over_nixl_and_forged_descriptors_refused(cluster, tiny_model, engine):
+    pair(cluster, tiny_model, "nx", 512)
+    w = await ready(cluster, "nx")
+    try:
+        card = w.membership.get("dec-nx")
+        assert card.transports["nixl"]["agent"].startswith("dec-nx-")
+        assert card.transports["nixl"]["host"] == "host-a-nx"
+        prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
+        results = await run_all(w.bus, "dec-nx", prompts, max_tokens=MAX_TOKENS)
+        for p, (toks, last) in zip(prompts, results, strict=True):
+            assert toks == expected(engine, p), f"prompt of {len(p)} tokens differs"
+            assert last.finish_reason == "length"
+        long_ones = sum(1 for n in LENGTHS if n >= THRESHOLD)
+        dec, pre = await w.fresh_load("dec-nx"), await w.fresh_load("pre-nx")
+        assert dec.counters.get("transport_nixl") == long_ones, dec.counters
+        assert pre.counters.get("transport_nixl") == long_ones and not pre.counters.get("transport_nats"), pre.counters
+        assert dec.kv_blocks_used == 0 and dec.running == 0
+
+        # Forged jobs against the real decode worker's agent.
+        done: list[PrefillDone] = []
+
+        async def on_done(msg: PrefillDone, raw) -> None:
+            done.append(msg)
+
+        await w.bus.subscribe(w.bus.subjects.kv_ready("tiny", "ghost"), on_done, PrefillDone)
+        s = w.bus.subjects
+        real = {"agent": card.transports["nixl"]["agent"], "host": "host-a-nx", "rev": 1,
+                "md": s.nixl("tiny", "dec-nx", "md"), "begin": s.nixl("tiny", "dec-nx", "begin"),
+                "num_blocks": 512, "layers": engine.kv_cache.spec.num_layers, "block_size": 16,
+                "heads": engine.kv_cache.spec.num_kv_heads, "head_dim": engine.kv_cache.spec.head_dim,
+                "dtype": "float32", "gen": 1, "addr": 0x10000, "size": 512 * engine.kv_cache.spec.block_bytes}
+        jobs = [
+            forged_job(real, [0, 1]),  # memory it never registered
+            forged_job({**real, "agent": "ghost-agent"}, [0, 1]),  # an agent it does not know
+            forged_job({**real, "addr": "0x10000"}, [0, 1]),  # not flat/typed
+        ]
+        queue = PrefillQueue(w.bus, "tiny")
+        for job in jobs:
+            await queue.publish(job)
+        await w.wait_for(lambda: len(done) == len(jobs), 30, "an answer to every forged job")
+        errors = {d.request_id: d.error for d in done}
+        assert all(not d.ok for d in done)
+        assert "never registered" in errors[jobs[0].request_id], errors
+        assert "ghost-agent" in errors[jobs[1].request_id], errors
+        assert "refused: nixl" in errors[jobs[2].request_id], errors
+        pre = await w.fresh_load("pre-nx")
+        assert pre.counters.get("refused_jobs") == len(jobs), pre.counters
+        # the same prefill worker still serves over nixl
+        p = prompt(150, 99)
+        ((toks, _),) = await run_all(w.bus, "dec-nx", [p], max_tokens=MAX_TOKENS)
+        assert toks == expected(engine, p)
+        dec = await w.fresh_load("dec-nx")
+        assert dec.counters.get("transport_nixl") == long_ones + 1, dec.counters
+    finally:
+        await w.close()
+
+
+DELAY = 4.0  # the late write waits this long after its grant, seconds
+TIMEOUT = 1.5  # the decode worker's --prefill-timeout
+
+
+async def test_a_late_nixl_write_is_fenced_until_it_lands(cluster, tiny_model, engine):
+    pair(cluster, tiny_model, "nxf", 64, {"MESH_FAULT_KV_COPY_DELAY_S": str(DELAY)},
+         "--prefill-timeout", str(TIMEOUT))
+    w = await ready(cluster, "nxf")
+    try:
+        p = prompt(150, 7)  # 10 blocks for the prefill worker to write
+        t0 = time.monotonic()
+        ((toks, last),) = await run_all(w.bus, "dec-nxf", [p], max_tokens=MAX_TOKENS)
+        assert toks == expected(engine, p) and last.finish_reason == "length"
+        assert time.monotonic() - t0 < TIMEOUT + DELAY / 2  # fell back at the deadline, not after the write
+        c = (await w.fresh_load("dec-nxf")).counters
+        assert c.get("local_prefill_fallback") == 1 and c.get("fenced_jobs") == 1, c
+        report = await w.wait_for(lambda: (r := w.loads.get("dec-nxf")) and r.counters.get("unfenced_jobs") and r,
+                                  DELAY + 10, "the fenced blocks back in the pool")
+        assert report.kv_blocks_used == 0
+        ((toks, _),) = await run_all(w.bus, "dec-nxf", [p], max_tokens=MAX_TOKENS)
+        assert toks == expected(engine, p)  # from its cached blocks: the late write landed in none of them
+    finally:
+        await w.close()
+
+
+async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(nats_server):
+    """The fence contract in one process (two agents, a real nats-server): blocks of a job never
+    granted are free at once and its writer is refused; a granted job's blocks are not, until
+    the write's notification has come; the bytes land intact in the named blocks only."""
+    import torch
+
+    from kvstore.cache import KVCache, KVCacheSpec
+    from kvstore.transfer import Refused, TransferTarget, make_receiver, make_sender
+    from mesh.bus import Bus
+    from tests.helpers.cluster import wait_until
+
+    bus = await Bus.connect(nats_server.url, "test-nixl-fence", ns="nxfence")
+    try:
+        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
+        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
+        src.tensor.normal_()
+        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id="fence-dec")
+        await rx.start()
+        tx = make_sender("nixl", bus=bus, worker_id="fence-pre")
+
+        params = rx.params("r1", [5, 6, 7, 2])
+        result = await tx.send(TransferTarget("r1", "fence-dec", [5, 6, 7, 2], 4), params, src, [0, 1, 2, 9])
+        assert result.chunks == 2 * 2 * 2  # (layer, K|V) planes x runs [5,6,7] and [2]
+        assert await rx.finish("r1") and rx.revoke("r1")
+        for s, d in zip([0, 1, 2, 9], [5, 6, 7, 2], strict=True):
+            assert torch.equal(dst.tensor[:, :, d], src.tensor[:, :, s])
+        assert dst.tensor[:, :, [0, 1, 3, 4, 8]].abs().sum() == 0  # nothing else written
+
+        params = rx.params("r2", [1])
+        assert rx.revoke("r2")  # never granted: free at once, and no write will start
+        with pytest.raises(RuntimeError, match="no write grant"):
+            await tx.send(TransferTarget("r2", "fence-dec", [1], 4), params, src, [3])
+        assert dst.tensor[:, :, 1].abs().sum() == 0
+
+        params = rx.params("r3", [4])
+        await tx.node.ask_grant(bus, params["begin"], "kv", "r3", params["gen"])  # granted, not yet written
+        assert not rx.revoke("r3")  # a write may still land
+        peer = await tx.node.peer(bus, params["md"], params["agent"], params["rev"])
+        mine = tx.node.registered(src.tensor.data_ptr(), spec.total_bytes)
+        dst_region = tx._region(peer.regions, params)
+        local, remote = tx._plan(TransferTarget("r3", "fence-dec", [4], 4), params, src, [3], mine, dst_region)
+        await tx.node.write(peer, mine, local, dst_region, remote, f"kv:r3:{params['gen']}".encode())
+        await wait_until(lambda: rx.revoke("r3"), 5, "the write's notification")
+        with pytest.raises(Refused):  # a block past the pool
+            tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
+    finally:
+        await bus.close()

@@ -1,0 +1,49 @@
+"""Which KV transports a worker uses by default: nixl between hosts when NIXL imports (TP 1), and
+without it one log line that KV between hosts goes over nats (a child process where the
+``nixl_cu12`` import fails, as on a machine without the extra)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from kvstore.transfer import PREFERENCE, nixl_available, ordered
+from worker.base import WorkerSettings
+
+CHILD = """
+import logging, sys
+sys.modules["nixl_cu12"] = None  # the import fails, as without the nixl extra
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from engine.config import EngineConfig
+from worker.base import WorkerSettings
+ws = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"))
+print(ws.transport_names()); print(ws.transport_names())
+try:
+    WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"), transports=("nixl", "nats")).transport_names()
+except ValueError as e:
+    print("error:", e)
+"""
+
+
+def test_preference_puts_nixl_between_the_same_host_paths_and_nats():
+    assert PREFERENCE.index("shm") < PREFERENCE.index("nixl") < PREFERENCE.index("nats")
+    assert ordered(["nats", "nixl", "shm"]) == ["shm", "nixl", "nats"]
+
+
+@pytest.mark.skipif(not nixl_available(), reason="the nixl extra is not installed")
+def test_cpu_workers_offer_nixl_when_it_imports():
+    ws = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"))
+    assert ws.transport_names() == ["shm", "nixl", "nats"]
+    tp2 = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu", tp=2), transports=("nixl", "nats"))
+    assert tp2.transport_names() == ["nats"]  # nixl registers one pool tensor: TP 1 only
+
+
+def test_without_nixl_one_line_says_nats_carries_kv_between_hosts():
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = out.splitlines()
+    assert lines.count("['shm', 'nats']") == 2
+    assert sum("KV between hosts goes over nats" in ln for ln in lines) == 1, out  # once, not per call
+    assert any(ln.startswith("error:") and "pip install 'pdmesh[nixl]'" in ln for ln in lines), out
