@@ -347,6 +347,7 @@ class HostBed:
         """Host ``i`` back after ``kill_host``: a fresh /dev/shm, its nats-server on its old store, its roles."""
         host = self.hosts[i]
         self._start_host(i, timeout)
+        self.wait_jetstream()  # roles that start before the server rejoined find no JetStream (503)
         for argv, env in host.roles:
             self.spawn(i, argv, env, remember=False)
 
