@@ -98,6 +98,9 @@ class Membership:
         self._watch_task: asyncio.Task | None = None
         self._rewatching = False  # the watch is being re-opened: no news is not bad news
         self._models_seen: dict[str, float] = {}  # model -> monotonic time a card of it was last seen
+        self._last_entry = time.monotonic()  # of the last fresh card the watch delivered
+        self._hold_until = 0.0  # monotonic: no card expires before (the watch was just re-opened)
+        self._stall_task: asyncio.Task | None = None
         self.ready = asyncio.Event()
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
@@ -134,6 +137,8 @@ class Membership:
                     await asyncio.sleep(0.5 * (attempt + 1))
         finally:
             self._rewatching = False
+            # the workers get one refresh period to be heard on the new watch before any expires
+            self._hold_until = time.monotonic() + self.ttl / 2
         if task is not None:
             task.cancel()
             if task in self._tasks:
@@ -191,6 +196,7 @@ class Membership:
             if age >= self.ttl:
                 continue
             self._cards[card.worker_id] = card
+            self._last_entry = time.monotonic()
             self._models_seen[card.model] = time.monotonic()
             self._notify(card.worker_id, card)
             self.ready.set()
@@ -208,7 +214,7 @@ class Membership:
         while True:
             await asyncio.sleep(min(1.0, self.ttl / 4))
             now = time.monotonic()
-            if self._rewatching:
+            if self._rewatching or now < self._hold_until:
                 # the replay after the watch is back refreshes every live card: count from then
                 self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
                 continue
@@ -217,6 +223,22 @@ class Membership:
                 if wid in self._cards:
                     log.info("worker %s expired from the registry", wid)
                     self._drop(wid)
+            self._check_stall(now)
+
+    def _check_stall(self, now: float) -> None:
+        """Every live worker refreshes its card each ``ttl / 3``: when none has been heard for
+        ``ttl / 2``, the registry is what stalled (its stream's leader lost with a host, a cluster
+        electing another), not every worker at once. The watch is re-opened, and no card expires
+        until it is back; its replay then says which workers really are gone."""
+        if not self._cards or now - self._last_entry <= self.ttl / 2:
+            return
+        if self._stall_task is not None and not self._stall_task.done():
+            return
+        log.info("no card refreshed for %.1fs: re-opening the registry watch", now - self._last_entry)
+        self._rewatching = True
+        self._last_entry = now  # one re-open per stall
+        self._stall_task = asyncio.create_task(self._rewatch(), name="registry-rewatch")
+        self._tasks.append(self._stall_task)
 
     def _notify(self, worker_id: str, card: WorkerCard | None) -> None:
         for fn in self._listeners:

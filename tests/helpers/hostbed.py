@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +183,7 @@ class HostBed:
                 self.hosts[i] = self._make_host(i)
             for i in self.hosts:
                 self._start_host(i)
+            self.wait_jetstream()
         except BaseException:
             self.stop()
             raise
@@ -226,6 +228,20 @@ class HostBed:
         else:
             host.nats.launcher = tuple(host.enter())
         host.nats.start(timeout)
+
+    def wait_jetstream(self, timeout: float = 30.0) -> None:
+        """Until every running server knows the cluster's JetStream leader (its /jsz says so)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        for host in self.hosts.values():
+            while self.alive(host.index):
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    if (httpx.get(f"{host.monitor}/jsz", timeout=2).json().get("meta_cluster") or {}).get("leader"):
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"host {host.index}: no JetStream leader within {timeout:.0f}s")
+                time.sleep(0.1)
 
     def stop(self) -> None:
         """Every process, namespace, link and directory of the bed; safe to call twice."""
@@ -331,6 +347,7 @@ class HostBed:
         """Host ``i`` back after ``kill_host``: a fresh /dev/shm, its nats-server on its old store, its roles."""
         host = self.hosts[i]
         self._start_host(i, timeout)
+        self.wait_jetstream()  # roles that start before the server rejoined find no JetStream (503)
         for argv, env in host.roles:
             self.spawn(i, argv, env, remember=False)
 

@@ -3,8 +3,9 @@ host 2, a decode worker on host 3, each host its own network, /dev/shm and hostn
 nats-server of a cluster (``tests.helpers.hostbed``).
 
 Greedy outputs through the official ``openai`` client equal the engine's in-process run, the
-long prompts are prefilled on host 2, and their KV crossed between hosts on a transport that
-reaches across hosts (shm, which needs one /dev/shm, carried nothing). Peer fetch across hosts
+long prompts are prefilled on host 2, and their KV crossed between hosts on the first transport
+of the decode worker's that reaches across hosts (nixl where it is installed, else nats; shm,
+which needs one /dev/shm, carried nothing). Peer fetch across hosts
 gives the cold run's tokens.
 """
 

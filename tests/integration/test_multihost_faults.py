@@ -204,3 +204,32 @@ async def test_the_routers_view_of_a_partitioned_host_is_rebuilt_after_it_heals(
     finally:
         await router.stop()
         await w.close()
+
+
+async def test_losing_the_registrys_leader_host_drops_no_live_worker(hostbed):
+    """The host of the registry bucket's stream leader is killed: while the survivors elect another
+    (no card can be refreshed meanwhile), a membership view on a surviving host keeps every worker
+    of the surviving hosts (before the fix every card expired and the gateway answered 503 "no live
+    worker" to everything for seconds), and drops the dead host's worker."""
+    flags = [*BUS_FLAGS, "--mock-speedup", "20"]
+    for i in (1, 2, 3):
+        hostbed.worker(i, "mock", *flags, "--worker-id", f"reg-{i}")
+    w = await open_watcher(hostbed.hosts[1].nats_url)
+    await w.wait_workers("decode", 3, model="mock", timeout=120)
+    info = await w.bus.js.stream_info("KV_mesh_workers")
+    leader = int(info.cluster.leader.rsplit("-h", 1)[1])
+    await w.close()
+    survivors = [i for i in (1, 2, 3) if i != leader]
+    w = await open_watcher(hostbed.hosts[survivors[0]].nats_url)
+    try:
+        await w.wait_workers("decode", 3, model="mock", timeout=30)
+        hostbed.kill_host(leader)
+        missing: set[str] = set()
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            missing |= {f"reg-{i}" for i in survivors if w.membership.get(f"reg-{i}") is None}
+            await asyncio.sleep(0.1)
+        assert not missing, f"live workers dropped: {missing}"
+        await w.wait_for(lambda: w.membership.get(f"reg-{leader}") is None, 30, "the dead host's worker to leave")
+    finally:
+        await w.close()
