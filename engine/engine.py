@@ -98,6 +98,8 @@ class Engine(EngineCore):
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=config.lora_slots,
             async_scheduling=config.use_async_scheduling,
+            speculative=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
 
     def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:

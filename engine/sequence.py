@@ -65,6 +65,9 @@ class TokenLogprob:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+    # Speculative decoding: the tokens the same step emitted after this one (accepted drafts'
+    # verified successors), in order; () for a row that drafted nothing or accepted no draft.
+    then: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)

@@ -1,0 +1,148 @@
+"""Speculative decoding (issue 34): drafters propose, one forward pass verifies, greedy rows
+accept the longest matching prefix, and the output is token-identical to decoding without it.
+
+The real engine on the tiny model (CPU): ``ngram`` and the benchmark's ``oracle`` drafter (the
+target's own continuation, partly corrupted), in batches mixing drafting and non-drafting rows,
+with ``max_tokens`` and stop tokens landing inside a draft, prefix-cache hits and preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.sampling import SamplingParams
+from engine.spec.drafter import SpecConfig, create_drafter
+from engine.spec.ngram import lookup
+from engine.spec.oracle import OracleDrafter
+from engine.spec.verify import accept_greedy
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert lookup(toks, 2, 3, 1) == [7, 8]  # "1 2 3" last seen before the suffix at index 4
+    assert lookup([4, 5, 6], 3, 3, 1) == []  # nothing repeats
+    assert lookup([5, 6, 5], 2, 3, 1) == [6, 5]  # falls back to a 1-gram
+
+
+def test_greedy_verification_accepts_the_matching_prefix_and_the_token_after():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus a bonus
+    assert accept_greedy([5, 9, 7], [5, 6, 7, 8]) == [5, 6]  # second rejected: the target's correction
+    assert accept_greedy([1], [2, 3]) == [2]
+
+
+def test_an_unknown_method_or_k_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
+        SpecConfig("medusa")
+    with pytest.raises(ValueError, match="num-speculative-tokens"):
+        SpecConfig("ngram", 0)
+    assert create_drafter("ngram:2").max_n == 2
+
+
+@pytest.fixture(scope="module")
+def make_engine(tiny_model):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    def make(**kw):
+        cfg = dict(device="cpu", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, block_size=4)
+        return Engine(EngineConfig(tiny_model, **{**cfg, **kw}))
+
+    return make
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(8, 4096) for _ in range(5 + i)]
+        out.append(base * 3)  # repeats: prompt lookup has something to find
+    return out
+
+
+def outputs(engine, ps, params) -> list[list[int]]:
+    return [s.output_token_ids for s in engine.generate(ps, params)]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy rows that draft, one greedy row that opts out, one sampled row (seeded)."""
+    out = [greedy(9 + 3 * i, ignore_eos=True) for i in range(n)]
+    out[1] = greedy(11, ignore_eos=True, speculate=False)
+    out[2] = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+    return out
+
+
+def test_ngram_is_token_identical_in_a_mixed_batch(make_engine):
+    ps, params = prompts(6), mixed_params(6)
+    plain = outputs(make_engine(), ps, params)
+    spec = make_engine(speculative="ngram", num_speculative_tokens=3)
+    assert outputs(spec, ps, params) == plain
+    assert spec.scheduler.spec.drafted > 0  # it did speculate
+
+
+def oracle_engine(make_engine, ps, ref, alpha, **kw):
+    engine = make_engine(speculative="ngram", **kw)
+    engine.scheduler.drafter = OracleDrafter({tuple(p): r for p, r in zip(ps, ref, strict=True)}, alpha,
+                                             engine.vocab_size, seed=3)
+    return engine
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.6, 0.0])
+def test_oracle_drafts_are_token_identical_and_max_tokens_cut_inside_a_draft(make_engine, alpha):
+    ps = prompts(5, seed=2)
+    ref = outputs(make_engine(), ps, greedy(40, ignore_eos=True))
+    # max_tokens 1 + 4 + 2: the second step's draft of 4 runs past it
+    params = [greedy(m, ignore_eos=True) for m in (7, 10, 13, 3, 40)]
+    want = [r[:p.max_tokens] for r, p in zip(ref, params, strict=True)]
+    engine = oracle_engine(make_engine, ps, ref, alpha, num_speculative_tokens=4)
+    assert outputs(engine, ps, params) == want
+    c = engine.scheduler.spec
+    assert c.drafted > 0
+    if alpha == 1.0:
+        assert c.accepted == c.drafted and c.mean_accepted_length > 3  # every draft accepted
+        assert engine.num_steps < sum(p.max_tokens for p in params) / 2
+    if alpha == 0.0:
+        assert c.accepted == 0 and c.emitted == c.steps
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block came back (rolled-back ones too)
+
+
+def test_a_stop_token_inside_a_draft_ends_the_output_there(make_engine):
+    ps = prompts(3, seed=4)
+    ref = outputs(make_engine(), ps, greedy(30, ignore_eos=True))
+    stops = [r[5] for r in ref]  # the 6th token: inside the second step's draft (1 + 4 + ...)
+    params = [greedy(30, ignore_eos=True, stop_token_ids=(s,)) for s in stops]
+    want = [r[: r.index(s) + 1] for r, s in zip(ref, stops, strict=True)]
+    engine = oracle_engine(make_engine, ps, ref, 1.0, num_speculative_tokens=4)
+    seqs = engine.generate(ps, params)
+    assert [s.output_token_ids for s in seqs] == want
+    assert all(s.status.finish_reason == "stop" for s in seqs)
+
+
+def test_prefix_hit_then_speculation_and_hashes_cover_only_accepted_tokens(make_engine):
+    ps = prompts(2, seed=5)
+    ref = outputs(make_engine(), ps, greedy(24, ignore_eos=True))
+    engine = oracle_engine(make_engine, ps, ref, 0.5, num_speculative_tokens=4)
+    assert outputs(engine, ps, greedy(24, ignore_eos=True)) == ref
+    again = engine.generate(ps, greedy(24, ignore_eos=True))
+    assert [s.output_token_ids for s in again] == ref
+    assert all(s.num_cached_tokens > 0 for s in again)
+    # every cached block is named by the hash of real tokens: a fresh sequence of the same
+    # tokens (prompt + output) finds all its full blocks but the last
+    for s in again:
+        probe = engine.new_sequence(s.token_ids, greedy(1))
+        assert len(engine.kv_manager.match_prefix(probe)) == (len(s.token_ids) - 1) // engine.block_size
+
+
+def test_speculation_under_preemption_is_token_identical(make_engine):
+    ps = prompts(6, seed=6)
+    params = greedy(30, ignore_eos=True)
+    ref = outputs(make_engine(), ps, params)
+    engine = oracle_engine(make_engine, ps, ref, 0.7, num_speculative_tokens=4, num_kv_blocks=30)
+    assert outputs(engine, ps, params) == ref
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.spec.accepted > 0
