@@ -54,9 +54,11 @@ class PendingStep:
     samples: SampledBatch | None
     index: dict[Sequence, int]  # which row of samples.tokens is whose token
     # Speculative decoding: the target's greedy token at every drafted position, drafting rows in
-    # order, and per drafting row (its index in samples, its drafts).
+    # order; per drafting row (its index in samples, its drafts); the tokens sampled drafting rows
+    # emit (rejection sampling, done at launch), by index in samples.
     targets: torch.Tensor | None = None
     drafting: list[tuple[int, list[int] | tuple[int, ...]]] = field(default_factory=list)
+    sampled: dict[int, list[int]] = field(default_factory=dict)
 
     def result(self) -> list[SampledToken]:
         """The tokens, in ``sampling_chunks`` order (waits for the device); a drafting row's
@@ -69,8 +71,8 @@ class PendingStep:
         for i, drafts in self.drafting:
             first = tokens[i]
             k = len(drafts)
-            emitted = accept_greedy(list(drafts), [first.token_id, *targets[at:at + k]])
-            tokens[i] = SampledToken(first.token_id, first.logprob, tuple(emitted[1:]))
+            emitted = self.sampled.get(i) or accept_greedy(list(drafts), [first.token_id, *targets[at:at + k]])
+            tokens[i] = SampledToken(emitted[0], first.logprob, tuple(emitted[1:]))
             at += k
         return tokens
 
@@ -127,7 +129,20 @@ class ModelRunner:
         targets = logits[n:].argmax(dim=-1) if draft_rows else None
         if targets is not None and targets.device.type == "cuda":
             targets = targets.to("cpu", non_blocking=True)  # read after samples.to_host() synchronized
-        return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, targets, drafting)
+        sampled = self._rejection_sample(logits, n, drafting, seqs) if draft_rows else {}
+        return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, targets, drafting, sampled)
+
+    def _rejection_sample(self, logits: torch.Tensor, n: int, drafting: list, seqs: list[Sequence]) -> dict:
+        """The tokens each sampled drafting row emits (``logits``: the step's sampled rows, then its
+        drafted ones); greedy rows are verified from the argmax when the step resolves."""
+        out, at = {}, n
+        for i, drafts in drafting:
+            seq = seqs[i]
+            if not seq.params.greedy:
+                rows = torch.cat([logits[i:i + 1], logits[at:at + len(drafts)]])
+                out[i] = self.sampler.sample_drafted(rows, seq, drafts)
+            at += len(drafts)
+        return out
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""

@@ -5,9 +5,10 @@ far); the scheduler reserves their positions, the runner computes the target's l
 and ``engine.spec.verify`` keeps the longest prefix the target agrees with. A drafter never
 changes the output: a wrong draft only costs a wasted position.
 
-Which rows draft (``can_draft``): greedy rows with nothing that reads each token as it is
-sampled (penalties, a grammar, logprobs, ``min_tokens`` still to reach), and not opted out
-(``SamplingParams.speculate``). Sampled rows wait for rejection sampling.
+Which rows draft (``can_draft``): rows with nothing that reads each token as it is sampled
+(penalties, a grammar, logprobs, ``min_tokens`` still to reach), and not opted out
+(``SamplingParams.speculate``). Greedy rows accept the longest prefix the target's argmax agrees
+with; sampled rows use rejection sampling (``engine.spec.verify``).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def create_drafter(method: str) -> Drafter:
 
 
 def can_draft(seq: Sequence) -> bool:
-    """Whether ``seq``'s next tokens may be drafted and verified greedily."""
+    """Whether ``seq``'s next tokens may be drafted (and verified)."""
     p = seq.params
-    return (p.speculate and p.greedy and not p.has_penalties and p.constraint is None
+    return (p.speculate and not p.has_penalties and p.constraint is None
             and p.logprobs is None and len(seq.output_token_ids) >= p.min_tokens)
 
 

@@ -70,10 +70,12 @@ def outputs(engine, ps, params) -> list[list[int]]:
 
 
 def mixed_params(n: int) -> list[SamplingParams]:
-    """Greedy rows that draft, one greedy row that opts out, one sampled row (seeded)."""
+    """Greedy rows that draft, one greedy row that opts out, a sampled one that opts out (seeded:
+    with speculation it would draw other tokens from the same distribution), one with penalties."""
     out = [greedy(9 + 3 * i, ignore_eos=True) for i in range(n)]
     out[1] = greedy(11, ignore_eos=True, speculate=False)
-    out[2] = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+    out[2] = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, speculate=False)
+    out[3] = greedy(12, ignore_eos=True, repetition_penalty=1.2)
     return out
 
 
@@ -146,3 +148,89 @@ def test_speculation_under_preemption_is_token_identical(make_engine):
     assert outputs(engine, ps, params) == ref
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.spec.accepted > 0
+
+
+# -- sampled rows: rejection sampling preserves the target's distribution ---------------------
+
+CHI2_CRITICAL_0001 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59]  # df 1..10
+TOP_K = 3
+
+
+def target_pairs(model_dir, prompt: list[int], temperature: float) -> dict[tuple[int, int], float]:
+    """P(first two tokens) under temperature and top-k, from Hugging Face transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+
+    def dist(ids):
+        with torch.no_grad():
+            x = model(torch.tensor([ids])).logits[0, -1] / temperature
+        vals, idx = x.topk(TOP_K)
+        return dict(zip(idx.tolist(), torch.softmax(vals, -1).tolist(), strict=True))
+
+    return {(a, b): pa * pb for a, pa in dist(prompt).items() for b, pb in dist(prompt + [a]).items()}
+
+
+def chi_square(counts: dict, expected: dict[tuple[int, int], float], n: int) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells expected under 5 are pooled, as is
+    anything outside the support."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, n - sum(counts.get(c, 0) for c in expected), 0.0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    else:
+        assert pooled_obs == 0, "tokens outside the top-k support were drawn"
+    return stat, df
+
+
+class FixedDrafter:
+    """Drafts ``token`` for the second output token, whatever came before: accepted with its
+    probability after one first token, never after the others (outside their top-k)."""
+
+    name = "fixed"
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, seq, k: int) -> list[int]:
+        return [self.token] if len(seq.output_token_ids) == 1 else []
+
+
+def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
+    from collections import Counter
+
+    prompt = random.Random(9).sample(range(8, 4096), 12)
+    temperature, n = 2.0, 1200
+    expected = target_pairs(tiny_model, prompt, temperature)
+    # the draft: the second token whose probability after its first one is nearest 1/2
+    first = Counter()
+    for (a, _), p in expected.items():
+        first[a] += p
+    draft = min(expected, key=lambda c: abs(expected[c] / first[c[0]] - 0.5))[1]
+    params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=TOP_K, seed=s, ignore_eos=True)
+              for s in range(n)]
+    results = {}
+    for spec in (False, True):
+        engine = make_engine(max_num_seqs=256, num_kv_blocks=1400, max_num_batched_tokens=4096,
+                             speculative="ngram" if spec else None, num_speculative_tokens=2)
+        if spec:
+            engine.scheduler.drafter = FixedDrafter(draft)
+        outs = outputs(engine, [prompt] * n, params)
+        stat, df = chi_square(Counter((o[0], o[1]) for o in outs), expected, n)
+        assert stat < CHI2_CRITICAL_0001[df - 1], (spec, stat, df)
+        results[spec] = outs
+        c = engine.scheduler.spec
+        if spec:  # the draft was both accepted and rejected
+            assert 0 < c.accepted < c.drafted
+            again = outputs(engine, [prompt] * 40, params[:40])
+            assert again == outs[:40]  # seeded: reproducible with speculation too
+    assert results[True] != results[False]  # speculation drew its own samples (same distribution)
