@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import backend_names
 from engine.kernels import FUSED_KERNELS
-from engine.spec.drafter import SpecConfig
+from engine.spec.registry import SpecConfig
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {

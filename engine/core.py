@@ -30,7 +30,8 @@ from engine.overlap import OverlappedSteps
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from engine.sequence import SampledToken, Sequence
-from engine.spec.drafter import can_draft, create_drafter
+from engine.spec.drafter import can_draft
+from engine.spec.registry import create_drafter
 from kvstore.hashing import model_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pins import KvPins, PinnedRun

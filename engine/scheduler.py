@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import SampledToken, SeqStatus, Sequence
+from engine.spec.adaptive import DraftLength
 from engine.spec.drafter import Drafter, SpecCounters, can_draft
 from kvstore.manager import KVCacheManager
 
@@ -201,7 +202,9 @@ class Scheduler:
         ``max_tokens`` and the context leave room for (none for a row that cannot draft)."""
         if seq.num_placeholders or seq.num_tokens - seq.num_computed_tokens != 1 or not can_draft(seq):
             return []
-        k = min(self.config.num_speculative_tokens, budget - 1,
+        if seq.draft_length is None:
+            seq.draft_length = DraftLength(self.config.num_speculative_tokens)
+        k = min(seq.draft_length.next(), budget - 1,
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1)
         return self.drafter.propose(seq, k)[:k] if k > 0 else []
@@ -387,6 +390,7 @@ class Scheduler:
             self.take_token(seq, SampledToken(t))  # drafting rows have no grammar: always taken
             taken += 1
         self.spec.count(len(chunk.drafts), len(tok.then), 1 + taken)
+        seq.draft_length.update(len(chunk.drafts), len(tok.then), self.config.num_speculative_tokens)
         # the step computed the last token and the drafts; valid KV: every token but the last emitted
         seq.num_computed_tokens = seq.num_tokens - 1
         self.kv.shrink(seq, seq.num_tokens)

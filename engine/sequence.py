@@ -22,6 +22,7 @@ from kvstore.hashing import block_hashes
 if TYPE_CHECKING:
     from engine.constraints.state import GrammarState
     from engine.lora_adapter import LoraAdapter
+    from engine.spec.adaptive import DraftLength
 
 
 class SeqStatus(enum.IntEnum):
@@ -96,6 +97,8 @@ class Sequence:
     lora: LoraAdapter | None = None
     # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
     grammar: GrammarState | None = field(default=None, repr=False)
+    # Speculative decoding: how many tokens the row drafts next (engine.spec.adaptive), set when it first drafts.
+    draft_length: DraftLength | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

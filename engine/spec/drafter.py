@@ -1,7 +1,7 @@
-"""The drafter interface and the registry of drafters by name.
+"""The drafter interface, which rows draft, and the counters of what drafting did.
 
-A drafter proposes up to ``k`` tokens that follow a sequence's tokens (prompt and output so
-far); the scheduler reserves their positions, the runner computes the target's logits at each,
+A drafter (registered by name in ``engine.spec.registry``) proposes up to ``k`` tokens that follow
+a sequence's tokens (prompt and output so far); the scheduler reserves their positions, the runner computes the target's logits at each,
 and ``engine.spec.verify`` keeps the longest prefix the target agrees with. A drafter never
 changes the output: a wrong draft only costs a wasted position.
 
@@ -13,64 +13,38 @@ with; sampled rows use rejection sampling (``engine.spec.verify``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.sampling import SamplingParams
+
+
+class DraftedSequence(Protocol):
+    """What a drafter reads of a sequence (``engine.sequence.Sequence`` is one; not imported here:
+    the sequence holds its ``engine.spec.adaptive.DraftLength``)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+
+    @property
+    def token_ids(self) -> list[int]: ...
 
 
 class Drafter(Protocol):
     name: str  # the method, as counters and logs name it
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: DraftedSequence, k: int) -> list[int]:
         """Up to ``k`` tokens that may follow ``seq``'s tokens ([] : none worth trying)."""
         ...
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    """``--speculative METHOD`` and ``--num-speculative-tokens K``."""
-
-    method: str
-    num_tokens: int = 4
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 1:
-            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_tokens}")
-        name = self.method.partition(":")[0]
-        if name not in DRAFTERS:
-            raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(sorted(DRAFTERS))})")
-
-
-DRAFTERS: dict[str, Callable[[str], Drafter]] = {}  # method name -> factory of its argument ("draft:DIR" -> "DIR")
-
-
-def register(name: str, factory: Callable[[str], Drafter]) -> None:
-    DRAFTERS[name] = factory
-
-
-def create_drafter(method: str) -> Drafter:
-    """The drafter of ``--speculative METHOD`` (``name`` or ``name:ARG``)."""
-    name, _, arg = method.partition(":")
-    factory = DRAFTERS.get(name)
-    if factory is None:
-        raise ValueError(f"unknown speculative method {method!r} (choose from {', '.join(sorted(DRAFTERS))})")
-    return factory(arg)
-
-
-def can_draft(seq: Sequence) -> bool:
+def can_draft(seq: DraftedSequence) -> bool:
     """Whether ``seq``'s next tokens may be drafted (and verified)."""
     p = seq.params
     return (p.speculate and not p.has_penalties and p.constraint is None
             and p.logprobs is None and len(seq.output_token_ids) >= p.min_tokens)
-
-
-def _register_builtin() -> None:
-    from engine.spec.ngram import NgramDrafter
-
-    register("ngram", NgramDrafter.from_arg)
 
 
 @dataclass
@@ -96,6 +70,3 @@ class SpecCounters:
     def mean_accepted_length(self) -> float:
         """Tokens a drafting row emits per step (accepted drafts plus the target's own)."""
         return self.emitted / self.steps if self.steps else 0.0
-
-
-_register_builtin()

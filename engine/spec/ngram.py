@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.spec.drafter import DraftedSequence
 
 
 class NgramDrafter:
@@ -24,7 +24,7 @@ class NgramDrafter:
         """``ngram`` or ``ngram:N`` (match up to N tokens)."""
         return cls(max_n=int(arg)) if arg else cls()
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: DraftedSequence, k: int) -> list[int]:
         return lookup(seq.token_ids[-self.window:], k, self.max_n, self.min_n)
 
 

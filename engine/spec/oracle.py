@@ -8,7 +8,7 @@ import random
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.spec.drafter import DraftedSequence
 
 
 class OracleDrafter:
@@ -23,7 +23,7 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: DraftedSequence, k: int) -> list[int]:
         ref = self.continuations.get(tuple(seq.prompt_token_ids))
         if ref is None:
             return []

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from engine.sampling import SamplingParams
-from engine.spec.drafter import SpecConfig, create_drafter
 from engine.spec.ngram import lookup
 from engine.spec.oracle import OracleDrafter
+from engine.spec.registry import SpecConfig, create_drafter
 from engine.spec.verify import accept_greedy
 
 
@@ -234,3 +234,28 @@ def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
             again = outputs(engine, [prompt] * 40, params[:40])
             assert again == outs[:40]  # seeded: reproducible with speculation too
     assert results[True] != results[False]  # speculation drew its own samples (same distribution)
+
+
+def test_draft_length_adapts_per_row():
+    from engine.spec.adaptive import PROBE_EVERY, DraftLength
+
+    d = DraftLength(4)
+    assert d.next() == 4
+    for want in (2, 1, 0):  # nothing accepted: halves down to 0
+        d.update(d.k, 0, 4)
+        assert d.k == want
+    assert [d.next() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]  # a probe
+    d.update(1, 0, 4)  # rejected: the next probe comes twice as late
+    assert [d.next() for _ in range(2 * PROBE_EVERY)].count(1) == 1 and d.idle == 0
+    d.update(1, 1, 4)  # accepted: back to K
+    assert d.k == 4 and d.next() == 4
+
+
+def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
+    ps = prompts(3, seed=8)
+    ref = outputs(make_engine(), ps, greedy(60, ignore_eos=True))
+    engine = oracle_engine(make_engine, ps, ref, 0.0, num_speculative_tokens=4)
+    assert outputs(engine, ps, greedy(60, ignore_eos=True)) == ref
+    c = engine.scheduler.spec
+    # per row: 4 + 2 + 1 drafts, then one-token probes after 16 and 32 more steps
+    assert 0 < c.drafted <= 3 * (4 + 2 + 1 + 2)
