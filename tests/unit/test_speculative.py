@@ -259,3 +259,26 @@ def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
     c = engine.scheduler.spec
     # per row: 4 + 2 + 1 drafts, then one-token probes after 16 and 32 more steps
     assert 0 < c.drafted <= 3 * (4 + 2 + 1 + 2)
+
+
+def test_the_worker_reports_speculation_per_method(make_engine):
+    from mesh.metrics import LoadCollector
+    from mesh.protocol import LoadReport
+    from worker.base import speculative_counters
+
+    ps = prompts(2, seed=10)
+    ref = outputs(make_engine(), ps, greedy(20, ignore_eos=True))
+    engine = oracle_engine(make_engine, ps, ref, 1.0, num_speculative_tokens=4)
+    engine.generate(ps, greedy(20, ignore_eos=True))
+    assert speculative_counters(make_engine()) == {}  # no drafter: nothing reported
+    counters = speculative_counters(engine)
+    c = engine.scheduler.spec
+    assert counters == {"spec_drafted:oracle": c.drafted, "spec_accepted:oracle": c.accepted,
+                        "spec_emitted:oracle": c.emitted, "spec_rows:oracle": c.steps}
+    report = LoadReport(worker_id="w", model="tiny", role="decode", timestamp=0.0, counters=counters)
+    got = {(m.name, tuple(s.labels.get(k, "") for k in ("method", "kind"))): s.value
+           for m in LoadCollector(lambda: report).collect() for s in m.samples}
+    assert got[("pdmesh_spec_tokens", ("oracle", "drafted"))] == c.drafted > 0
+    assert got[("pdmesh_spec_tokens", ("oracle", "emitted"))] == c.emitted
+    assert got[("pdmesh_spec_acceptance_rate", ("oracle", ""))] == 1.0
+    assert got[("pdmesh_spec_mean_accepted_length", ("oracle", ""))] == pytest.approx(c.emitted / c.steps)
