@@ -105,6 +105,13 @@ def speculative_fields(args: argparse.Namespace) -> dict:
     return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
 
 
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative flags again, as given (for the workers ``mesh up`` starts); [] when off."""
+    if not args.speculative:
+        return []
+    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+
+
 def add_lora_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="load a LoRA adapter (PEFT directory) under NAME; repeatable")

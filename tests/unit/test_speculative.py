@@ -282,3 +282,30 @@ def test_the_worker_reports_speculation_per_method(make_engine):
     assert got[("pdmesh_spec_tokens", ("oracle", "emitted"))] == c.emitted
     assert got[("pdmesh_spec_acceptance_rate", ("oracle", ""))] == 1.0
     assert got[("pdmesh_spec_mean_accepted_length", ("oracle", ""))] == pytest.approx(c.emitted / c.steps)
+
+
+def test_mesh_generate_and_the_workers_take_the_flags(tiny_model, capsys):
+    import argparse
+    import json
+
+    from cli.main import build_parser, main
+    from cli.up import _worker_flags
+    from engine import flags
+
+    def generate(*extra):
+        assert main(["generate", "--model", str(tiny_model), "--json", "--max-tokens", "24", "--ignore-eos",
+                     *extra, "one two three one two three one two"]) == 0
+        return json.loads(capsys.readouterr().out)["token_ids"]
+
+    assert generate("--speculative", "ngram", "--num-speculative-tokens", "3") == generate()
+    assert main(["generate", "--model", str(tiny_model), "--speculative", "eagle9", "x"]) != 0
+    assert "unknown speculative method 'eagle9'" in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    flags.add_args(p)
+    args = p.parse_args(["--model", str(tiny_model), "--speculative", "ngram:2", "--num-speculative-tokens", "5"])
+    config = flags.from_args(args)
+    assert (config.speculative, config.num_speculative_tokens) == ("ngram:2", 5)
+    up = build_parser().parse_args(["up", "--speculative", "ngram:2", "--num-speculative-tokens", "5"])
+    worker = _worker_flags(up)
+    assert worker[worker.index("--speculative") + 1] == "ngram:2"
+    assert worker[worker.index("--num-speculative-tokens") + 1] == "5"
