@@ -309,3 +309,42 @@ def test_mesh_generate_and_the_workers_take_the_flags(tiny_model, capsys):
     worker = _worker_flags(up)
     assert worker[worker.index("--speculative") + 1] == "ngram:2"
     assert worker[worker.index("--num-speculative-tokens") + 1] == "5"
+
+
+def test_verification_rows_logits_match_transformers(make_engine, tiny_model):
+    """Rows of several query tokens batch with the decode rows in the torch attention (padded to the
+    longest): every position's logits are transformers' on the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ps = prompts(3, seed=11)
+    ref = outputs(make_engine(), ps, greedy(14, ignore_eos=True))
+    engine = oracle_engine(make_engine, ps, ref, 1.0, num_speculative_tokens=4)
+    params = [greedy(m, ignore_eos=True) for m in (14, 9, 12)]
+    seqs = [engine.new_sequence(p, sp) for p, sp in zip(ps, params, strict=True)]
+    for s in seqs:
+        engine.add(s)
+    engine.runner.capture_logits = True
+    schedule, steps = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        steps.append(out)
+        return out
+
+    engine.scheduler.schedule = spy
+    seen = []  # (sequence, first position, logits of its rows)
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+        out, row = steps[-1], 0
+        for c in out.chunks:
+            if c.drafts:
+                seen.append((c.seq, c.start, engine.runner.last_logits[row:row + c.num_tokens].clone()))
+            row += c.num_tokens
+    assert [s.output_token_ids for s in seqs] == [r[:p.max_tokens] for r, p in zip(ref, params, strict=True)]
+    assert len({len(x) for _, _, x in seen}) > 1  # rows of different lengths were verified
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = {id(s): hf(torch.tensor([s.token_ids])).logits[0] for s in seqs}
+    for seq, start, logits in seen:
+        torch.testing.assert_close(logits, full[id(seq)][start:start + len(logits)], atol=2e-3, rtol=1e-3)
