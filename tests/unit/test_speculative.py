@@ -348,3 +348,13 @@ def test_verification_rows_logits_match_transformers(make_engine, tiny_model):
         full = {id(s): hf(torch.tensor([s.token_ids])).logits[0] for s in seqs}
     for seq, start, logits in seen:
         torch.testing.assert_close(logits, full[id(seq)][start:start + len(logits)], atol=2e-3, rtol=1e-3)
+
+
+def test_speculation_with_overlapped_scheduling_is_token_identical(make_engine):
+    """Rows that may draft run their steps without overlap (the drafter reads their last token)."""
+    ps, params = prompts(5, seed=12), mixed_params(5)
+    plain = outputs(make_engine(), ps, params)
+    engine = make_engine(speculative="ngram", num_speculative_tokens=3, async_scheduling=True)
+    assert engine.overlap is not None
+    assert outputs(engine, ps, params) == plain
+    assert engine.scheduler.spec.drafted > 0
