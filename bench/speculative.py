@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine packa
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from engine.spec.adaptive import DraftLength
 from engine.spec.oracle import OracleDrafter
 from engine.spec.registry import create_drafter
 
@@ -132,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="rows always draft K (no adaptation): at ALPHA 0, 'step cost' is then the raw cost of "
+                        "a (K+1)-token verification step against a plain decode step")
     args = p.parse_args(argv)
+    if args.fixed_k:
+        DraftLength.update = lambda self, drafted, accepted, max_k: None
     from bench.engine import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
