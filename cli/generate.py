@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
     engine_flags.add_lora_args(p)
+    engine_flags.add_speculative_args(p)
     p.add_argument("--adapter", action="append", default=[], metavar="NAME",
                    help="run the prompts on this --lora adapter (once: every prompt; once per prompt: in order; "
                         "'' for the base model)")
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--adapter given {len(adapters)} times for {len(args.prompts)} prompts: give it once, "
                        "or once per prompt")
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                                 num_kv_blocks=args.device_kv_blocks, **engine_flags.lora_fields(args)))
+                                 num_kv_blocks=args.device_kv_blocks, **engine_flags.lora_fields(args),
+                                 **engine_flags.speculative_fields(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     prompts = [tokenizer.encode(p) for p in args.prompts]

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import backend_names
 from engine.kernels import FUSED_KERNELS
+from engine.spec.registry import SpecConfig
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.errors import ModelError
 
@@ -326,6 +327,8 @@ class EngineConfig:
     grammar_threads: int = 0  # threads that fill the token masks; 0: the backend's default
     grammar_cache_size: int = 256  # compiled grammars kept per worker
     grammar_spin_ms: float = 3.0  # the grammar process polls this long for the next step before it sleeps
+    speculative: str | None = None  # speculative decoding's drafter (engine.spec.drafter registry); None: off
+    num_speculative_tokens: int = 4  # tokens a decoding row drafts per step
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -372,6 +375,8 @@ class EngineConfig:
         if self.lora_slots and self.async_scheduling:
             raise ValueError("LoRA adapters are not supported with --async-scheduling yet")
         self._check_gpu_execution()
+        if self.speculative is not None:
+            SpecConfig(self.speculative, self.num_speculative_tokens)  # ValueError: an unknown method, K < 1
 
     def _check_gpu_execution(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in backend_names():

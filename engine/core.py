@@ -30,6 +30,8 @@ from engine.overlap import OverlappedSteps
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from engine.sequence import SampledToken, Sequence
+from engine.spec.drafter import can_draft
+from engine.spec.registry import create_drafter
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey, HashSeed, hash_seed
 from kvstore.manager import KVCacheManager
 from kvstore.pins import KvPins, PinnedRun
@@ -52,6 +54,8 @@ class CoreConfig:
     max_loras: int = 0  # LoRA adapters one step can run; 0: LoRA off
     async_scheduling: bool = False  # overlap host work with the device's step (needs launch())
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (kvstore/hashing.py)
+    speculative: str | None = None  # speculative decoding: the drafter (engine.spec.drafter registry)
+    num_speculative_tokens: int = 4  # tokens a decoding row drafts per step
 
 
 class _Done:
@@ -81,9 +85,12 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 eos_token_ids=core.eos_token_ids,
                 max_loras=core.max_loras,
+                num_speculative_tokens=core.num_speculative_tokens if core.speculative else 0,
             ),
             self.kv_manager,
         )
+        if core.speculative:
+            self.scheduler.drafter = create_drafter(core.speculative)
         self.hash_key = core.hash_key
         self.hash_seed = self.seed_for()  # the base model's, in no cache scope
         self.num_steps = 0
@@ -149,7 +156,10 @@ class EngineCore:
     def needs_resolved_tokens(self, out: SchedulerOutput) -> bool:
         """Whether the step after ``out`` (in flight) needs its tokens before it is scheduled:
         penalties count every token, and a grammar's next mask follows the token before it."""
-        return any(c.seq.params.has_penalties or c.seq.grammar is not None for c in out.sampling_chunks)
+        drafting = self.scheduler.drafter is not None
+        # a row that may draft next needs its last token on the host (the drafter reads it)
+        return any(c.seq.params.has_penalties or c.seq.grammar is not None or (drafting and can_draft(c.seq))
+                   for c in out.sampling_chunks)
 
     # -- requests ---------------------------------------------------------------
     def new_sequence(

@@ -99,6 +99,8 @@ class Engine(EngineCore):
             max_loras=config.lora_slots,
             async_scheduling=config.use_async_scheduling,
             hash_key=config.hash_key,
+            speculative=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
 
     def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:

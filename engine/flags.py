@@ -52,6 +52,7 @@ def add_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
                    help="how long the grammar process polls for the next step before it sleeps (0: it always "
                         "sleeps; each step's message then wakes it, ~60 us of the engine thread on a small VM)")
     add_lora_args(p)
+    add_speculative_args(p)
 
 
 def from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +79,7 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_fields(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
-        grammar_spin_ms=args.grammar_spin_ms, **{k: v for k, v in tiers.items() if v is not None}, **lora_fields(args),
+        grammar_spin_ms=args.grammar_spin_ms, **speculative_fields(args), **{k: v for k, v in tiers.items() if v is not None}, **lora_fields(args),
     )
     check_loras(config, mc)
     return config
@@ -91,6 +92,24 @@ def check_loras(config: EngineConfig, mc: ModelConfig) -> None:
 
     for name, path in config.loras:
         read_adapter(name, path, mc, config.model_name, config.max_lora_rank)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding: ngram (prompt lookup; ngram:N matches up to N tokens)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="tokens a decoding row drafts per step (with --speculative)")
+
+
+def speculative_fields(args: argparse.Namespace) -> dict:
+    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative flags again, as given (for the workers ``mesh up`` starts); [] when off."""
+    if not args.speculative:
+        return []
+    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:

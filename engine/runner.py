@@ -28,6 +28,7 @@ from engine.model import CausalLM
 from engine.sampler import SampledBatch, Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken, Sequence
+from engine.spec.verify import accept_greedy
 
 IN_FLIGHT = -1  # input id of a row whose token an earlier step is still sampling (never reaches the model)
 
@@ -52,10 +53,28 @@ class PendingStep:
 
     samples: SampledBatch | None
     index: dict[Sequence, int]  # which row of samples.tokens is whose token
+    # Speculative decoding: the target's greedy token at every drafted position, drafting rows in
+    # order; per drafting row (its index in samples, its drafts); the tokens sampled drafting rows
+    # emit (rejection sampling, done at launch), by index in samples.
+    targets: torch.Tensor | None = None
+    drafting: list[tuple[int, list[int] | tuple[int, ...]]] = field(default_factory=list)
+    sampled: dict[int, list[int]] = field(default_factory=dict)
 
     def result(self) -> list[SampledToken]:
-        """The tokens, in ``sampling_chunks`` order (waits for the device)."""
-        return self.samples.to_host() if self.samples is not None else []
+        """The tokens, in ``sampling_chunks`` order (waits for the device); a drafting row's
+        token carries the tokens its accepted drafts let it emit too (``SampledToken.then``)."""
+        tokens = self.samples.to_host() if self.samples is not None else []
+        if self.targets is None:
+            return tokens
+        targets = self.targets.tolist()
+        at = 0
+        for i, drafts in self.drafting:
+            first = tokens[i]
+            k = len(drafts)
+            emitted = self.sampled.get(i) or accept_greedy(list(drafts), [first.token_id, *targets[at:at + k]])
+            tokens[i] = SampledToken(emitted[0], first.logprob, tuple(emitted[1:]))
+            at += k
+        return tokens
 
 
 class ModelRunner:
@@ -102,9 +121,28 @@ class ModelRunner:
             self.last_logits = self.model.logits(hidden)
         if not sample_rows:
             return PendingStep(None, {})
-        rows = to_device(sample_rows, torch.long, self.device)
+        draft_rows, drafting = _drafted_rows(out)
+        rows = to_device(sample_rows + draft_rows, torch.long, self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return PendingStep(self.sampler.sample(logits, seqs, masks), {s: i for i, s in enumerate(seqs)})
+        n = len(sample_rows)
+        samples = self.sampler.sample(logits[:n] if draft_rows else logits, seqs, masks)
+        targets = logits[n:].argmax(dim=-1) if draft_rows else None
+        if targets is not None and targets.device.type == "cuda":
+            targets = targets.to("cpu", non_blocking=True)  # read after samples.to_host() synchronized
+        sampled = self._rejection_sample(logits, n, drafting, seqs) if draft_rows else {}
+        return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, targets, drafting, sampled)
+
+    def _rejection_sample(self, logits: torch.Tensor, n: int, drafting: list, seqs: list[Sequence]) -> dict:
+        """The tokens each sampled drafting row emits (``logits``: the step's sampled rows, then its
+        drafted ones); greedy rows are verified from the argmax when the step resolves."""
+        out, at = {}, n
+        for i, drafts in drafting:
+            seq = seqs[i]
+            if not seq.params.greedy:
+                rows = torch.cat([logits[i:i + 1], logits[at:at + len(drafts)]])
+                out[i] = self.sampler.sample_drafted(rows, seq, drafts)
+            at += len(drafts)
+        return out
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""
@@ -126,7 +164,9 @@ class ModelRunner:
             table = np.asarray(seq.block_table, dtype=np.int64)
             known = min(c.end, seq.num_tokens)
             chunk_ids = np.asarray(seq.tokens_between(c.start, known), dtype=np.int64)
-            if known < c.end:  # its last position's token is being sampled by the step in flight
+            if c.drafts:  # the last token, then the drafts after it
+                chunk_ids = np.asarray([seq.token_at(c.start), *c.drafts], dtype=np.int64)
+            elif known < c.end:  # its last position's token is being sampled by the step in flight
                 assert c.end - known == 1, "at most one token of a sequence is ever in flight"
                 chunk_ids = np.append(chunk_ids, IN_FLIGHT)
                 step.feed.append((row + c.num_tokens - 1, seq))
@@ -137,8 +177,8 @@ class ModelRunner:
             step.context_lens.append(c.end)
             step.block_tables.append(seq.block_table)
             row += c.num_tokens
-            if c.samples:
-                sample_rows.append(row - 1)
+            if c.samples:  # its last row, or a drafting row's first (the drafted rows verify)
+                sample_rows.append(row - c.num_tokens if c.drafts else row - 1)
         step.input_ids, step.positions, step.slot_mapping = map(np.concatenate, (ids, pos, slots))
         if self.lora is not None:
             step.lora_slots = self.lora.activate([c.seq.lora for c in out.chunks])
@@ -205,3 +245,18 @@ class ModelRunner:
             if self._inputs_sent is None:
                 self._inputs_sent = torch.cuda.Event()
             self._inputs_sent.record()
+
+
+def _drafted_rows(out: SchedulerOutput) -> tuple[list[int], list[tuple[int, list[int] | tuple[int, ...]]]]:
+    """The step's rows at drafted positions (in order), and per drafting row its index among the
+    sampled rows and its drafts."""
+    rows: list[int] = []
+    drafting = []
+    row = sampled = 0
+    for c in out.chunks:
+        if c.drafts:
+            rows.extend(range(row + 1, row + c.num_tokens))
+            drafting.append((sampled, c.drafts))
+        row += c.num_tokens
+        sampled += c.samples
+    return rows, drafting

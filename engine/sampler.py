@@ -21,6 +21,7 @@ from engine.constraints.masks import StepMasks
 from engine.hostcopy import to_device
 from engine.kernels import PLAIN, Kernels
 from engine.sequence import SampledToken, Sequence, TokenLogprob
+from engine.spec.verify import rejection_sample
 
 _BIG = 1e38
 
@@ -111,6 +112,19 @@ class Sampler:
         if raw_lp is None:
             return SampledBatch(tokens, want_lp)
         return SampledBatch(tokens, want_lp, _logprobs(raw_lp, tokens, want_lp))
+
+    def sample_drafted(self, logits: torch.Tensor, seq: Sequence, drafts: list[int] | tuple[int, ...]) -> list[int]:
+        """Rejection sampling of a drafting row (``engine.spec.verify``): ``logits [len(drafts) + 1, V]``
+        at its last real position and each drafted one; the tokens it emits. A seeded row draws from
+        a generator seeded by (seed, index of the step's first token), so its output is reproducible."""
+        p = seq.params
+        x = torch.nan_to_num(logits / p.temperature, nan=-_BIG, posinf=_BIG, neginf=-_BIG)
+        probs = self._filtered_probs(x, [seq] * x.shape[0])
+        gen = self.generator
+        if p.seed is not None:
+            gen = self._seeded
+            gen.manual_seed(token_seed(p.seed, seq.output_offset + seq.num_output_tokens_scheduled))
+        return rejection_sample(probs, list(drafts), gen)
 
     def _hold_back_stops(self, logits: torch.Tensor, short: list[tuple[int, Sequence]]) -> torch.Tensor:
         """EOS (unless ignored) and stop ids cannot be drawn by rows short of ``min_tokens`` (vLLM's rule)."""

@@ -23,6 +23,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     constraint: Constraint | None = None  # the output must match it (JSON schema, grammar); see constraints/
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    speculate: bool = True  # False: this request's tokens are never drafted (the engine's --speculative)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import SampledToken, SeqStatus, Sequence
+from engine.spec.adaptive import DraftLength
+from engine.spec.drafter import Drafter, SpecCounters, can_draft
 from kvstore.manager import KVCacheManager
 
 FINISHED = SeqStatus.FINISHED_STOPPED  # status >= FINISHED: finished
@@ -39,6 +41,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     max_loras: int = 0  # distinct LoRA adapters the running set may hold (one step runs them all); 0: off
+    num_speculative_tokens: int = 0  # drafted tokens a decoding row verifies per step (with a drafter)
 
 
 @dataclass(slots=True)  # never changed once made; not frozen: one per row per step (a frozen __init__ is slower)
@@ -49,6 +52,9 @@ class ScheduledChunk:
     # The chunk reaches the end of the sequence's tokens (in-flight ones included), so its last
     # row yields the next token. Fixed when scheduled: the sequence moves on before the step resolves.
     samples: bool
+    # Speculative decoding: the tokens drafted after the sequence's last one. The chunk computes
+    # that token and them (1 + len(drafts) positions), and its sampled token carries the accepted ones.
+    drafts: list[int] | tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -97,6 +103,8 @@ class Scheduler:
         self.remote: dict[str, Sequence] = {}  # WAITING_FOR_KV: a prefill worker writes their blocks
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until the caller releases them
         self.num_preemptions = 0
+        self.drafter: Drafter | None = None  # speculative decoding: proposes tokens for decoding rows
+        self.spec = SpecCounters()
 
     # -- queue management ---------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -172,6 +180,12 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_placeholders
             n = min(end - start, budget)
+            drafts = self._draft(seq, budget) if n == 1 and self.drafter is not None else ()
+            if drafts and self.kv.grow(seq, 1 + len(drafts)):  # no room for them: no drafts
+                chunks.append(ScheduledChunk(seq, start, 1 + len(drafts), True, drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             # most rows: one decode token inside the last block (no growth, no pool call)
             if start + n <= len(seq.block_table) * bs or self._grow_or_preempt(seq, n, out):
                 chunks.append(ScheduledChunk(seq, start, n, start + n == end))
@@ -182,6 +196,18 @@ class Scheduler:
         if not pressure:
             self._admit(out, budget, top)
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens drafted after a decoding row's last one: as many as the step's budget, the row's
+        ``max_tokens`` and the context leave room for (none for a row that cannot draft)."""
+        if seq.num_placeholders or seq.num_tokens - seq.num_computed_tokens != 1 or not can_draft(seq):
+            return []
+        if seq.draft_length is None:
+            seq.draft_length = DraftLength(self.config.num_speculative_tokens)
+        k = min(seq.draft_length.next(), budget - 1,
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.config.max_model_len - seq.num_tokens - 1)
+        return self.drafter.propose(seq, k)[:k] if k > 0 else []
 
     def _make_room_for(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt lower-priority running sequences until the head of the queue fits."""
@@ -338,6 +364,8 @@ class Scheduler:
                 continue
             if not self.take_token(seq, tok):
                 tok = None
+            elif chunk.drafts:
+                tok = self._take_verified(seq, chunk, tok)
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:
                 self.kv.cache_computed(seq)  # a block whose last token was in flight gets its name now
             if seq.status >= FINISHED:
@@ -350,6 +378,23 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.retire(seq)
         return results
+
+    def _take_verified(self, seq: Sequence, chunk: ScheduledChunk, tok: SampledToken) -> SampledToken:
+        """After a drafting row's first token, the accepted ones join until one ends the sequence;
+        the rejected drafts' positions are rolled back (computed again later, their blocks freed).
+        The token, with ``then`` cut to what joined."""
+        taken = 0
+        for t in tok.then:
+            if seq.status >= FINISHED:
+                break
+            self.take_token(seq, SampledToken(t))  # drafting rows have no grammar: always taken
+            taken += 1
+        self.spec.count(len(chunk.drafts), len(tok.then), 1 + taken)
+        seq.draft_length.update(len(chunk.drafts), len(tok.then), self.config.num_speculative_tokens)
+        # the step computed the last token and the drafts; valid KV: every token but the last emitted
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.shrink(seq, seq.num_tokens)
+        return tok if taken == len(tok.then) else SampledToken(tok.token_id, tok.logprob, tok.then[:taken])
 
     def _stops_by_length(self, seq: Sequence) -> bool:
         """Its in-flight tokens take it to ``max_tokens`` or the context limit."""
@@ -408,6 +453,6 @@ class Scheduler:
         if tok is None:
             ids, logprobs = [], []
         else:
-            ids, logprobs = [tok.token_id], [] if tok.logprob is None else [tok.logprob]
+            ids, logprobs = [tok.token_id, *tok.then], [] if tok.logprob is None else [tok.logprob]
         return StepOutput(seq.request_id, ids, logprobs, seq.status.finish_reason, len(seq.prompt_token_ids),
                           seq.num_cached_tokens, len(seq.output_token_ids))

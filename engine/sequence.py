@@ -22,6 +22,7 @@ from kvstore.hashing import HashSeed, chain_hashes
 if TYPE_CHECKING:
     from engine.constraints.state import GrammarState
     from engine.lora_adapter import LoraAdapter
+    from engine.spec.adaptive import DraftLength
 
 
 class SeqStatus(enum.IntEnum):
@@ -65,6 +66,9 @@ class TokenLogprob:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+    # Speculative decoding: the tokens the same step emitted after this one (accepted drafts'
+    # verified successors), in order; () for a row that drafted nothing or accepted no draft.
+    then: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -93,6 +97,8 @@ class Sequence:
     lora: LoraAdapter | None = None
     # A constrained request's place in its grammar (params.constraint), set when the engine adds it.
     grammar: GrammarState | None = field(default=None, repr=False)
+    # Speculative decoding: how many tokens the row drafts next (engine.spec.adaptive), set when it first drafts.
+    draft_length: DraftLength | None = field(default=None, repr=False)
     _hashes: list[int] = field(default_factory=list, repr=False)
     _chain_state: bytes | None = field(default=None, repr=False)  # the hash chain after _hashes[-1]
 

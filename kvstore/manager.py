@@ -144,6 +144,15 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], hashes[i], parent, generated=(i + 1) * bs > prompt)
         seq.num_cached_blocks = len(hashes)
 
+    def shrink(self, seq: PagedSequence, num_tokens: int) -> None:
+        """Free the blocks past the first ``num_tokens`` tokens' (positions a rejected speculative
+        draft took); they were never named, as only computed blocks of real tokens are."""
+        keep = max(blocks_for(num_tokens, self.block_size), seq.num_cached_blocks)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.pool.free(reversed(extra))
+
     def free(self, seq: PagedSequence) -> None:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []

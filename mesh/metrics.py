@@ -152,6 +152,33 @@ class LoadCollector:
             if key in r.counters:
                 fetch.add_metric([*labels, key], r.counters[key])
         yield from (blocks, hits, queue, running, waiting, fetch)
+        yield from speculative_metrics(r)
+
+
+def speculative_metrics(r: LoadReport) -> list[GaugeMetricFamily]:
+    """Speculative decoding per method from the report's ``spec_{kind}:{method}`` counters (since start):
+    tokens drafted, drafts accepted, tokens emitted by drafting rows; acceptance rate, and the mean
+    tokens a drafting row emits per step (accepted drafts plus the target's own)."""
+    per_method: dict[str, dict[str, int]] = {}
+    for key, value in r.counters.items():
+        if key.startswith("spec_") and ":" in key:
+            kind, _, method = key[len("spec_"):].partition(":")
+            per_method.setdefault(method, {})[kind] = value
+    if not per_method:
+        return []
+    labels = [r.model, r.role]
+    tokens = GaugeMetricFamily("pdmesh_spec_tokens", "Speculative decoding tokens (since start): drafted, "
+                               "accepted, emitted", labels=["model", "role", "method", "kind"])
+    rate = GaugeMetricFamily("pdmesh_spec_acceptance_rate", "Accepted / drafted tokens (since start)",
+                             labels=["model", "role", "method"])
+    length = GaugeMetricFamily("pdmesh_spec_mean_accepted_length", "Tokens a drafting row emits per step "
+                               "(since start)", labels=["model", "role", "method"])
+    for method, c in sorted(per_method.items()):
+        for kind in ("drafted", "accepted", "emitted"):
+            tokens.add_metric([*labels, method, kind], c.get(kind, 0))
+        rate.add_metric([*labels, method], c.get("accepted", 0) / c["drafted"] if c.get("drafted") else 0.0)
+        length.add_metric([*labels, method], c.get("emitted", 0) / c["rows"] if c.get("rows") else 0.0)
+    return [tokens, rate, length]
 
 
 # load-report counters of peer fetch (decode/peerfetch.py, mocker/worker.py)

@@ -219,6 +219,9 @@ async def prepare_grammar(engine: EngineCore, seq: Sequence, timeout: float = GR
     return None
 
 
+SPEC_COUNTER_FIELDS = (("drafted", "drafted"), ("accepted", "accepted"), ("emitted", "emitted"), ("rows", "steps"))
+
+
 def grammar_counters(engine: EngineCore) -> dict[str, int]:
     """The compiled-grammar cache and mask figures of an engine that enforces constraints."""
     if engine.grammar is None:
@@ -226,6 +229,16 @@ def grammar_counters(engine: EngineCore) -> dict[str, int]:
     st = engine.grammar.stats()
     return {"grammar_compile_hits": st["compile_hits"], "grammar_compile_misses": st["compile_misses"],
             "grammar_compile_ms": int(1000 * st["compile_seconds"]), "grammar_mask_rows": st["mask_rows"]}
+
+
+def speculative_counters(engine: EngineCore) -> dict[str, int]:
+    """Speculative decoding since start, keyed ``spec_{drafted,accepted,emitted,rows}:{method}``
+    (``mesh.metrics.SpecCollector`` reads them); {} when the engine drafts nothing."""
+    drafter = engine.scheduler.drafter
+    if drafter is None:
+        return {}
+    c = engine.scheduler.spec
+    return {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
 
 
 def wire_logprob(lp: TokenLogprob | None) -> TokenLogprobs | None:
@@ -315,7 +328,7 @@ class WorkerBase:
                 "steps": engine.num_steps, "preemptions": s.num_preemptions,
                 "prefix_hit_blocks": engine.pool.hit_blocks,
                 "prefix_query_blocks": engine.pool.queried_blocks, **engine.kv_counters(),
-                **grammar_counters(engine),
+                **grammar_counters(engine), **speculative_counters(engine),
             },
             hot_adapters=hot_adapters(engine),
         )

@@ -2,7 +2,9 @@
 
 Decode rows (one query token per sequence) are batched into one SDPA call over
 the gathered, padded contexts; prefill chunks run one SDPA per sequence with a
-causal mask offset by the tokens already in the cache.
+causal mask offset by the tokens already in the cache. Rows of a few query tokens
+after a cached context (speculative decoding's verification: the last token and
+its drafts) join the decode batch, their queries padded to the longest such row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBatch, register
 from kvstore.cache import KVCache
+
+SHORT_QUERY = 8  # rows of up to this many query tokens after a cached context batch with the decode rows
 
 
 @dataclass
@@ -37,15 +41,16 @@ class TorchPagedAttention:
         device = self.kv.device
         bs = self.block_size
         self._slots = batch.slot_mapping
-        dec_rows, dec_ctx, dec_tables = [], [], []
+        dec_rows, dec_ctx, dec_tables, dec_qlens = [], [], [], []
         self._prefills: list[_Prefill] = []
         row = 0
         for qlen, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
             nblk = -(-ctx // bs)
-            if qlen == 1:
+            if qlen == 1 or (qlen <= SHORT_QUERY and ctx > qlen):
                 dec_rows.append(row)
                 dec_ctx.append(ctx)
                 dec_tables.append(table[:nblk])
+                dec_qlens.append(qlen)
             else:
                 mask = None
                 if ctx != qlen:
@@ -55,7 +60,8 @@ class TorchPagedAttention:
                 self._prefills.append(_Prefill(row, qlen, ctx, blocks, mask))
             row += qlen
         self._num_decode = len(dec_rows)
-        self._all_decode = self._num_decode == len(batch.query_lens)
+        self._qmax = max(dec_qlens, default=1)
+        self._all_decode = self._num_decode == len(batch.query_lens) and self._qmax == 1
         if dec_rows:
             maxb = max(len(t) for t in dec_tables)
             # padded in Python, then one tensor: a copy per row was a small op (and a GIL release) per row
@@ -65,6 +71,24 @@ class TorchPagedAttention:
             ctx_t = torch.as_tensor(dec_ctx, device=device)
             positions = torch.arange(maxb * bs, device=device)
             self._dec_mask = (positions.unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
+            if self._qmax > 1:
+                self._plan_short(dec_rows, dec_qlens, ctx_t, positions)
+
+    def _plan_short(self, rows: list[int], qlens: list[int], ctx: torch.Tensor, positions: torch.Tensor) -> None:
+        """Decode rows with several query tokens: each padded to ``qmax`` queries (a pad repeats the
+        row's last one, and its output is dropped), a causal mask offset by the row's cached context."""
+        device, qmax = self.kv.device, self._qmax
+        gather, keep, dest = [], [], []
+        for j, (row, qlen) in enumerate(zip(rows, qlens, strict=True)):
+            gather.extend(row + min(i, qlen - 1) for i in range(qmax))
+            keep.extend(j * qmax + i for i in range(qlen))
+            dest.extend(range(row, row + qlen))
+        self._short_gather = torch.as_tensor(gather, dtype=torch.long, device=device)
+        self._short_keep = torch.as_tensor(keep, dtype=torch.long, device=device)
+        self._short_dest = torch.as_tensor(dest, dtype=torch.long, device=device)
+        q_pos = (ctx - torch.as_tensor(qlens, device=device)).unsqueeze(1) + torch.arange(qmax, device=device)
+        q_pos = torch.minimum(q_pos, (ctx - 1).unsqueeze(1))  # pads attend as the last query does
+        self._dec_mask = (positions[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [n, 1, qmax, keys]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.layer(layer)
@@ -75,7 +99,9 @@ class TorchPagedAttention:
         if self._all_decode:
             return self._decode(q, k_cache, v_cache, heads, dim)
         out = torch.empty_like(q)
-        if self._num_decode:
+        if self._num_decode and self._qmax > 1:
+            out.index_copy_(0, self._short_dest, self._short(q, k_cache, v_cache, heads, dim))
+        elif self._num_decode:
             out[self._dec_rows] = self._decode(q[self._dec_rows], k_cache, v_cache, heads, dim)
         for p in self._prefills:
             keys = k_cache.index_select(0, p.blocks).view(-1, heads, dim)[: p.ctx].transpose(0, 1)
@@ -101,6 +127,17 @@ class TorchPagedAttention:
             q.unsqueeze(2), keys, vals, attn_mask=self._dec_mask, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(2)
+
+
+    def _short(self, q, k_cache, v_cache, heads, dim) -> torch.Tensor:
+        """The decode batch with several query tokens per row (``_plan_short``): the real rows' outputs."""
+        n, qmax = self._num_decode, self._qmax
+        qs = q.index_select(0, self._short_gather).view(n, qmax, q.shape[1], dim).transpose(1, 2)
+        keys = k_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
+        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=self._dec_mask, scale=self.scale,
+                                           enable_gqa=True)
+        return o.transpose(1, 2).reshape(n * qmax, q.shape[1], dim).index_select(0, self._short_keep)
 
 
 @register("torch")

@@ -22,7 +22,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsauth import NatsConfig
@@ -105,7 +105,7 @@ async def test_peer_fetch_across_hosts_gives_the_cold_runs_tokens(hostbed, tiny_
         await w.wait_workers("decode", 2, timeout=120)
         rng = random.Random(5)
         prompt = [rng.randrange(3, 4000) for _ in range(blocks * bs + 1)]
-        hashes = block_hashes(prompt[: blocks * bs], bs, model_seed("tiny"))
+        hashes = block_hashes(prompt[: blocks * bs], bs, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, cached = await ask(w.bus, "pf-a", prompt)
         assert cached == 0
         for _ in range(3):  # other prompts push the prefix out of a's device pool into its host tier

@@ -29,7 +29,7 @@ from bench.chaos import Outcome
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.protocol import KvSnapshot, KvSnapshotRequest
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
@@ -185,8 +185,8 @@ async def test_the_routers_view_of_a_partitioned_host_is_rebuilt_after_it_heals(
         await w.wait_for(lambda: w.membership.get("dec-2"), 120, "host 2's worker")
         idx = router.index("tiny")
         old, *new = prompts_of([blocks * bs + 1] * 3, 4096, 21, low=3)
-        old_hashes = block_hashes(old[: blocks * bs], bs, model_seed("tiny"))
-        new_hashes = block_hashes(new[-1][: blocks * bs], bs, model_seed("tiny"))
+        old_hashes = block_hashes(old[: blocks * bs], bs, hash_seed(DEFAULT_HASH_KEY, "tiny"))
+        new_hashes = block_hashes(new[-1][: blocks * bs], bs, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         client = HostClient(hostbed, 2, "dec-2")
         assert await client.line() == "connected"
         await client.ask(old)

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvstore.hashing import block_hashes, model_seed
+from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from kvstore.transfer import Refused
 from mesh.bus import Bus
 from mesh.client import generate
@@ -57,7 +57,7 @@ async def test_a_prefix_on_another_host_is_fetched_over_nixl(cluster, tiny_model
         await w.wait_workers("decode", 2, timeout=120)
         rng = random.Random(11)
         prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, model_seed("tiny"))
+        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
         cold, cached = await ask(w.bus, A, prompt)
         assert cached == 0
         for _ in range(3):  # other prompts push the prefix out of a's device pool into its host tier

@@ -1,0 +1,159 @@
+"""Speculative decoding benchmark (issue 34): decode tok/s against acceptance on the real engine.
+
+    python bench/speculative.py                       # CPU, `small`: batch 1 at ALPHA 0.7, batch 32 at ALPHA 0, ngram
+    python bench/speculative.py --oracle 0.7 --batch 1 --k 4
+    python bench/speculative.py --oracle 0 0.5 1 --batch 1 4 --json out.json
+
+``--oracle ALPHA``: the drafter proposes the target's own greedy continuation (known from a run
+without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
+acceptance rate. ``ngram`` (prompt lookup) runs on the same prompts, as its acceptance comes.
+
+Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, greedy. Decode
+tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
+1 and ``N`` new tokens (``t(1)`` is prefill plus the first token, which no row drafts). Every run
+is checked token-identical to plain decoding. "step cost" is the time of one step at ALPHA 0 (every
+row verifies K drafts and emits one token) over a plain decode step: what a (K+1)-token forward
+pass costs against a one-token one on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine package, not bench/engine.py
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.spec.adaptive import DraftLength
+from engine.spec.oracle import OracleDrafter
+from engine.spec.registry import create_drafter
+
+BLOCK_SIZE = 16
+
+
+def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) -> Engine:
+    blocks = batch * -(-(prompt_len + n + k + 1) // BLOCK_SIZE) + 16
+    return Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                               num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len),
+                               max_num_seqs=max(batch, 8), enable_prefix_caching=False,
+                               speculative="ngram", num_speculative_tokens=k))
+
+
+def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple[float, int, list[list[int]]]:
+    """Wall time of ``generate`` for ``n`` new tokens, its step count and outputs."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    engine.scheduler.drafter = drafter
+    if isinstance(drafter, OracleDrafter):
+        drafter.rng = random.Random(0)  # the same corruptions every time
+    s0 = engine.num_steps
+    t0 = time.perf_counter()
+    seqs = engine.generate(prompts, params)
+    return time.perf_counter() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
+
+
+def measure(engine: Engine, prompts, n: int, modes: dict, reps: int) -> dict[str, dict]:
+    """Every mode (name -> drafter) in turn, ``reps`` rounds (a slow spell of a shared machine hits
+    all modes alike); per mode the best t(1) and t(N)."""
+    best = {name: [float("inf"), float("inf")] for name in modes}
+    stats: dict[str, dict] = {}
+    for _ in range(reps):
+        for name, drafter in modes.items():
+            t1, _, _ = run_once(engine, prompts, 1, drafter)
+            c = engine.scheduler.spec
+            before = (c.drafted, c.accepted, c.emitted, c.steps)
+            tn, steps, out = run_once(engine, prompts, n, drafter)
+            drafted, accepted, emitted, rows = (a - b for a, b in zip((c.drafted, c.accepted, c.emitted, c.steps),
+                                                                      before, strict=True))
+            best[name] = [min(best[name][0], t1), min(best[name][1], tn)]
+            stats[name] = {"steps": steps, "acceptance": accepted / drafted if drafted else None,
+                           "mean_emitted_per_row_step": emitted / rows if rows else None, "out": out}
+    for name, (t1, tn) in best.items():
+        st = stats[name]
+        st["decode_tok_s"] = len(prompts) * (n - 1) / (tn - t1)
+        st["decode_step_ms"] = (tn - t1) / max(1, st["steps"] - 1) * 1000  # steps after the first (prefill)
+    return stats
+
+
+def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
+    rng = random.Random(args.seed)
+    engine = make_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.k)
+    prompts = [[rng.randrange(8, engine.vocab_size) for _ in range(args.prompt_len)] for _ in range(batch)]
+    run_once(engine, prompts, 4, None)  # warm-up
+    _, _, ref = run_once(engine, prompts, args.new_tokens, None)
+    conts = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
+    modes = {"plain": None}
+    modes.update({f"oracle {a:g}": OracleDrafter(conts, a, engine.vocab_size) for a in args.oracle})
+    if args.ngram:
+        modes["ngram"] = create_drafter("ngram")
+    stats = measure(engine, prompts, args.new_tokens, modes, args.reps)
+    engine.close()
+    plain = stats["plain"]
+    rows = []
+    for name, st in stats.items():
+        out = st.pop("out")
+        row = {"batch": batch, "method": name, "k": 0 if name == "plain" else args.k, **st,
+               "identical": out == ref}
+        if name != "plain":
+            row["speedup"] = st["decode_tok_s"] / plain["decode_tok_s"]
+        if name == "oracle 0":  # every row drafts K and emits one token: the (K+1)-token step's cost
+            row["step_cost"] = st["decode_step_ms"] / plain["decode_step_ms"]
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'batch':>5} {'method':<12} {'K':>2} {'tok/s':>8} {'ms/step':>8} {'steps':>6} {'accept':>7} "
+          f"{'tok/row/step':>12} {'speedup':>8} {'step cost':>9} identical")
+    def f(r, key, fmt):
+        v = r.get(key)
+        return format(v, fmt) if v is not None else "-"
+
+    for r in rows:
+        print(f"{r['batch']:>5} {r['method']:<12} {r['k']:>2} {r['decode_tok_s']:>8.1f} {r['decode_step_ms']:>8.2f} "
+              f"{r['steps']:>6} {f(r, 'acceptance', '.2f'):>7} {f(r, 'mean_emitted_per_row_step', '.2f'):>12} "
+              f"{f(r, 'speedup', '.2f'):>8} {f(r, 'step_cost', '.2f'):>9} {r['identical']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory (default: the `small` model in a cache dir)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 1 and 32)")
+    p.add_argument("--oracle", type=float, nargs="*", default=None, metavar="ALPHA",
+                   help="acceptance rates of the oracle drafter (default: 0.7 at batch 1, 0 at batch 32)")
+    p.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the ngram drafter")
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="rows always draft K (no adaptation): at ALPHA 0, 'step cost' is then the raw cost of "
+                        "a (K+1)-token verification step against a plain decode step")
+    args = p.parse_args(argv)
+    if args.fixed_k:
+        DraftLength.update = lambda self, drafted, accepted, max_k: None
+    from bench.engine import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    rows = []
+    defaults = {1: [0.7], 32: [0.0]}
+    for batch in args.batch or [1, 32]:
+        batch_args = argparse.Namespace(**{**vars(args), "oracle": args.oracle if args.oracle is not None
+                                           else defaults.get(batch, [0.0])})
+        rows += run_batch(model_dir, batch, batch_args)
+        print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram):])
+        sys.stdout.flush()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
