@@ -133,7 +133,7 @@ async def run_level(host: str, port: int, model: str, streams: int, tokens: int,
 class LocalMesh:
     """nats-server, ``mesh gateway`` and N ``mesh worker mock`` at real pace, each its own process group."""
 
-    def __init__(self, workers: int, tokenizer: str, model: str):
+    def __init__(self, workers: int, tokenizer: str, model: str, worker_flags: list[str] = ()):
         from mesh.natsserver import free_port
 
         self.dir = tempfile.mkdtemp(prefix="pdmesh-capacity-")
@@ -147,7 +147,7 @@ class LocalMesh:
                                        "--served-name", model, "--port", str(self.port)], "gateway"))
         for k in range(workers):
             self.procs.append(self._spawn([sys.executable, "-m", "cli", "worker", "mock", "--nats", nats,
-                                           "--served-name", model, "--block-size", "16", "--mock-speedup", "1"],
+                                           "--served-name", model, "--block-size", "16", "--mock-speedup", "1", *worker_flags],
                                           f"mock{k}"))
         self.url = f"http://127.0.0.1:{self.port}"
         for _ in range(120):
@@ -205,9 +205,10 @@ def main() -> None:
     ap.add_argument("--gap-factor", type=float, default=3.0)
     ap.add_argument("--pgids", default="", help="comma-separated process groups whose CPU is the server's")
     ap.add_argument("--start-mesh", type=int, default=0, metavar="WORKERS", help="start pdmesh with this many mocks")
+    ap.add_argument("--worker-flags", default="", help="--start-mesh: extra flags of each mock worker")
     ap.add_argument("--tokenizer", default=os.path.expanduser("~/.cache/pdmesh-peers/tok32k"))
     a = ap.parse_args()
-    mesh = LocalMesh(a.start_mesh, a.tokenizer, a.model) if a.start_mesh else None
+    mesh = LocalMesh(a.start_mesh, a.tokenizer, a.model, a.worker_flags.split()) if a.start_mesh else None
     if mesh is None and not a.url:
         ap.error("give a URL or --start-mesh N")
     try:
