@@ -11,6 +11,9 @@
    of a short window per push) against ``tokenizers.decoders.DecodeStream`` (one native step),
    on random 64-token streams of the side-by-side tokenizer; checks the texts agree.
 
+3. A timeout timer per wait for a token (``loop.call_later`` + ``cancel``, what
+   ``ReplyStream.next_batch`` did per token before it kept one timer per stream).
+
 Figures: process CPU microseconds per event/token, min over repeats (robust to other processes
 on a shared machine, not to frequency scaling).
 """
@@ -123,9 +126,19 @@ async def main() -> None:
             await one_response(a.events, direct)
             best = min(best, time.process_time() - t0)
         print(f"{name:22s} {best / a.events * 1e6:6.2f} us CPU per SSE event (min of {a.repeat} x {a.events})")
+    loop, n = asyncio.get_running_loop(), a.events * 5
+    best = float("inf")
+    for _ in range(a.repeat):
+        t0 = time.process_time()
+        for _ in range(n):
+            loop.call_later(60.0, print).cancel()
+        best = min(best, time.process_time() - t0)
+    print(f"{'call_later + cancel':22s} {best / n * 1e6:6.2f} us CPU per wait (min of {a.repeat} x {n})")
     if os.path.isdir(a.tokenizer):
         detok_costs(a.tokenizer, a.repeat)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    import uvloop  # the gateway's loop
+
+    uvloop.run(main())
