@@ -75,7 +75,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     from dataclasses import replace
 
     from mesh.config import settings
@@ -103,5 +102,19 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--peer-pin-max-s must be > 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     worker = role.worker_class()(ws)
-    asyncio.run(worker.run())
+    _run_loop(worker.run())
     return worker.exit_code
+
+
+def _run_loop(main) -> None:
+    """On uvloop where it is installed (uvicorn[standard] brings it; the gateway runs on it too):
+    a worker's event loop sends every step's tokens, and the selector loop's Python write path
+    and per-iteration bookkeeping cost a mock worker more CPU than its engine at real pace."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)

@@ -136,7 +136,8 @@ class ReplyStreams:
 class ReplyStream:
     """One request's chunks, in order, from one worker."""
 
-    __slots__ = ("_pending", "_waiter", "expect", "key", "owner", "subject", "worker_id")
+    __slots__ = ("_armed_for", "_deadline", "_loop", "_pending", "_timer", "_waiter", "expect", "key", "owner", "subject",
+                 "worker_id")
 
     def __init__(self, owner: ReplyStreams, key: str, worker_id: str):
         self.owner = owner
@@ -146,6 +147,14 @@ class ReplyStream:
         self.expect = 0
         self._pending: deque[TokenChunk | StreamError | object] = deque()
         self._waiter: asyncio.Future | None = None
+        # One timer per stream, re-armed only when it fires early or a shorter wait begins: a
+        # call_later and a cancel per wait (per token, at GPU pace) cost ~1.6 us (bench/stream_costs.py).
+        self._deadline = 0.0  # when the current wait times out (loop time)
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_for = 0.0  # when the timer fires
+        # asyncio.get_running_loop() makes a getpid() syscall per call on CPython 3.11 (1.7% of the
+        # gateway's samples at C=128, real pace, when next_batch called it per token)
+        self._loop = asyncio.get_running_loop()
 
     def push(self, data: TokenChunk | StreamError | object) -> None:
         self._pending.append(data)
@@ -156,14 +165,15 @@ class ReplyStream:
     async def next_batch(self, timeout: float) -> list[TokenChunk]:
         """Every chunk that has arrived (waiting up to ``timeout`` for the first); stops at the last one."""
         if not self._pending:
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout, _expire, waiter)
+            self._deadline = deadline = loop.time() + timeout
+            if self._timer is None or deadline < self._armed_for:
+                self._arm(loop, deadline)
             try:
                 if await waiter is _TIMED_OUT:
                     raise StreamError(f"worker {self.worker_id} sent nothing for {timeout:g}s")
             finally:
-                timer.cancel()
                 self._waiter = None
         out = []
         pending = self._pending
@@ -189,6 +199,27 @@ class ReplyStream:
 
     def close(self) -> None:
         self.owner._streams.pop(self.key, None)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed_for = when
+        self._timer = loop.call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        """The timer fired: time the wait out if it is past its deadline, else wait on for it."""
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # nobody waits: the next wait arms a timer again
+        loop = self._loop
+        if loop.time() < self._deadline:  # this wait began after the timer was armed
+            self._arm(loop, self._deadline)
+        else:
+            w.set_result(_TIMED_OUT)
 
 
 def _refuse(sender: str, stream: ReplyStream) -> None:
@@ -196,7 +227,3 @@ def _refuse(sender: str, stream: ReplyStream) -> None:
     log.warning("refused a token chunk from %r for a stream served by %s", sender, stream.worker_id)
     REFUSED_MESSAGES.labels("gateway", "unbound_chunk").inc()
 
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(_TIMED_OUT)

@@ -187,6 +187,7 @@ class MockConfig:
         of one line (ModelError: the ``--model`` it simulates)."""
         refuse_model_flags(args)
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
               "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False)}
         if getattr(args, "peer_fetch_timeout", None) is not None:
             kw["fetch_timeout"] = args.peer_fetch_timeout

@@ -25,6 +25,7 @@ from mocker.engine import MockConfig
 from tests.helpers.cluster import Watcher, wait_http_ok
 
 N_STREAMS = 24
+PACED_STEP_MS = 25.0
 MAX_TOKENS = 40
 VOCAB = MockConfig().vocab_size
 
@@ -80,6 +81,9 @@ class SingleChunkWorker:
 @pytest.fixture(scope="module")
 def gateway(cluster, tiny_model):
     cluster.worker("mock", "--served-name", "batchy", "--worker-id", "batchy-0", "--mock-speedup", "20")
+    # real pace, and every decode step at least PACED_STEP_MS: far slower than a stream's chunk interval
+    cluster.worker("mock", "--served-name", "paced", "--worker-id", "paced-0", "--mock-speedup", "1",
+                   "--mock-timing", f"decode_base_ms={PACED_STEP_MS}")
     return cluster.gateway(tiny_model, None)  # "batchy" and "echo" have no tokenizer here: token ids
 
 
@@ -123,3 +127,37 @@ async def test_batched_and_single_chunk_streams_share_one_gateway(cluster, gatew
     finally:
         await w.close()
         await custom.stop()
+
+
+async def token_events(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> list[list[int]]:
+    """The token ids of each SSE event of a streamed completion, one list per event that carries any."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    events = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"] and (ids := event["choices"][0].get("token_ids")):
+                    events.append(ids)
+    return events
+
+
+async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
+    """Issue 33: when the worker's steps are slower than the stream interval (a GPU's decode step
+    against a gateway that writes in microseconds), nothing is merged: every token of every
+    concurrent stream leaves in its own SSE event, in order, and all of them arrive."""
+    w = await Watcher.open(cluster.nats_url)
+    try:
+        await w.wait_for(lambda: w.membership.get("paced-0"), 60, "the paced worker")
+        wait_http_ok(gateway + "/health", 60)
+        prompts = [[(29 * i + j) % 900 + 3 for j in range(16 + i)] for i in range(8)]
+        async with httpx.AsyncClient(timeout=60) as http:
+            results = await asyncio.gather(*(token_events(http, gateway, "paced", p, 16) for p in prompts))
+        for p, events in zip(prompts, results, strict=True):
+            assert [len(e) for e in events] == [1] * 16, events  # one token per chunk, none merged
+            assert [t for e in events for t in e] == mocker_tokens(p, 16)
+    finally:
+        await w.close()
