@@ -70,7 +70,8 @@ async def test_admin_routes_are_closed_without_an_admin_key_unless_insecure_admi
 async def test_a_chat_body_heavy_with_tool_call_arguments_is_rendered_off_the_event_loop(
         gateways, cluster, tiny_model, monkeypatch):
     """Rendering and tokenizing go to a thread by the body's size: tool-call arguments, tools and
-    every message part count, not only the messages' text (here two words)."""
+    every message part count, not only the messages' text (here two words). The arguments (20 kB,
+    ~5k tokens: the default template renders them) fit the tiny model's context."""
     from gateway.app import asgi_app
     from gateway.service import Gateway, GatewayConfig
 
@@ -89,7 +90,7 @@ async def test_a_chat_body_heavy_with_tool_call_arguments_is_rendered_off_the_ev
                 break
             await asyncio.sleep(0.1)
         monkeypatch.setattr(asyncio, "to_thread", recording)
-        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "y" * 20_000})}}
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": " the" * 5_000})}}
         heavy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "go"}]
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app(gw)), base_url="http://gw",
