@@ -56,8 +56,8 @@ def reference(tiny_model):
 async def test_gateway_prefill_decode_on_three_hosts_is_token_identical(hostbed, tiny_model, reference):
     prompts, expected = reference
     model = ["--model", str(tiny_model), "--device-kv-blocks", "512"]
-    hostbed.worker(2, "prefill", *model, "--worker-id", "mh-pre", "--prefill-capacity", "8")
-    hostbed.worker(3, "decode", *model, "--worker-id", "mh-dec", "--disagg-threshold", str(THRESHOLD))
+    hostbed.worker(2, "prefill", *model, "--worker-id", "mh-pre", "--prefill-capacity", "8", "--transports", "shm,nixl,nats")
+    hostbed.worker(3, "decode", *model, "--worker-id", "mh-dec", "--disagg-threshold", str(THRESHOLD), "--transports", "shm,nixl,nats")
     url = hostbed.gateway(1, "--model", str(tiny_model))
     w = await open_watcher(hostbed.hosts[1].nats_url)
     try:
@@ -96,8 +96,8 @@ async def test_peer_fetch_across_hosts_gives_the_cold_runs_tokens(hostbed, tiny_
     bs, blocks = 16, 10
     flags = ["--model", str(tiny_model), "--device-kv-blocks", "24", "--host-kv-blocks", "64", "--peer-fetch",
              "--peer-fetch-timeout", "5", "--max-num-seqs", "4"]
-    hostbed.worker(2, "decode", *flags, "--worker-id", "pf-a")
-    hostbed.worker(3, "decode", *flags, "--worker-id", "pf-b")
+    hostbed.worker(2, "decode", *flags, "--worker-id", "pf-a", "--transports", "shm,nixl,nats")
+    hostbed.worker(3, "decode", *flags, "--worker-id", "pf-b", "--transports", "shm,nixl,nats")
     w = await open_watcher(hostbed.hosts[1].nats_url)
     router = KvRouter(w.bus, w.membership, RouterConfig(peer_fetch=True))
     await router.start()

@@ -34,9 +34,11 @@ def test_preference_puts_nixl_between_the_same_host_paths_and_nats():
 
 
 @pytest.mark.skipif(not nixl_available(), reason="the nixl extra is not installed")
-def test_cpu_workers_offer_nixl_when_it_imports():
+def test_cpu_workers_offer_nixl_when_named():
     ws = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"))
-    assert ws.transport_names() == ["shm", "nixl", "nats"]
+    assert ws.transport_names() == ["shm", "nats"]  # opt-in: an agent's progress thread spins a core
+    named = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"), transports=("shm", "nixl", "nats"))
+    assert named.transport_names() == ["shm", "nixl", "nats"]
     tp2 = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu", tp=2), transports=("nixl", "nats"))
     assert tp2.transport_names() == ["nats"]  # nixl registers one pool tensor: TP 1 only
 
