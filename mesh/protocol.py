@@ -415,9 +415,6 @@ class LoraReply(Message):
     adapters: list[str] = field(default_factory=list)
 
 
-# -- peer fetch (issue 20): a worker asks a peer for prefix blocks it lacks ---------------
-
-
 class KvFetchRequest(Message):
     """Requester -> holder, request on ``kv_fetch.{holder}``: send me the leading run of these
     blocks that you hold (any tier). The holder pins them until it has sent them or the deadline
@@ -487,9 +484,6 @@ class KvFetchRelease(Message):
     requester: str
     fetch_id: str
     release_key: str = ""
-
-
-# -- constrained output (issue 17) ----------------------------------------------------------------
 
 
 class ConstraintSpec(Part):
