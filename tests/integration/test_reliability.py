@@ -39,7 +39,7 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
     w = await Watcher.open(cluster.nats_url, ns=NS)
     rng = random.Random(4)
     prompt = [rng.randrange(3, 4000) for _ in range(40)]
-    n = 3000
+    n = 1200  # long enough that the kill lands mid-stream (the busy worker is known within a load report)
     try:
         await w.wait_workers("decode", 2)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
