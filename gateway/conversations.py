@@ -116,6 +116,6 @@ class Conversations:
         return True
 
 
-def not_found(response_id: str) -> APIError:
+def not_found(response_id: str, param: str = "response_id") -> APIError:
     return APIError(404, f"no response with id {response_id!r} (it was not stored, was deleted or expired)",
-                    "response_id", "not_found")
+                    param, "not_found")

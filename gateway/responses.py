@@ -52,7 +52,7 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunne
         if body.previous_response_id is not None:
             record = await store.get(tenant, body.previous_response_id)
             if record is None:
-                raise not_found(body.previous_response_id)
+                raise not_found(body.previous_response_id, "previous_response_id")
             history = record["history"]
         chat = chat_request(body, history)
         turn = Turn(store, tenant, body, history)
