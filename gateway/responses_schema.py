@@ -12,9 +12,10 @@ only the client's function tools, so any other tool type is a 400 naming it.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.output_schemas import MAX_TOOLS, FunctionDefinition, field_error
 from gateway.schemas import INT64_MAX
@@ -55,6 +56,15 @@ class FunctionCallItem(BaseModel):
     call_id: ID
     name: str = Field(min_length=1, max_length=256)
     arguments: str = Field(max_length=1 << 20)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        try:
+            json.loads(v or "{}")
+        except json.JSONDecodeError:
+            raise ValueError("arguments must be JSON text") from None
+        return v
 
 
 class FunctionCallOutputItem(BaseModel):
