@@ -29,7 +29,7 @@ from gateway import errors
 from gateway.conversations import Conversations, not_found, tenant_of
 from gateway.errors import APIError
 from gateway.formats import Format
-from gateway.responses_items import chat_request, new_messages, output_messages
+from gateway.responses_items import chat_request, new_messages, output_messages, renamed
 from gateway.responses_schema import FunctionChoice, ResponsesRequest
 from gateway.responses_stream import ResponseFormat
 from gateway.schemas import ChatCompletionRequest, openapi_body
@@ -57,7 +57,10 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunne
         chat = chat_request(body, history)
         turn = Turn(store, tenant, body, history)
         size = len(raw) + sum(len(str(m.get("content") or "")) for m in history)
-        response = await run_chat(request, chat, size, turn.format)
+        try:
+            response = await run_chat(request, chat, size, turn.format)
+        except APIError as e:
+            raise renamed(e) from None
         if not body.stream and response.status_code == 200 and turn.fmt is not None:
             await turn.save(turn.fmt.response)
         return response

@@ -36,8 +36,8 @@ from gateway.schemas import ChatCompletionRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # a chat field named in a validation error -> the Responses field the client sent
-PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-          ("function.", ""))
+PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+          ("response_format", "text.format"), ("function.", ""))
 
 
 def input_messages(items: list) -> list[dict]:
@@ -110,7 +110,7 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
-        raise _renamed(errors.from_pydantic(e)) from None
+        raise renamed(errors.from_pydantic(e)) from None
 
 
 def _response_format(fmt: TextFormat | None) -> dict | None:
@@ -125,8 +125,9 @@ def _response_format(fmt: TextFormat | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
-def _renamed(e: APIError) -> APIError:
-    """A chat request's validation error, naming the Responses field it came from."""
+def renamed(e: APIError) -> APIError:
+    """An error of the chat request (validation, template, limits), naming the Responses field it
+    came from."""
     if e.param:
         param = e.param
         for chat, ours in PARAMS:

@@ -223,6 +223,10 @@ class ResponsesRequest(BaseModel):
         return self.text.format if self.text is not None else None
 
 
+# fields of a function tool that change how it is offered or called: not implemented
+TOOL_REFUSED = {"defer_loading": _off, "async": _off, "allowed_callers": lambda v: v in (None, ["direct"])}
+
+
 def _check_tools(tools: Any, choice: Any) -> None:
     """Built-in tools (and choices of them) are a 400 naming their type."""
     if isinstance(tools, list):
@@ -231,6 +235,10 @@ def _check_tools(tools: Any, choice: Any) -> None:
             if isinstance(kind, str) and kind != "function":
                 raise field_error(f"tools[{i}].type", f"the built-in tool {kind!r} is not supported: pdmesh runs "
                                                       "only function tools (type \"function\")", "unsupported_parameter")
+            for name, harmless in TOOL_REFUSED.items():
+                if isinstance(tool, dict) and name in tool and not harmless(tool[name]):
+                    raise field_error(f"tools[{i}].{name}", f"tools[{i}].{name} is not supported",
+                                      "unsupported_parameter")
     if isinstance(choice, dict):
         kind = choice.get("type")
         if isinstance(kind, str) and kind != "function":

@@ -111,3 +111,9 @@ def test_a_built_in_tool_is_a_400_naming_it(clients, tool):
     with pytest.raises(openai.BadRequestError) as e:
         clients[0].responses.create(model="tiny", input="x", tools=[tool])
     assert tool["type"] in e.value.body["message"] and e.value.body["param"] == "tools[0].type"
+
+
+def test_the_chat_paths_errors_name_the_responses_fields(clients):
+    with pytest.raises(openai.BadRequestError) as e:
+        clients[0].responses.create(model="tiny", input="x", max_output_tokens=1 << 30)
+    assert e.value.body["param"] == "max_output_tokens" and e.value.body["code"] == "context_length_exceeded"

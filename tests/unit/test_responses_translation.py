@@ -93,6 +93,8 @@ def test_tools_tool_choice_and_text_format_map_to_the_chat_fields():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content",
      "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
+    ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading", "defer_loading"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input", "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
       "tools": [{"type": "function", "name": "f"}]}, "text.format", "text.format"),
 ])
@@ -166,6 +168,18 @@ def test_the_stream_is_the_typed_event_sequence_and_adds_up_to_the_response():
         {"role": "assistant", "content": "Calling now.", "reasoning_content": "Let me think.", "tool_calls": [
             {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
             {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
+
+
+def test_output_items_fed_back_as_input_are_the_same_turn():
+    """An agent loop sends the output back itself (the client dumps the parsed items): the same
+    chat messages as the stored history would give."""
+    whole = formatter([]).full([DELTAS])
+    items = [o.model_dump(mode="json", exclude_unset=True) for o in Response.model_validate(whole).output]
+    outputs = [{"type": "function_call_output", "call_id": "call_a", "output": "sunny"}]
+    chat = chat_request(parse(input=[*items, *outputs]), [])
+    assert chat.template_messages()[:-1] == [
+        {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                             for c in m["tool_calls"]]} for m in output_messages(whole["output"])]
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete_and_an_error_fails_it():
