@@ -14,12 +14,15 @@ from pydantic import TypeAdapter
 from gateway.auth import ApiKey, KeyLimits
 from gateway.conversations import tenant_of
 from gateway.errors import APIError
+from gateway.outputs import OutputPlan
+from gateway.reasoning import THINK
 from gateway.responses import echo, parse_request
 from gateway.responses_items import chat_request, output_messages
 from gateway.responses_schema import ResponsesRequest
 from gateway.responses_stream import ResponseFormat
 from gateway.service import ChoiceDelta
 from gateway.toolcalls import ToolCallDelta
+from gateway.tools import tool_format
 from mesh.protocol import Usage
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -180,6 +183,25 @@ def test_output_items_fed_back_as_input_are_the_same_turn():
     assert chat.template_messages()[:-1] == [
         {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                              for c in m["tool_calls"]]} for m in output_messages(whole["output"])]
+
+
+def test_the_reasoning_and_tool_call_parsers_make_the_items():
+    """The chat path's parsers (a thinking model with Hermes calls) split the raw text the worker
+    sent; the items follow what they found, at any split of the text."""
+    plan = OutputPlan(tools=tool_format(None, "hermes"), reasoning=THINK)
+    text = '<think>\nWhich city?\n</think>\n\nLet me look.<tool_call>\n{"name": "get_weather", ' \
+           '"arguments": {"city": "Oslo"}}\n</tool_call>'
+    for size in (1, 7, len(text)):
+        reader = plan.choice_output()
+        deltas = []
+        for i in range(0, len(text), size):
+            d = delta(text=text[i:i + size], finish="stop" if i + size >= len(text) else None)
+            reader.parse(d)
+            deltas.append(d)
+        out = Response.model_validate(formatter([]).full([deltas]))
+        assert [o.type for o in out.output] == ["reasoning", "message", "function_call"], size
+        assert out.output[0].content[0].text == "Which city?" and out.output_text == "Let me look."
+        assert json.loads(out.output[2].arguments) == {"city": "Oslo"} and out.status == "completed"
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete_and_an_error_fails_it():
