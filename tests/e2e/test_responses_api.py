@@ -5,9 +5,11 @@ responses retrieved and deleted, tenancy, and what pdmesh cannot run."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import jsonschema
+import nats
 import openai
 import pytest
 
@@ -19,15 +21,23 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER, "str
 KEYS = ("tenant-one-key", "tenant-two-key")
 
 
+TTL = 600.0
+
+
 @pytest.fixture(scope="module")
-def clients(tiny_model):
-    proc, url = start_up("--model", str(tiny_model), "--prefill", "0", "--no-planner",
+def up(tiny_model):
+    proc, url = start_up("--model", str(tiny_model), "--prefill", "0", "--no-planner", "--responses-ttl", str(TTL),
                          *(f for k in KEYS for f in ("--api-key", k)))
     try:
-        yield [openai.OpenAI(base_url=f"{url}/v1", api_key=k, timeout=60, max_retries=0) for k in KEYS]
+        yield proc, url
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def clients(up):
+    return [openai.OpenAI(base_url=f"{up[1]}/v1", api_key=k, timeout=60, max_retries=0) for k in KEYS]
 
 
 def test_a_response_whole_and_streamed(clients):
@@ -103,6 +113,18 @@ def test_stored_responses_are_the_tenants_own(clients):
     unstored = mine.responses.create(model="tiny", input="Forget this.", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         mine.responses.retrieve(unstored.id)
+
+
+async def test_stored_responses_live_in_the_meshs_bucket_with_its_ttl(up, clients):
+    made = clients[0].responses.create(model="tiny", input="Keep this.", max_output_tokens=2)
+    nc = await nats.connect(re.search(r"NATS (nats://[^\s);,]+)", up[0].up_line).group(1), connect_timeout=5)
+    try:
+        kv = await nc.jetstream(timeout=5).key_value("mesh_responses")
+        assert (await kv.status()).ttl == TTL
+        keys = await kv.keys()
+        assert [k for k in keys if k.endswith(made.id)] and not any(k.startswith(KEYS[0]) for k in keys)
+    finally:
+        await nc.close()
 
 
 @pytest.mark.parametrize("tool", [{"type": "web_search_preview"}, {"type": "file_search", "vector_store_ids": ["v"]},
