@@ -19,6 +19,8 @@ back itself gets the same prompt as one that names ``previous_response_id``.
 
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 from gateway import errors
@@ -75,12 +77,20 @@ def output_messages(output: list[dict]) -> list[dict]:
         kind = item["type"]
         if kind == "message":
             items.append(MessageItem(role="assistant", content="".join(p["text"] for p in item["content"])))
-        elif kind == "function_call":
+        elif kind == "function_call" and _is_json(item["arguments"]):  # a call cut short cannot be rendered
             items.append(FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
                                           arguments=item["arguments"]))
         elif kind == "reasoning":
             items.append(ReasoningItem.model_validate(item, strict=False))
     return input_messages(items)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def new_messages(body: ResponsesRequest) -> list[dict]:

@@ -204,6 +204,13 @@ def test_the_reasoning_and_tool_call_parsers_make_the_items():
         assert json.loads(out.output[2].arguments) == {"city": "Oslo"} and out.status == "completed"
 
 
+def test_a_call_cut_short_is_left_out_of_the_stored_history():
+    cut = formatter([]).full([[delta(calls=[ToolCallDelta(0, "call_a", "get_weather", '{"city": "Os')],
+                                     finish="length")]])
+    assert cut["status"] == "incomplete" and cut["output"][0]["status"] == "incomplete"
+    assert output_messages(cut["output"]) == []
+
+
 def test_a_response_cut_by_max_output_tokens_is_incomplete_and_an_error_fails_it():
     events = asyncio.run(stream(formatter([]), [delta(text="abc", finish="length")]))
     assert events[-1]["type"] == "response.incomplete"
