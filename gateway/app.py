@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics. Parsing, admission and response shapes; the work is in ``gateway.service``.
+/health, /metrics, and /v1/responses (``gateway.responses``, run through the chat path here).
+Parsing, admission and response shapes; the work is in ``gateway.service``.
 
 A request's life, and who releases what:
 
