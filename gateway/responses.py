@@ -45,23 +45,16 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunne
 
     @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def create_response(request: Request):
-        raw = await request.body()
-        body = parse_request(raw)
-        tenant = _tenant(gateway, request)
-        history: list[dict] = []
-        if body.previous_response_id is not None:
-            record = await store.get(tenant, body.previous_response_id)
-            if record is None:
-                raise not_found(body.previous_response_id, "previous_response_id")
-            history = record["history"]
-        chat = chat_request(body, history)
-        turn = Turn(store, tenant, body, history)
-        size = len(raw) + sum(len(str(m.get("content") or "")) for m in history)
+        try:
+            turn, chat, size = await _turn(gateway, store, request)
+        except APIError as e:  # refused before the chat path (which counts what it answers)
+            gateway.stats.request("responses", e.status)
+            raise
         try:
             response = await run_chat(request, chat, size, turn.format)
         except APIError as e:
             raise renamed(e) from None
-        if not body.stream and response.status_code == 200 and turn.fmt is not None:
+        if not turn.body.stream and response.status_code == 200 and turn.fmt is not None:
             await turn.save(turn.fmt.response)
         return response
 
@@ -80,6 +73,22 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunne
         if not await store.delete(_tenant(gateway, request), response_id):
             raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _turn(gateway: Gateway, store: Conversations, request: Request) -> tuple[Turn, ChatCompletionRequest, int]:
+    """The request's turn of its conversation, its chat request and what rendering it costs (bytes)."""
+    raw = await request.body()
+    body = parse_request(raw)
+    tenant = _tenant(gateway, request)
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        record = await store.get(tenant, body.previous_response_id)
+        if record is None:
+            raise not_found(body.previous_response_id, "previous_response_id")
+        history = record["history"]
+    chat = chat_request(body, history)
+    size = len(raw) + sum(len(str(m.get("content") or "")) for m in history)
+    return Turn(store, tenant, body, history), chat, size
 
 
 def _tenant(gateway: Gateway, request: Request) -> str:
