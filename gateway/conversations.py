@@ -23,7 +23,14 @@ import json
 import logging
 import re
 
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.errors import NoRespondersError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from gateway.auth import ApiKey
@@ -35,6 +42,8 @@ log = logging.getLogger(__name__)
 
 KV_TIMEOUT = 5.0  # seconds per bucket operation
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
+# what a bucket the server no longer has answers: no stream for a put, none found for a get
+LOST = (BucketNotFoundError, NotFoundError, NoStreamResponseError, NoRespondersError)
 
 
 def tenant_of(key: ApiKey | None, secret: bytes) -> str:
@@ -80,10 +89,10 @@ class Conversations:
                     return await fn(await self._bucket())
             except (KeyNotFoundError, KeyDeletedError):
                 raise
-            except BucketNotFoundError:
+            except LOST as e:  # the server lost the bucket: open it anew, once
                 self._kv = None
                 if attempt:
-                    break
+                    log.warning("responses store: %s failed: %r", op, e)
             except Exception as e:
                 log.warning("responses store: %s failed: %r", op, e)
                 break
