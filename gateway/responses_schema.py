@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.output_schemas import MAX_TOOLS, FunctionDefinition, field_error
 from gateway.schemas import INT64_MAX
@@ -100,7 +100,9 @@ class ReasoningItem(BaseModel):
 
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
                       Field(discriminator="type")]
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_MODELS: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                           "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+ITEM_TYPES = tuple(ITEM_MODELS)
 TEXT_PARTS = ("input_text", "output_text", "refusal", "reasoning_text", "summary_text")
 
 
@@ -258,6 +260,24 @@ def _check_nested(data: dict) -> None:
             raise field_error(f"{outer}.{inner}", f"{outer}.{inner} is not supported", "unsupported_parameter")
 
 
+TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # a union's member in pydantic's error locations
+
+
+def _check_item(i: int, item: dict) -> None:
+    """A 400 naming the item and its field (not the union's every failure)."""
+    model = ITEM_MODELS.get(item.get("type"))
+    if model is None:
+        return
+    try:
+        model.model_validate(item)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in TYPE_TAGS or "[" in p)))
+        msg = first["msg"].removeprefix("Value error, ")
+        raise field_error(f"input[{i}].{where}" if where else f"input[{i}]",
+                          f"invalid input[{i}]: {where + ': ' if where else ''}{msg}") from None
+
+
 def _item(i: int, item: Any) -> Any:
     """An input item: a message without ``type`` is a message; item and part types we cannot take
     are a 400 naming them (not the union's every failure)."""
@@ -279,4 +299,5 @@ def _item(i: int, item: Any) -> Any:
             if isinstance(kind, str) and kind not in TEXT_PARTS:
                 raise field_error(f"input[{i}].{key}", f"content of type {kind!r} is not supported: only text "
                                                        "input is implemented", "unsupported_parameter")
+    _check_item(i, item)
     return item

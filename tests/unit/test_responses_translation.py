@@ -97,7 +97,10 @@ def test_tools_tool_choice_and_text_format_map_to_the_chat_fields():
      "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
     ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading", "defer_loading"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input", "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments",
+     "JSON"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "output": "x"}]},
+     "input[1].call_id", "input[1]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
       "tools": [{"type": "function", "name": "f"}]}, "text.format", "text.format"),
 ])
