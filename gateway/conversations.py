@@ -41,6 +41,7 @@ from mesh.registry import js_replicas
 log = logging.getLogger(__name__)
 
 KV_TIMEOUT = 5.0  # seconds per bucket operation
+BIG = 64 << 10  # bytes of JSON worth a thread to encode or decode
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 # what a bucket the server no longer has answers: no stream for a put, none found for a get
 LOST = (BucketNotFoundError, NotFoundError, NoStreamResponseError, NoRespondersError)
@@ -98,13 +99,19 @@ class Conversations:
                 break
         raise APIError(503, f"the response store is unavailable ({op}); retry shortly")
 
-    async def put(self, tenant: str, response_id: str, record: dict) -> None:
-        value = json.dumps(record, separators=(",", ":")).encode()
+    def check_room(self, size: int) -> None:
+        """A 400 when a record of ``size`` bytes cannot be stored (before generating it, where the
+        conversation alone is already too large)."""
         limit = self.bus.max_payload - 1024  # the message's headers and subject
-        if len(value) > limit:
-            raise APIError(400, f"this conversation is too large to store ({len(value)} bytes; the mesh stores "
+        if size > limit:
+            raise APIError(400, f"this conversation is too large to store ({size} bytes; the mesh stores "
                                 f"at most {limit}): send store=false and the whole conversation as input",
                            "store", "conversation_too_large")
+
+    async def put(self, tenant: str, response_id: str, record: dict) -> None:
+        chars = sum(len(m.get("content") or "") for m in record["history"])
+        value = await asyncio.to_thread(_encode, record) if chars > BIG else _encode(record)
+        self.check_room(len(value))
         await self._call("put", lambda kv: kv.put(f"{tenant}.{response_id}", value))
 
     async def get(self, tenant: str, response_id: str) -> dict | None:
@@ -115,7 +122,10 @@ class Conversations:
             entry = await self._call("get", lambda kv: kv.get(f"{tenant}.{response_id}"))
         except (KeyNotFoundError, KeyDeletedError):
             return None
-        return json.loads(entry.value) if entry.value else None
+        if not entry.value:
+            return None
+        # a long conversation's record is up to a megabyte of JSON: decode it off the event loop
+        return await asyncio.to_thread(json.loads, entry.value) if len(entry.value) > BIG else json.loads(entry.value)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         """Purge the record; False when there was none for this tenant."""
@@ -123,6 +133,10 @@ class Conversations:
             return False
         await self._call("delete", lambda kv: kv.purge(f"{tenant}.{response_id}"))
         return True
+
+
+def _encode(record: dict) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def not_found(response_id: str, param: str = "response_id") -> APIError:

@@ -18,6 +18,7 @@ same way).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -87,7 +88,9 @@ async def _turn(gateway: Gateway, store: Conversations, request: Request) -> tup
             raise not_found(body.previous_response_id, "previous_response_id")
         history = record["history"]
     chat = chat_request(body, history)
-    size = len(raw) + sum(len(str(m.get("content") or "")) for m in history)
+    size = len(raw) + len(json.dumps(history, separators=(",", ":")))
+    if body.store:
+        store.check_room(size)
     return Turn(store, tenant, body, history), chat, size
 
 

@@ -27,7 +27,7 @@ async def test_records_are_per_tenant_bounded_and_survive_a_lost_bucket(nats_ser
         assert (await kv.status()).ttl == 120.0
 
         with pytest.raises(APIError) as e:
-            await store.put("tenant1", RID, {"history": ["x" * bus.max_payload]})
+            await store.put("tenant1", RID, {"history": [{"role": "user", "content": "x" * bus.max_payload}]})
         assert e.value.status == 400 and e.value.param == "store"
 
         assert not await store.delete("tenant2", RID) and await store.delete("tenant1", RID)
