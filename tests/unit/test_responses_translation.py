@@ -231,6 +231,17 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete_and_an_error_fails_it
     assert saved == []  # a failed response is not stored
 
 
+def test_a_stream_whose_response_cannot_be_stored_fails_instead_of_completing():
+    async def unavailable(response):
+        raise APIError(503, "the response store is unavailable (put); retry shortly")
+
+    fmt = formatter([])
+    fmt.save = unavailable
+    events = asyncio.run(stream(fmt, [delta(text="abc", finish="stop")]))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"]["message"].startswith("the response store is unavailable")
+
+
 def test_tenants_get_their_own_keys():
     def key(name, tenant=""):
         return ApiKey(name, name.encode() * 4, KeyLimits(), tenant=tenant)
