@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
                    help="seconds a started stream may go silent before it ends with a timeout error")
     p.add_argument("--drain-timeout", type=float, default=3.0,
                    help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
+    p.add_argument("--responses-ttl", type=float, default=None, metavar="SECONDS",
+                   help="how long a stored response (/v1/responses) lives in the {ns}_responses bucket "
+                        "(default: 30 days); the gateway that creates the bucket sets it")
     add_api_key_flags(p)
     p.add_argument("--insecure-admin", action="store_true",
                    help="without API keys, open the admin routes (LoRA load/unload) to every client "
@@ -70,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"model directory {m} does not exist")
     if args.max_inflight < 1 or args.first_token_timeout <= 0 or args.idle_timeout <= 0 or args.drain_timeout < 0:
         raise CliError("--max-inflight must be >= 1, the timeouts > 0 and --drain-timeout >= 0")
+    if args.responses_ttl is not None and args.responses_ttl <= 0:
+        raise CliError("--responses-ttl must be > 0")
     workers = default_workers() if args.workers is None else args.workers
     if workers < 1:
         raise CliError("--workers must be >= 1")
@@ -113,6 +118,7 @@ def gateway_config(args: argparse.Namespace, nats: NatsConfig, ns: str, models: 
         reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             hash_key=hash_key(args), **{k: v for k, v in weights if v is not None}),
+        **({"responses_ttl": args.responses_ttl} if args.responses_ttl is not None else {}),
     )
 
 

@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--router-decode-weight", type=float, default=None, help="passed to the gateway")
     p.add_argument("--peer-fetch", action="store_true",
                    help="decode workers fetch prefix blocks from peers, the router plans it (model workers need a host KV tier)")
+    p.add_argument("--responses-ttl", type=float, default=None, metavar="SECONDS",
+                   help="passed to the gateway: how long a stored response lives (default: 30 days)")
     p.add_argument("--gateway-workers", type=int, default=None,
                    help="gateway processes on the port (default: one per two cores, at most 4)")
     add_parser_flags(p)
@@ -174,7 +176,7 @@ def _gateway_flags(args: argparse.Namespace, models: list[str]) -> tuple[list[st
     if args.router:
         flags += ["--router", args.router]
     for name in ("router_temperature", "router_prefill_weight", "router_decode_weight", "tool_call_parser",
-                 "reasoning_parser"):
+                 "reasoning_parser", "responses_ttl"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     auth = auth_config(args)

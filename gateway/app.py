@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics. Parsing, admission and response shapes; the work is in ``gateway.service``.
+/health, /metrics, and /v1/responses (``gateway.responses``, run through the chat path here).
+Parsing, admission and response shapes; the work is in ``gateway.service``.
 
 A request's life, and who releases what:
 
@@ -34,7 +35,8 @@ from gateway.auth import AuthConfig, guard, require_admin
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.responses import ChatRunner, FormatFactory, install_responses_routes
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, openapi_body
 from gateway.service import Gateway, Target
 from gateway.streaming import (
     SSEResponse,
@@ -96,25 +98,27 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def metrics():
         return Response(gateway_metrics.render(gateway.workers_metrics), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat(request: Request):
         return await _counted(gateway, "chat", request, _chat(gateway, request))
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await _counted(gateway, "completions", request, _completions(gateway, request))
 
     install_adapter_routes(app, gateway)
+    install_responses_routes(app, gateway, _responses_runner(gateway))
     _install_components(app)
     return app
 
 
-def _body_schema(model: type[BaseModel]) -> dict:
-    """The request body in the OpenAPI document (the handlers parse the body themselves)."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "x-components": defs}
+def _responses_runner(gw: Gateway) -> ChatRunner:
+    """How ``gateway.responses`` runs its translated requests: the chat path, counted as "responses"."""
+
+    async def run(request: Request, body: ChatCompletionRequest, size: int, make_format: FormatFactory) -> Response:
+        return await _counted(gw, "responses", request, _chat_body(gw, request, body, size, make_format))
+
+    return run
 
 
 def _install_components(app: FastAPI) -> None:
@@ -232,6 +236,18 @@ async def _parse_sized(request: Request, model: type[BaseModel]):
 
 async def _chat(gw: Gateway, request: Request) -> Response:
     body, size = await _parse_sized(request, ChatCompletionRequest)
+    return await _chat_body(gw, request, body, size, _chat_format)
+
+
+def _chat_format(gw: Gateway, body: ChatCompletionRequest, target: Target, prompt: list[int]) -> Format:
+    return ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(target.model), [prompt], body.n,
+                      body.include_usage, body.return_token_ids)
+
+
+async def _chat_body(gw: Gateway, request: Request, body: ChatCompletionRequest, size: int,
+                     make_format: FormatFactory) -> Response:
+    """A parsed chat request (``size``: its body's bytes) answered in the format ``make_format`` makes:
+    chat completions, or the Responses API's objects (``gateway.responses``)."""
     target = gw.resolve(body.model)
     tok = gw.require_tokenizer(target.model, "messages")
     messages = body.template_messages()
@@ -245,9 +261,7 @@ async def _chat(gw: Gateway, request: Request) -> Response:
     if not prompt:
         raise APIError(400, "the messages render to an empty prompt", "messages")
     plan = plan_chat(body, tok, text, gw.config.tool_call_parser, gw.config.reasoning_parser)
-    fmt = ChatFormat(_request_id("chatcmpl"), body.model, gw.token_texts.get(target.model), [prompt], body.n,
-                     body.include_usage, body.return_token_ids)
-    return await _complete(gw, body, request, [prompt], fmt, plan, target)
+    return await _complete(gw, body, request, [prompt], make_format(gw, body, target, prompt), plan, target)
 
 
 def _render(tok: Tokenizer, body: ChatCompletionRequest, messages: list[dict]) -> tuple[str, list[int]]:

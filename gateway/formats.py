@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 import time
+from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii as _js
 
 from gateway.detok import TokenTexts
@@ -102,6 +103,16 @@ class Format:
     def opening(self, n: int) -> str:
         """What a stream starts with, before any token."""
         return ""
+
+    def error_event(self, error) -> str:
+        """A choice's ``APIError`` after the stream started (its HTTP status is already 200)."""
+        return error.sse()
+
+    async def closing(self, include_usage: bool) -> AsyncIterator[str]:
+        """What a stream ends with once every choice has ended."""
+        if include_usage:
+            yield self.usage_chunk()
+        yield "data: [DONE]\n\n"
 
     def usage_chunk(self) -> str:
         out = self._base(self.chunk_object)

@@ -299,3 +299,12 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """A route's request body in the OpenAPI document (the handlers parse the body themselves); the
+    app moves ``x-components`` where the schema's references point."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "x-components": defs}

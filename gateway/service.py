@@ -69,6 +69,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # a tool-call format for every model (default: each template's)
     reasoning_parser: str | None = None  # a reasoning format, or "none" (default: each template's)
     insecure_admin: bool = False  # without API keys the admin routes serve everyone (default: closed)
+    responses_ttl: float = 30 * 24 * 3600.0  # seconds a stored response lives (the bucket's max age)
 
 
 @dataclass(frozen=True)

@@ -89,13 +89,12 @@ async def sse_events(fmt, streams, first: list[ChoiceDelta | None], include_usag
             yield opening
         async for d in events:
             if isinstance(d, APIError):
-                yield d.sse()
+                yield fmt.error_event(d)
                 continue
             if out := fmt.chunks(d, has_tok):
                 yield out
-        if include_usage:
-            yield fmt.usage_chunk()
-        yield "data: [DONE]\n\n"
+        async for tail in fmt.closing(include_usage):
+            yield tail
     finally:
         with contextlib.suppress(Exception):
             await events.aclose()

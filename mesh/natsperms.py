@@ -4,7 +4,8 @@ One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
     gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
-              router.decisions, lora (request)            planner.decisions, its inbox
+              router.decisions, lora (request), stored    planner.decisions, its inbox
+              responses (its bucket)
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
               replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv_fetch_release,
               inboxes, kv_fetch, kv_fetch_data and        kv.snapshot, load, lora, its inbox
@@ -80,6 +81,14 @@ def _registry(ns: str, writes: bool) -> list[str]:
     return ["$JS.API.INFO", *api, *([f"$KV.{bucket}.>"] if writes else [])]
 
 
+def _responses(ns: str) -> list[str]:
+    """The stored responses' bucket (the gateway's): open or create it, get, put and purge keys."""
+    bucket = Subjects(ns).responses_bucket()
+    stream = f"KV_{bucket}"
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$KV.{bucket}.>"]
+
+
 def _prefill_streams(ns: str, models: Sequence[str]) -> list[str]:
     """Stream names as a subject token: exact per model, or any (a stream name is one token)."""
     return [Subjects(ns).prefill_stream(m) for m in models] if models else [ANY]
@@ -98,8 +107,9 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     load = s.load_all()
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     if role == "gateway":
+        # stored responses (the Responses API): the gateway reads and writes their bucket
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
-               *_registry(ns, False)]
+               *_registry(ns, False), *_responses(ns)]
         sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)

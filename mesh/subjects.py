@@ -99,6 +99,10 @@ class Subjects:
     def workers_bucket(self) -> str:
         return f"{subject_token(self.ns)}_workers"
 
+    def responses_bucket(self) -> str:
+        """Stored responses of the Responses API (``gateway.conversations``)."""
+        return f"{subject_token(self.ns)}_responses"
+
     def kv_fetch(self, model: str, worker: str) -> str:
         """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"

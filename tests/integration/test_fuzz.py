@@ -39,7 +39,7 @@ def test_http_api_never_answers_500(fuzz_mesh):
     url, _ = fuzz_mesh
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     seen: dict[int, int] = {}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
 
         @given(case=schema[path]["POST"].as_strategy())
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -47,7 +47,7 @@ def test_http_api_never_answers_500(fuzz_mesh):
             if isinstance(case.body, dict):  # reach the model (404s are tested elsewhere); keep it short
                 if "model" in case.body:
                     case.body["model"] = "tiny"
-                for key in ("max_tokens", "max_completion_tokens"):
+                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if isinstance(case.body.get(key), int) and case.body[key] > 8:
                         case.body[key] = 8
                 if isinstance(case.body.get("n"), int) and case.body["n"] > 2:

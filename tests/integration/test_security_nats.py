@@ -98,6 +98,10 @@ async def test_mesh_serves_with_least_privilege_users(secured, tiny_model):
             stream = await client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
             assert [c async for c in stream][-1].choices[0].finish_reason == "length"
+            # the Responses API: the gateway creates, writes, reads and purges its stored responses' bucket
+            made = await client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+            assert (await client.responses.retrieve(made.id)).output_text == made.output_text
+            await client.responses.delete(made.id)
             dec = await w.fresh_load("dec-sec")
             assert dec.counters.get("remote_prefill_done", 0) >= 1, dec.counters
             assert dec.counters.get("transport_nats", 0) >= 1
