@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics. Parsing, admission and response shapes; the work is in ``gateway.service``.
+/health, /metrics (and /v1/files, /v1/batches: ``gateway.batches``). Parsing, admission and response shapes; the work is in ``gateway.service``.
 
 A request's life, and who releases what:
 
@@ -31,6 +31,7 @@ from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
 from gateway.auth import AuthConfig, guard, require_admin
+from gateway.batches import install_batch_routes
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
@@ -105,6 +106,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return await _counted(gateway, "completions", request, _completions(gateway, request))
 
     install_adapter_routes(app, gateway)
+    install_batch_routes(app, gateway)
     _install_components(app)
     return app
 

@@ -99,6 +99,14 @@ class Subjects:
     def workers_bucket(self) -> str:
         return f"{subject_token(self.ns)}_workers"
 
+    def files_bucket(self) -> str:
+        """The object store of /v1/files (batch inputs, outputs and error files)."""
+        return f"{subject_token(self.ns)}_files"
+
+    def batches_bucket(self) -> str:
+        """The key-value bucket of /v1/files' records and /v1/batches' state, leases and line results."""
+        return f"{subject_token(self.ns)}_batches"
+
     def kv_fetch(self, model: str, worker: str) -> str:
         """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""
         return f"{self._m(model)}.decode.{subject_token(worker)}.kv_fetch"
