@@ -56,31 +56,7 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
 
     @app.post("/v1/batches", openapi_extra=body_doc)
     async def create_batch(request: Request):
-        body = await _body(request)
-        if body.completion_window != "24h":
-            raise APIError(400, "completion_window must be \"24h\"", "completion_window")
-        if body.endpoint not in BATCH_URLS:
-            raise APIError(400, f"endpoint must be one of {', '.join(BATCH_URLS)}", "endpoint")
-        if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
-            raise APIError(400, "metadata keys are at most 64 characters, values at most 512", "metadata")
-        store, run_as = store_of(request), owner_of(request)
-        source = await store.get_file(run_as.owner, body.input_file_id)
-        if source is None or source.purpose != "batch":
-            raise APIError(404, f"no batch input file {body.input_file_id!r}", "input_file_id", "not_found")
-        queued = sum(b.total for b in await store.list_batches(run_as.owner) if b.status in OPEN)
-        limit = runner.config.max_queued_requests
-        if queued + source.lines > limit:
-            metrics.GATEWAY_REJECTED.labels("batch_requests").inc()
-            raise APIError(429, f"this tenant has {queued} batch requests queued; {source.lines} more would pass "
-                                f"the limit of {limit}", code="quota_exceeded")
-        now = int(time.time())
-        rec = BatchRecord(f"batch_{uuid.uuid4().hex}", run_as, body.endpoint, source.id, "24h", now,
-                          now + WINDOW_S, metadata=body.metadata, total=source.lines)
-        rec.moved("validating", now)
-        await store.create_batch(rec)
-        BATCHES.labels("validating").inc()
-        runner.wake()
-        return rec.public()
+        return await _create(runner, request)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(request: Request, batch_id: str):
@@ -115,6 +91,34 @@ def install_batch_routes(app: FastAPI, gateway) -> None:
                            after: str | None = Query(None, max_length=64)):
         batches = await store_of(request).list_batches(owner_of(request).owner)
         return page([b.public() for b in batches], limit, after)
+
+
+async def _create(runner: BatchRunner, request: Request) -> dict:
+    body = await _body(request)
+    if body.completion_window != "24h":
+        raise APIError(400, "completion_window must be \"24h\"", "completion_window")
+    if body.endpoint not in BATCH_URLS:
+        raise APIError(400, f"endpoint must be one of {', '.join(BATCH_URLS)}", "endpoint")
+    if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
+        raise APIError(400, "metadata keys are at most 64 characters, values at most 512", "metadata")
+    store, run_as = store_of(request), owner_of(request)
+    source = await store.get_file(run_as.owner, body.input_file_id)
+    if source is None or source.purpose != "batch":
+        raise APIError(404, f"no batch input file {body.input_file_id!r}", "input_file_id", "not_found")
+    queued = sum(b.total for b in await store.list_batches(run_as.owner) if b.status in OPEN)
+    limit = runner.config.max_queued_requests
+    if queued + source.lines > limit:
+        metrics.GATEWAY_REJECTED.labels("batch_requests").inc()
+        raise APIError(429, f"this tenant has {queued} batch requests queued; {source.lines} more would pass "
+                            f"the limit of {limit}", code="quota_exceeded")
+    now = int(time.time())
+    rec = BatchRecord(f"batch_{uuid.uuid4().hex}", run_as, body.endpoint, source.id, "24h", now,
+                      now + WINDOW_S, metadata=body.metadata, total=source.lines)
+    rec.moved("validating", now)
+    await store.create_batch(rec)
+    BATCHES.labels("validating").inc()
+    runner.wake()
+    return rec.public()
 
 
 async def _body(request: Request) -> BatchCreate:
