@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,6 +272,8 @@ class BatchStore:
                            change: Callable[[BatchRecord], bool]) -> BatchRecord | None:
         """Read, ``change`` in place (it returns whether to write), write with compare-and-set;
         again on a conflict. The record as it stands after, or None when it does not exist."""
+        if not _is_id(batch_id):
+            return None
         key = f"batch.{owner}.{batch_id}"
         for _ in range(20):
             rec, rev = await self._get(key, BatchRecord)
@@ -332,6 +335,9 @@ class BatchStore:
         return {int(e.key.removeprefix(prefix)): e.value for e in await self._scan(f"{prefix}*")}
 
 
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def _is_id(value: str) -> bool:
     """A file or batch id as we make them (anything else names no record: 404, never a bad key)."""
-    return 0 < len(value) <= 64 and all(c.isalnum() or c in "-_" for c in value)
+    return _ID.fullmatch(value) is not None

@@ -85,6 +85,7 @@ async def test_records_are_read_only_with_their_owners_token(store):
     assert await store.get_file(two.owner, "file-1") is None
     assert await store.get_batch(two.owner, "batch_1") is None
     assert await store.get_batch(one.owner, "../batch_1") is None  # not an id: no key is built of it
+    assert await store.get_file(one.owner, "fïle-1") is None
     assert [b.id for b in await store.list_batches(one.owner)] == ["batch_1"]
     assert await store.list_batches(two.owner) == []
     assert await store.active() == {"batch_1": one.owner}
