@@ -100,7 +100,7 @@ BATCH_FLAGS = (  # (flag, type, default, help): the Batch API's limits and pacin
     ("--batch-max-files", int, 100, "batch input files one tenant may keep (beyond: 429)"),
     ("--batch-max-file-bytes", int, 200 << 20, "bytes of one uploaded file, and of a tenant's batch files in all"),
     ("--batch-max-queued-requests", int, 50_000, "lines of one tenant's unfinished batches (beyond: 429)"),
-    ("--batch-max-inflight", int, 64, "batch lines one gateway runs at once, at most (the governor's ceiling)"),
+    ("--batch-max-inflight", int, 32, "batch lines one gateway runs at once, at most (the governor's ceiling)"),
     ("--batch-headroom", float, 0.25, "share of the decode workers' capacity batch lines leave free"),
     ("--batch-lease", float, 15.0, "seconds after which another gateway takes over a dead gateway's batches"),
 )

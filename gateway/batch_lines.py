@@ -127,3 +127,29 @@ def output_line(result: LineResult, request_id: str = "") -> bytes:
             row["error"] = {"code": result.code or "request_failed", "message": result.message or
                             f"the request failed with status {result.status}"}
     return _ENC.encode(row) + b"\n"
+
+
+def count_kept(done: dict[int, bytes]) -> tuple[int, int]:
+    """(completed, failed) among kept results."""
+    ok = sum(1 for v in done.values() if decode_result(v).ok)
+    return ok, len(done) - ok
+
+
+def render_files(lines: list[Line], done: dict[int, bytes], expired: bool) -> tuple[bytes, bytes, int, int]:
+    """The output file, the error file (lines in input order) and the (completed, failed) counts
+    of a finished batch; lines without a result are left out, or, when the batch ``expired``,
+    written to the error file as ``batch_expired``."""
+    out, err = bytearray(), bytearray()
+    completed = failed = 0
+    for line in lines:
+        raw = done.get(line.index)
+        if raw is None:
+            if expired:
+                err += output_line(LineResult(line.custom_id, 0, code="batch_expired",
+                                              message="the batch expired before this line ran"))
+            continue
+        result = decode_result(raw)
+        completed += result.ok
+        failed += not result.ok
+        (out if result.ok else err).extend(output_line(result))
+    return bytes(out), bytes(err), completed, failed

@@ -36,11 +36,11 @@ from gateway.batch_governor import TICK, Governor
 from gateway.batch_lines import (
     Line,
     LineResult,
-    decode_result,
+    count_kept,
     encode_result,
     not_run,
-    output_line,
     parse_lines,
+    render_files,
 )
 from gateway.batch_store import FINAL, BatchConfig, BatchRecord, BatchStore, FileRecord, Lease
 from gateway.metrics import BATCH_INFLIGHT, BATCH_LINES, BATCH_RUNNING, BATCHES
@@ -103,13 +103,15 @@ class BatchRunner:
 
     async def _govern(self) -> None:
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(TICK)
+            lag = time.monotonic() - slept - TICK  # how late the loop is: this gateway's CPU
             gw = self.gateway
             loads = []
             if gw.router is not None and gw.membership is not None:
                 loads = [r for w, r in list(gw.router.loads.items())
                          if r.role == "decode" and gw.membership.get(w) is not None]
-            await self.governor.tick(loads)
+            await self.governor.tick(loads, lag)
             BATCH_INFLIGHT.labels("limit").set(self.governor.limit)
             BATCH_INFLIGHT.labels("running").set(self.governor.inflight)
 
@@ -143,16 +145,17 @@ class BatchRun:
             data = await self._input(rec)
             if data is None:
                 return
-            lines = parse_lines(data)
+            lines = await asyncio.to_thread(parse_lines, data)  # 10,000 lines: off the event loop
             if rec.status == "validating":
                 rec = await self._start(lines)
                 if rec is None or rec.status == "failed":
                     return
             if rec.status == "cancelling":
                 self.stopping = "cancelled"
-            await self._run_lines(lines)
-            if self.stopping != "lost":
+            if await self._run_lines(lines) or self.stopping in ("cancelled", "expired"):
                 await self._finish(lines)
+            elif self.stopping is None:  # results the store would not keep: let go, run them again later
+                log.warning("batch %s: lines without a kept result; trying again", self.batch_id)
         finally:
             await cancel_and_wait([*self.inflight, *([keeper] if keeper else [])])
             if self.stopping != "lost":
@@ -233,17 +236,17 @@ class BatchRun:
         BATCHES.labels("failed").inc()
         await self.store.retire(self.batch_id)
 
-    async def _run_lines(self, lines: list[Line]) -> None:
-        """Every line without a kept result, until all have one or the run stops. A line whose
-        result could not be kept (the store was away) is tried again on the next pass."""
+    async def _run_lines(self, lines: list[Line]) -> bool:
+        """Every line without a kept result, until all have one (True) or the run stops. A line
+        whose result could not be kept (the store was away) is tried again on the next pass."""
         for _ in range(3):
             done = await self.store.done_lines(self.batch_id)
-            kept = [decode_result(v) for v in done.values()]
-            self.completed = sum(1 for r in kept if r.ok)
-            self.failed = len(kept) - self.completed
+            self.completed, self.failed = await asyncio.to_thread(count_kept, done)
             todo = [line for line in lines if line.index not in done]
-            if not todo or self.stopping:
-                return
+            if not todo:
+                return True
+            if self.stopping:
+                return False
             for line in todo:
                 if self.stopping:
                     break
@@ -259,6 +262,8 @@ class BatchRun:
                 task.add_done_callback(self.inflight.discard)
             if self.inflight:
                 await asyncio.wait(list(self.inflight))
+        done = await self.store.done_lines(self.batch_id)
+        return not self.stopping and all(line.index in done for line in lines)
 
     async def _line(self, line: Line) -> None:
         try:
@@ -296,19 +301,7 @@ class BatchRun:
             await self.store.update_batch(self.owner, self.batch_id, lambda r: (r.moved("finalizing", now), True)[1])
             BATCHES.labels("finalizing").inc()
         done = await self.store.done_lines(self.batch_id)
-        out, err = bytearray(), bytearray()
-        completed = failed = 0
-        for line in lines:
-            raw = done.get(line.index)
-            if raw is None:
-                if final == "expired":
-                    err += output_line(LineResult(line.custom_id, 0, code="batch_expired",
-                                                  message="the batch expired before this line ran"))
-                continue
-            result = decode_result(raw)
-            completed += result.ok
-            failed += not result.ok
-            (out if result.ok else err).extend(output_line(result))
+        out, err, completed, failed = await asyncio.to_thread(render_files, lines, done, final == "expired")
         output_id = await self._write(out, "output")
         error_id = await self._write(err, "error")
 
@@ -322,13 +315,13 @@ class BatchRun:
         BATCHES.labels(final).inc()
         await self.store.retire(self.batch_id)
 
-    async def _write(self, data: bytearray, kind: str) -> str | None:
+    async def _write(self, data: bytes, kind: str) -> str | None:
         """The output or error file (same id on every try: a finish run twice writes it once)."""
         if not data:
             return None
         rec = FileRecord(f"file-{self.batch_id.removeprefix('batch_')}-{kind}", self.owner,
                          f"{self.batch_id}_{kind}.jsonl", len(data), int(time.time()), "batch_output")
-        await self.store.put_file(rec, bytes(data))
+        await self.store.put_file(rec, data)
         return rec.id
 
 

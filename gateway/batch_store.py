@@ -57,7 +57,7 @@ class BatchConfig:
     max_files: int = 100  # --batch-max-files: batch input files a tenant may keep
     max_file_bytes: int = 200 << 20  # --batch-max-file-bytes: one file's size, and a tenant's total
     max_queued_requests: int = 50_000  # --batch-max-queued-requests: lines of a tenant's unfinished batches
-    max_inflight: int = 64  # --batch-max-inflight: lines one gateway runs at once, at most
+    max_inflight: int = 32  # --batch-max-inflight: lines one gateway runs at once, at most
     headroom: float = 0.25  # --batch-headroom: the share of worker capacity batch lines leave free
     lease_s: float = 15.0  # --batch-lease: a dead gateway's batches are taken over after this
     line_timeout: float = 600.0  # seconds one line may take

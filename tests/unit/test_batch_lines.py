@@ -106,22 +106,27 @@ def test_pages_are_cursors_by_creation_time():
     assert page(items, 2, "unknown")["data"] == []
 
 
-def load(running=0, waiting=0, capacity=16) -> LoadReport:
-    return LoadReport("w", "m", "decode", 0.0, waiting=waiting, running=running, capacity=capacity)
+def load(running=0, waiting=0, capacity=16, interactive=0) -> LoadReport:
+    return LoadReport("w", "m", "decode", 0.0, waiting=waiting, running=running, capacity=capacity,
+                      deferrable=running + waiting - interactive)
 
 
-def test_the_governor_grows_on_idle_workers_and_halves_when_anything_queues():
+def test_the_governor_grows_on_idle_workers_and_backs_off_for_interactive_work():
     g = Governor(ceiling=20, headroom=0.25)
+    trace = []
+    for _ in range(12):  # idle workers: grow by a quarter (at least one) a look
+        g.inflight = g.limit
+        trace.append(g.observe([load(0), load(0)]))
+    assert trace == [2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 18, 20]  # up to the ceiling
     g.inflight = g.limit
-    assert g.observe([load(0), load(0)]) == 1 + 12  # room 24 - 0: half of it at once
-    g.inflight = g.limit
-    assert g.observe([load(13), load(0)]) == 13 + 5  # room 24 - 13 = 11
-    g.inflight = g.limit
-    assert g.observe([load(2), load(0)]) == 20  # the ceiling
-    assert g.observe([load(10, waiting=1), load(8)]) == 10  # a request queued: back off
-    assert g.observe([load(16), load(16)]) == 5  # past the headroom: back off
+    assert g.observe([load(13), load(9)]) == 20  # room 24 - 22 = 2: no growth past it, no cut
+    assert g.observe([load(10, waiting=1), load(8)]) == 10  # a request queued: halve
+    assert g.observe([load(16), load(16)]) == 5  # past the headroom: halve
+    assert g.observe([load(0), load(0)], lag=0.2) == 2  # this gateway's loop runs late: halve
+    g.limit = g.inflight = 8
+    assert g.observe([load(9, interactive=1), load(0)]) == 6  # interactive requests run: shed a quarter
     g.inflight = 1  # the limit not in use: no reason to grow it
-    assert g.observe([load(0), load(0)]) == 5
+    assert g.observe([load(0), load(0)]) == 6
     for _ in range(5):
         g.observe([load(16, waiting=3)])
     assert g.limit == 1  # never below one: a batch moves on a busy mesh
