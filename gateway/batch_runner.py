@@ -131,6 +131,7 @@ class BatchRun:
         self.completed = self.failed = 0
         self.inflight: set[asyncio.Task] = set()
         self.key = None
+        self.done: dict[int, bytes] | None = None  # the kept results, as last read
 
     async def execute(self) -> None:
         BATCH_RUNNING.inc()
@@ -244,6 +245,7 @@ class BatchRun:
             self.completed, self.failed = await asyncio.to_thread(count_kept, done)
             todo = [line for line in lines if line.index not in done]
             if not todo:
+                self.done = done
                 return True
             if self.stopping:
                 return False
@@ -262,8 +264,8 @@ class BatchRun:
                 task.add_done_callback(self.inflight.discard)
             if self.inflight:
                 await asyncio.wait(list(self.inflight))
-        done = await self.store.done_lines(self.batch_id)
-        return not self.stopping and all(line.index in done for line in lines)
+        self.done = await self.store.done_lines(self.batch_id)
+        return not self.stopping and all(line.index in self.done for line in lines)
 
     async def _line(self, line: Line) -> None:
         try:
@@ -300,7 +302,9 @@ class BatchRun:
         if final == "completed":
             await self.store.update_batch(self.owner, self.batch_id, lambda r: (r.moved("finalizing", now), True)[1])
             BATCHES.labels("finalizing").inc()
-        done = await self.store.done_lines(self.batch_id)
+        # the results _run_lines read last, when they cover every line; else (a cancel) read them now
+        done = self.done if final == "completed" and self.done is not None else \
+            await self.store.done_lines(self.batch_id)
         out, err, completed, failed = await asyncio.to_thread(render_files, lines, done, final == "expired")
         output_id = await self._write(out, "output")
         error_id = await self._write(err, "error")

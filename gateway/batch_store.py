@@ -182,9 +182,11 @@ async def _timed(aw, timeout: float = TIMEOUT):
 class BatchStore:
     """The two JetStream buckets; every operation bounded by ``TIMEOUT``."""
 
-    def __init__(self, kv: KeyValue, files: ObjectStore):
+    def __init__(self, kv: KeyValue, files: ObjectStore, js, bucket: str):
         self.kv = kv
         self.files = files
+        self.js = js  # JetStream: purges a batch's line results in one request
+        self.bucket = bucket
 
     @classmethod
     async def open(cls, bus: Bus) -> BatchStore:
@@ -203,7 +205,7 @@ class BatchStore:
                 await _timed(bus.js.create_object_store(obj_name, ObjectStoreConfig(bucket=obj_name,
                                                                                     replicas=replicas)))
             files = await _timed(bus.js.object_store(obj_name))
-        return cls(kv, files)
+        return cls(kv, files, bus.js, kv_name)
 
     # -- plain keys --------------------------------------------------------------------
     async def _get(self, key: str, kind: type):
@@ -295,9 +297,8 @@ class BatchStore:
         await _timed(self.kv.purge(f"active.{batch_id}"))
         with contextlib.suppress(Exception):
             await _timed(self.kv.purge(f"lease.{batch_id}"))
-        for entry in await self._scan(f"done.{batch_id}.*", meta_only=True):
-            with contextlib.suppress(Exception):
-                await _timed(self.kv.purge(entry.key))
+        # every line's key at once: a KV bucket is the stream KV_{bucket}, a key the subject $KV.{bucket}.{key}
+        await _timed(self.js.purge_stream(f"KV_{self.bucket}", subject=f"$KV.{self.bucket}.done.{batch_id}.*"))
 
     # -- leases -------------------------------------------------------------------------
     async def claim(self, batch_id: str, me: str, now: float, lease_s: float) -> int | None:

@@ -10,6 +10,7 @@ either). Batch output and error files are written by the runner and read here li
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -46,8 +47,10 @@ def install_file_routes(app: FastAPI) -> None:
     async def upload_file(request: Request):
         config = request.app.state.batches.config
         store = store_of(request)
-        fields, upload = parse_multipart(request.headers.get("content-type", ""),
-                                         await _read_capped(request, config.max_file_bytes))
+        body = await _read_capped(request, config.max_file_bytes)
+        parse = (parse_multipart, request.headers.get("content-type", ""), body)
+        # a large upload is split and scanned in a thread: the event loop serves streams meanwhile
+        fields, upload = await asyncio.to_thread(*parse) if len(body) > (1 << 20) else parse[0](*parse[1:])
         if fields.get("purpose") != "batch":
             raise APIError(400, "purpose must be \"batch\" (the only files this server keeps)", "purpose")
         if upload is None:
@@ -62,7 +65,7 @@ def install_file_routes(app: FastAPI) -> None:
             raise APIError(429, f"this tenant keeps {len(kept)} batch files ({sum(f.bytes for f in kept)} bytes); "
                                 f"the limit is {config.max_files} files and {config.max_file_bytes} bytes: delete "
                                 "some first", code="quota_exceeded")
-        lines = sum(1 for line in data.split(b"\n") if line.strip())
+        lines = await asyncio.to_thread(_count_lines, data) if len(data) > (1 << 20) else _count_lines(data)
         rec = FileRecord(f"file-{uuid.uuid4().hex}", owner, filename[:MAX_FILENAME] or "upload.jsonl", len(data),
                          int(time.time()), "batch", lines)
         await store.put_file(rec, data)
@@ -97,6 +100,10 @@ async def _file(request: Request, file_id: str) -> FileRecord:
     if rec is None:
         raise APIError(404, f"no such file: {file_id!r}", "file_id", "not_found")
     return rec
+
+
+def _count_lines(data: bytes) -> int:
+    return sum(1 for line in data.split(b"\n") if line.strip())
 
 
 def page(items: list[dict], limit: int, after: str | None, newest_first: bool = True) -> dict:

@@ -7,14 +7,17 @@ lines runs in seconds on two cores. Two API keys: two tenants.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+import nats
 import openai
 import pytest
 
@@ -97,7 +100,7 @@ def rows_of(c: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 
 def test_a_mixed_batch_completes_with_every_custom_id_once(mesh):
-    _, url, model = mesh
+    proc, url, model = mesh
     c = client(url)
     rows = mixed_lines(model, 200)
     b = wait_done(c, submit(c, rows))
@@ -120,6 +123,26 @@ def test_a_mixed_batch_completes_with_every_custom_id_once(mesh):
         with pytest.raises(openai.NotFoundError):
             call()
     assert b.id not in [x.id for x in other.batches.list().data]
+    # finished: of its keys in the batches bucket only its record is left (no lease, no line results)
+    deadline = time.monotonic() + 10
+    while len(keys := asyncio.run(batch_keys(proc.up_line, b.id))) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [k.split(".")[0] for k in keys] == ["batch"]
+
+
+async def batch_keys(up_line: str, batch_id: str) -> list[str]:
+    """The keys of the batches bucket that name ``batch_id``, read straight from NATS."""
+    nc = await nats.connect(re.search(r"NATS (nats://[^)\s]+)", up_line).group(1), connect_timeout=5)
+    try:
+        watcher = await (await nc.jetstream().key_value("mesh_batches")).watchall(meta_only=True)
+        keys = []
+        while (entry := await watcher.updates(5)) is not None:
+            if batch_id in entry.key and entry.operation is None:
+                keys.append(entry.key)
+        await watcher.stop()
+        return keys
+    finally:
+        await nc.close()
 
 
 def test_bad_lines_land_in_the_error_file(mesh):

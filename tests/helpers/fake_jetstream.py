@@ -66,6 +66,19 @@ class FakeKV:
                          and k.count(".") == pattern.count(".")])
 
 
+class FakeJetStream:
+    """``purge_stream`` of the KV bucket's stream, by subject filter."""
+
+    def __init__(self, kv: FakeKV, bucket: str):
+        self.kv, self.prefix = kv, f"$KV.{bucket}."
+
+    async def purge_stream(self, name: str, subject: str) -> bool:
+        watcher = await self.kv.watch(subject.removeprefix(self.prefix))
+        while (entry := await watcher.updates()) is not None:
+            await self.kv.purge(entry.key)
+        return True
+
+
 @dataclass
 class _Object:
     data: bytes

@@ -17,12 +17,13 @@ from gateway.batch_store import (
     claimable,
 )
 from gateway.tenancy import clamp_priority
-from tests.helpers.fake_jetstream import FakeKV, FakeObjects
+from tests.helpers.fake_jetstream import FakeJetStream, FakeKV, FakeObjects
 
 
 @pytest.fixture
 def store() -> BatchStore:
-    return BatchStore(FakeKV(), FakeObjects())
+    kv = FakeKV()
+    return BatchStore(kv, FakeObjects(), FakeJetStream(kv, "b"), "b")
 
 
 def batch(owner: RunAs, batch_id: str = "batch_1") -> BatchRecord:
@@ -108,7 +109,9 @@ async def test_update_batch_retries_on_a_conflict_and_retire_clears_the_batch(st
     assert rec.status == "cancelling" and raced
     await store.claim("batch_1", "gw", 0.0, 1.0)
     await store.record_line("batch_1", 0, b"{}")
+    await store.record_line("batch_11", 0, b"{}")
     await store.retire("batch_1")
+    assert list(await store.done_lines("batch_11")) == [0]  # another batch's results stay
     assert await store.active() == {} and await store.done_lines("batch_1") == {}
     assert (await store.get_batch("o", "batch_1")).status == "cancelling"  # the record stays
 
