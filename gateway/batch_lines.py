@@ -138,15 +138,15 @@ def count_kept(done: dict[int, bytes]) -> tuple[int, int]:
 def render_files(lines: list[Line], done: dict[int, bytes], expired: bool) -> tuple[bytes, bytes, int, int]:
     """The output file, the error file (lines in input order) and the (completed, failed) counts
     of a finished batch; lines without a result are left out, or, when the batch ``expired``,
-    written to the error file as ``batch_expired``."""
+    written to the error file as ``batch_expired`` (or, never runnable, as what is wrong with them)."""
     out, err = bytearray(), bytearray()
     completed = failed = 0
     for line in lines:
         raw = done.get(line.index)
         if raw is None:
             if expired:
-                err += output_line(LineResult(line.custom_id, 0, code="batch_expired",
-                                              message="the batch expired before this line ran"))
+                err += output_line(not_run(line) if not line.runnable else LineResult(
+                    line.custom_id, 0, code="batch_expired", message="the batch expired before this line ran"))
             continue
         result = decode_result(raw)
         completed += result.ok

@@ -172,6 +172,13 @@ def test_bad_lines_land_in_the_error_file(mesh):
                      ("good", "duplicate_custom_id", None), ("wrong-url", "invalid_url", None),
                      ("streams", "stream_not_supported", None), ("no-model", "model_not_found", 404),
                      ("bad-body", "invalid_value", 400)]
+    # the files: listed, deleted, gone
+    listed = [f.id for f in c.files.list(purpose="batch_output")]
+    assert b.output_file_id in listed and b.error_file_id in listed
+    assert c.files.delete(b.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(b.input_file_id)
+    assert b.input_file_id not in [f.id for f in c.files.list()]
 
 
 def test_cancel_stops_new_work(mesh):
