@@ -96,6 +96,43 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
 
 
+BATCH_FLAGS = (  # (flag, type, default, help): the Batch API's limits and pacing (gateway.batch_store.BatchConfig)
+    ("--batch-max-files", int, 100, "batch input files one tenant may keep (beyond: 429)"),
+    ("--batch-max-file-bytes", int, 200 << 20, "bytes of one uploaded file, and of a tenant's batch files in all"),
+    ("--batch-max-queued-requests", int, 50_000, "lines of one tenant's unfinished batches (beyond: 429)"),
+    ("--batch-max-inflight", int, 32, "batch lines one gateway runs at once, at most (the governor's ceiling)"),
+    ("--batch-headroom", float, 0.25, "share of the decode workers' capacity batch lines leave free"),
+    ("--batch-lease", float, 15.0, "seconds after which another gateway takes over a dead gateway's batches"),
+)
+
+
+def add_batch_flags(p: argparse.ArgumentParser) -> None:
+    for flag, kind, default, text in BATCH_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+
+
+def batch_flags(args: argparse.Namespace) -> list[str]:
+    """The batch flags that differ from their defaults, as a command line (``mesh up`` -> gateway)."""
+    out = []
+    for flag, _, default, _ in BATCH_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != default:
+            out += [flag, str(value)]
+    return out
+
+
+def batch_config(args: argparse.Namespace):
+    """The gateway's ``BatchConfig`` from ``add_batch_flags`` (a bad value: one line now)."""
+    from gateway.batch_store import BatchConfig
+
+    try:
+        return BatchConfig(max_files=args.batch_max_files, max_file_bytes=args.batch_max_file_bytes,
+                           max_queued_requests=args.batch_max_queued_requests, max_inflight=args.batch_max_inflight,
+                           headroom=args.batch_headroom, lease_s=args.batch_lease)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def auth_config(args: argparse.Namespace):
     """The gateway's ``AuthConfig`` from ``add_api_key_flags`` and ``MESH_*API_KEYS`` (a key file
     that does not parse: one line now)."""

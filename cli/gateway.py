@@ -10,9 +10,11 @@ from pathlib import Path
 from cli.flags import (
     CliError,
     add_api_key_flags,
+    add_batch_flags,
     add_bus_flags,
     add_parser_flags,
     auth_config,
+    batch_config,
     hash_key,
     nats_config,
 )
@@ -47,6 +49,7 @@ def add_parser(sub) -> None:
                    help="how long a stored response (/v1/responses) lives in the {ns}_responses bucket "
                         "(default: 30 days); the gateway that creates the bucket sets it")
     add_api_key_flags(p)
+    add_batch_flags(p)
     p.add_argument("--insecure-admin", action="store_true",
                    help="without API keys, open the admin routes (LoRA load/unload) to every client "
                         "(default: closed until an admin key exists)")
@@ -115,7 +118,7 @@ def gateway_config(args: argparse.Namespace, nats: NatsConfig, ns: str, models: 
         model_dirs=tuple(models), served_names=tuple(args.served_name), max_inflight=args.max_inflight,
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin,
+        reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin, batch=batch_config(args),
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             hash_key=hash_key(args), **{k: v for k, v in weights if v is not None}),
         **({"responses_ttl": args.responses_ttl} if args.responses_ttl is not None else {}),

@@ -14,10 +14,12 @@ from pathlib import Path
 from cli.flags import (
     CliError,
     add_api_key_flags,
+    add_batch_flags,
     add_bus_flags,
     add_parser_flags,
     add_pool_flags,
     auth_config,
+    batch_flags,
     engine_config,
     hash_key,
     nats_config,
@@ -53,6 +55,7 @@ def add_parser(sub) -> None:
     PlannerConfig.add_args(p)
     p.add_argument("--no-planner", action="store_true", help="fixed pools of --prefill and --decode workers")
     add_api_key_flags(p)
+    add_batch_flags(p)
     p.set_defaults(func=run)
 
 
@@ -192,6 +195,7 @@ def _gateway_flags(args: argparse.Namespace, models: list[str]) -> tuple[list[st
         flags.append("--metrics-auth")
     if args.peer_fetch:
         flags += ["--router-peer-fetch"]
+    flags += batch_flags(args)
     if args.gateway_workers is not None:
         if args.gateway_workers < 1:
             raise CliError("--gateway-workers must be >= 1")

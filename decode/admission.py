@@ -162,6 +162,8 @@ class Admission:
         counters = self.ctx.counters
         counters.bump("local_prefill")
         counters.bump("local_prefill_tokens", n)
+        if rec.request.priority < 0:  # batch work: the planner does not grow the pools for it
+            counters.bump("deferrable_prefill_tokens", n)
         if n >= self.ctx.settings.disagg_threshold:  # meant for the prefill pool, which had no room
             counters.bump("overflow_prefill_tokens", n)
         metrics.PREFILL_DECISIONS.labels(rec.request.model, "local").inc()

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics, and /v1/responses (``gateway.responses``, run through the chat path here).
-Parsing, admission and response shapes; the work is in ``gateway.service``.
+/health, /metrics, /v1/responses (``gateway.responses``, run through the chat path here), and
+/v1/files, /v1/batches (``gateway.batches``). Parsing, admission and response shapes; the work is
+in ``gateway.service``.
 
 A request's life, and who releases what:
 
@@ -32,6 +33,7 @@ from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
 from gateway.auth import AuthConfig, guard, require_admin
+from gateway.batches import install_batch_routes
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
@@ -108,6 +110,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     install_adapter_routes(app, gateway)
     install_responses_routes(app, gateway, _responses_runner(gateway))
+    install_batch_routes(app, gateway)
     _install_components(app)
     return app
 

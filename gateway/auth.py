@@ -25,7 +25,8 @@ of N tokens is at most ~7 bytes a token as JSON token ids and ~4 bytes a token
 as ASCII text (up to ~12 escaped non-ASCII), so a full-context prompt always
 fits, with room for the rest of the request; a batch of prompts larger than
 that is split by the client. Unauthenticated requests are refused before their
-body is read.
+body is read. File uploads (``/v1/files``) are capped by their route instead
+(``--batch-max-file-bytes``).
 
 Who releases what: a request's concurrency slot is taken after the key checks
 pass and released when the app returns (the whole response sent, streamed or
@@ -54,6 +55,7 @@ from mesh import metrics
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/live")
+OWN_CAPS = ("/v1/files",)  # routes that cap their bodies themselves (uploads: --batch-max-file-bytes)
 RELOAD_CHECK = 5.0  # seconds between checks of the key file's modification time
 
 
@@ -328,7 +330,8 @@ class BodyCap:
         self.count = count
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") or \
+                scope.get("path") in OWN_CAPS:
             await self.app(scope, receive, send)
             return
         cap = body_cap(self.max_model_len())

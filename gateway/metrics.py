@@ -40,6 +40,15 @@ LIVE_CHOICES = Gauge("pdmesh_gateway_live_choices", "Choices routing, waiting or
 INFLIGHT = Gauge("pdmesh_gateway_inflight_requests", "Choices admitted and not finished",
                  registry=REGISTRY, multiprocess_mode="livesum")
 
+BATCHES = Counter("pdmesh_gateway_batches", "Batches that entered a state (validating, in_progress, finalizing, "
+                  "completed, failed, cancelling, cancelled, expired), by state", ["state"], registry=REGISTRY)
+BATCH_LINES = Counter("pdmesh_gateway_batch_lines", "Batch lines done, by outcome (completed: a 2xx kept in the "
+                      "output file; failed: kept in the error file)", ["outcome"], registry=REGISTRY)
+BATCH_RUNNING = Gauge("pdmesh_gateway_batches_running", "Batches this gateway holds the lease of and runs",
+                      registry=REGISTRY, multiprocess_mode="livesum")
+BATCH_INFLIGHT = Gauge("pdmesh_gateway_batch_inflight", "Batch lines running now, and the governor's limit",
+                       ["kind"], registry=REGISTRY, multiprocess_mode="livesum")
+
 
 @dataclass(frozen=True)
 class Latency:

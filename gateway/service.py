@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 from opentelemetry import trace
 
+from gateway.batch_store import BatchConfig
 from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.errors import APIError
@@ -70,6 +71,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # a reasoning format, or "none" (default: each template's)
     insecure_admin: bool = False  # without API keys the admin routes serve everyone (default: closed)
     responses_ttl: float = 30 * 24 * 3600.0  # seconds a stored response lives (the bucket's max age)
+    batch: BatchConfig = field(default_factory=BatchConfig)  # /v1/files and /v1/batches: limits, pacing
 
 
 @dataclass(frozen=True)

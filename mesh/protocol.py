@@ -324,6 +324,7 @@ class LoadReport(Message):
     status: str = "ready"
     counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
     hot_adapters: list[str] = field(default_factory=list)  # LoRA adapters in device slots now (no swap-in)
+    deferrable: int = 0  # of running + waiting + waiting_for_kv: below priority 0 (batch work; the planner defers it)
 
 
 

@@ -102,6 +102,13 @@ class Subjects:
     def responses_bucket(self) -> str:
         """Stored responses of the Responses API (``gateway.conversations``)."""
         return f"{subject_token(self.ns)}_responses"
+    def files_bucket(self) -> str:
+        """The object store of /v1/files (batch inputs, outputs and error files)."""
+        return f"{subject_token(self.ns)}_files"
+
+    def batches_bucket(self) -> str:
+        """The key-value bucket of /v1/files' records and /v1/batches' state, leases and line results."""
+        return f"{subject_token(self.ns)}_batches"
 
     def kv_fetch(self, model: str, worker: str) -> str:
         """Peer fetch (issue 20): a worker asks the holder ``worker`` for prefix blocks."""

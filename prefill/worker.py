@@ -289,6 +289,8 @@ class PrefillWorker(WorkerBase):
             metrics.TRANSFER_SECONDS.labels(job.model, name).observe(result.seconds)
             self.counters.bump(f"transport_{name}")
             self.counters.bump("prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
+            if job.priority < 0:  # batch work: the planner does not grow the pools for it
+                self.counters.bump("deferrable_prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
             await self._done(
                 job, ok=True, token_id=out.new_token_ids[0],
                 logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,

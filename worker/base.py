@@ -334,6 +334,7 @@ class WorkerBase:
                 **grammar_counters(engine), **speculative_counters(engine),
             },
             hot_adapters=hot_adapters(engine),
+            deferrable=sum(1 for q in (*s.waiting, *s.running, *s.remote.values()) if q.priority < 0),
         )
 
     # -- lifecycle ----------------------------------------------------------------

@@ -3,7 +3,8 @@
 Signals come from the workers' load reports only (so it works with any
 gateway): per window, the prompt tokens prefilled (by prefill workers and by
 decode workers prefilling locally) plus the prompt tokens still queued give
-the prefill demand; running plus waiting sequences the decode demand; TTFT and
+the prefill demand; running plus waiting sequences the decode demand (batch work, below priority 0,
+counted apart as deferrable: ``policy.py``); TTFT and
 ITL p90 the decode workers measured (TTFT includes any remote prefill).
 Per-replica capacity is learned from windows in which a worker was busy.
 """
@@ -123,16 +124,19 @@ class Planner:
         local = sum(self._rate(r, "local_prefill_tokens", now) for r in decode)
         backlog = sum(r.pending_prefill_tokens for r in decode + prefill)
         demand = sum(rates.values()) + local + backlog / self.config.window_s
+        deferrable = sum(self._rate(r, "deferrable_prefill_tokens", now) for r in decode + prefill)
         for r in prefill:  # a busy worker shows what one worker sustains
             if r.capacity and r.active_jobs >= max(1, r.capacity // 2) and rates[r.worker_id] > 0:
                 # A peak-hold, not an average: a worker busy for part of the window shows less than it
                 # can do, and averaging those shrinks the capacity, and grows the pool, with every replica.
                 self.prefill_capacity = max(rates[r.worker_id], (1 - PEAK_DECAY) * self.prefill_capacity)
         latency = max((r.ttft_p90_ms for r in decode), default=0.0)
-        return PoolWindow(now, await self.connector.replicas("prefill"), demand, self.prefill_capacity, latency)
+        return PoolWindow(now, await self.connector.replicas("prefill"), demand, self.prefill_capacity, latency,
+                          deferrable=min(deferrable, demand))
 
     async def _decode_window(self, now, decode: list[LoadReport]) -> PoolWindow:
         demand = float(sum(r.running + r.waiting + r.waiting_for_kv for r in decode))
+        deferrable = float(sum(r.deferrable for r in decode))  # batch work: sized apart (policy.py)
         target = self.config.itl_ms
         clean = []  # workers whose ITL p90 is about decoding, not about long prompts they prefilled
         for r in decode:
@@ -158,7 +162,7 @@ class Planner:
         latency = max((r.itl_p90_ms for r in clean), default=0.0)
         used = sum(r.kv_blocks_used for r in decode)
         return PoolWindow(now, await self.connector.replicas("decode"), demand, self.decode_capacity, latency,
-                          used, per, self.decode_base_ms)
+                          used, per, self.decode_base_ms, min(deferrable, demand))
 
     @staticmethod
     def _least_loaded(reports: list[LoadReport]) -> list[str]:

@@ -10,7 +10,10 @@ Each pool is sized on its own, once per window (default 5 s):
              what one worker holds; ITL p90 over target -> at least one more
 
 The forecast is the larger of the last window and a linear trend over the last
-few (load that is climbing is met before it arrives). Scaling up takes effect
+few (load that is climbing is met before it arrives). Batch work (requests below priority 0,
+``deferrable`` in a window) is left out of all of it, demand, KV and latency: it runs on what
+interactive traffic leaves free, and may add at most ``batch_replicas`` replicas (default 0) above
+what the interactive load needs, never past the pool's maximum. Scaling up takes effect
 after ``up_cooldown`` since the last change; scaling down only when one replica
 fewer would still run below ``down_utilization`` (a band under the sizing
 target, so a load near a boundary does not flap), for ``down_windows`` windows
@@ -46,6 +49,7 @@ class PlannerConfig:
     trend_windows: int = 4
     kv_headroom: float = 0.85  # plan decode pools to fill at most this share of their KV blocks
     latency_horizon_s: float = 6.0  # workers report p90s over this long: after a change, older sizes show
+    batch_replicas: int = 0  # replicas batch (deferrable) demand may add above the interactive need
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_prefill <= self.max_prefill:
@@ -56,6 +60,8 @@ class PlannerConfig:
             raise ValueError("latency targets must be positive")
         if self.window_s <= 0:
             raise ValueError("the planner window must be positive")
+        if self.batch_replicas < 0:
+            raise ValueError("--planner-batch-replicas must be >= 0")
         if self.up_cooldown_s is None:
             object.__setattr__(self, "up_cooldown_s", 2 * self.window_s)
         if self.down_cooldown_s is None:
@@ -72,6 +78,8 @@ class PlannerConfig:
         p.add_argument("--min-decode", type=int, default=1)
         p.add_argument("--max-decode", type=int, default=4)
         p.add_argument("--planner-window", type=float, default=5.0, help="planner: seconds per decision")
+        p.add_argument("--planner-batch-replicas", type=int, default=0,
+                       help="planner: replicas batch work (priority < 0) may add above the interactive need (default 0)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
@@ -79,6 +87,7 @@ class PlannerConfig:
             ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
             min_prefill=1 if args.min_prefill is None else args.min_prefill, max_prefill=args.max_prefill,
             min_decode=args.min_decode, max_decode=args.max_decode, window_s=args.planner_window,
+            batch_replicas=args.planner_batch_replicas,
         )
 
 
@@ -94,6 +103,18 @@ class PoolWindow:
     kv_blocks_used: int = 0  # decode: blocks in use across the pool
     kv_blocks_per_replica: int = 0
     base_latency_ms: float = 0.0  # the latency with next to no load (decode: one sequence's step)
+    deferrable: float = 0.0  # of ``demand``, batch work (priority < 0): sized for only up to batch_replicas
+
+    @property
+    def interactive(self) -> float:
+        return max(0.0, self.demand - self.deferrable)
+
+    @property
+    def interactive_kv(self) -> int:
+        """KV blocks in use less the batch's share (by sequences: what a preemption would free)."""
+        if self.demand <= 0 or self.deferrable <= 0:
+            return self.kv_blocks_used
+        return round(self.kv_blocks_used * self.interactive / self.demand)
 
 
 @dataclass(frozen=True)
@@ -156,7 +177,7 @@ class PoolPlanner:
     def _fits(self, replicas: int, w: PoolWindow) -> bool:
         """Would ``replicas`` carry the load at the lower (hysteresis) utilization?"""
         kv_room = replicas * w.kv_blocks_per_replica * self.config.kv_headroom
-        if self.pool == "decode" and w.kv_blocks_per_replica and w.kv_blocks_used > kv_room:
+        if self.pool == "decode" and w.kv_blocks_per_replica and w.interactive_kv > kv_room:
             return False
         demand = self._forecast()
         if demand <= 0:
@@ -171,12 +192,13 @@ class PoolPlanner:
         return ScaleDecision(self.pool, current, target, why)
 
     def _forecast(self) -> float:
+        """The interactive demand to plan for (batch work left out)."""
         recent = list(self.history)[-self.config.trend_windows :]
-        last = recent[-1].demand
+        last = recent[-1].interactive
         if len(recent) < 2:
             return last
         dt = recent[-1].t - recent[0].t
-        slope = (recent[-1].demand - recent[0].demand) / dt if dt > 0 else 0.0
+        slope = (recent[-1].interactive - recent[0].interactive) / dt if dt > 0 else 0.0
         return max(last, last + slope * self.config.window_s)
 
     def _needed(self, w: PoolWindow) -> tuple[int, str]:
@@ -188,11 +210,17 @@ class PoolPlanner:
         why = f"demand {demand:.1f} vs {w.capacity:.1f}/replica -> {by_load}"
         needed = by_load
         if self.pool == "decode" and w.kv_blocks_per_replica:
-            by_kv = math.ceil(w.kv_blocks_used / (w.kv_blocks_per_replica * self.config.kv_headroom))
+            by_kv = math.ceil(w.interactive_kv / (w.kv_blocks_per_replica * self.config.kv_headroom))
             if by_kv > needed:
-                needed, why = by_kv, f"KV {w.kv_blocks_used} blocks -> {by_kv}"
+                needed, why = by_kv, f"KV {w.interactive_kv} blocks -> {by_kv}"
         fresh = w.t - self.last_change_t >= self.config.latency_horizon_s  # p90s that describe this size
-        if w.latency_ms > self.target_ms and needed <= w.replicas and fresh:
+        # batch work alone (nothing interactive) is allowed to be slow: its latency adds nobody
+        if w.latency_ms > self.target_ms and needed <= w.replicas and fresh and w.interactive > 0:
             needed = w.replicas + 1
             why = f"p90 {w.latency_ms:.0f} ms > target {self.target_ms:.0f} ms"
+        if w.deferrable > 0 and self.config.batch_replicas and capacity > 0:
+            extra = min(math.ceil((demand + w.deferrable) / capacity) - needed, self.config.batch_replicas)
+            if extra > 0:
+                needed += extra
+                why += f"; batch {w.deferrable:.0f} -> +{extra}"
         return needed, why

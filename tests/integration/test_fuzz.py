@@ -63,6 +63,33 @@ def test_http_api_never_answers_500(fuzz_mesh):
     assert seen.get(200, 0) > 0 and sum(n for code, n in seen.items() if code >= 400) > 0, seen
 
 
+BATCH_OPERATIONS = [("/v1/files", "POST"), ("/v1/files", "GET"), ("/v1/files/{file_id}", "GET"),
+                    ("/v1/files/{file_id}/content", "GET"), ("/v1/files/{file_id}", "DELETE"),
+                    ("/v1/batches", "POST"), ("/v1/batches", "GET"), ("/v1/batches/{batch_id}", "GET"),
+                    ("/v1/batches/{batch_id}/cancel", "POST")]
+
+
+def test_files_and_batches_never_answer_500(fuzz_mesh):
+    """The Files and Batch APIs from the same document: uploads, ids and cursors of any shape."""
+    url, _ = fuzz_mesh
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    seen: dict[int, int] = {}
+    for path, method in BATCH_OPERATIONS:
+
+        @given(case=schema[path][method].as_strategy())
+        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            response = case.call(timeout=30)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (case.path, case.method, response.status_code, response.text[:500])
+            if response.status_code >= 400:
+                body = response.json()
+                assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+
+        check()
+    assert seen.get(200, 0) > 0 and seen.get(404, 0) > 0 and seen.get(400, 0) > 0, seen
+
+
 # -- the bus -----------------------------------------------------------------------------
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
