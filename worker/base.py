@@ -35,6 +35,7 @@ from mesh.constraints.spec import Constraint
 from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
+from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
@@ -366,7 +367,7 @@ class WorkerBase:
             await self.setup(stack)
             await serve_lora_requests(self, stack)
             self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
-            await self.cards.start()
+            await retry_unavailable(self.cards.start, "the worker registry")
             stack.push_async_callback(self.cards.stop)
             self._tasks.append(asyncio.create_task(self._report_load(), name="load"))
             settle_heap()  # start-up state built: out of the collector's way
