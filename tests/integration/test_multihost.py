@@ -27,6 +27,8 @@ from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsauth import NatsConfig
 from mesh.planner.connectors import LocalConnector
+from mesh.planner.planner import Planner
+from mesh.planner.policy import PlannerConfig
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import GenerateRequest, PeerFetchPlan, PrefillJob, SamplingOptions, decode
 from mesh.router.policy import RouterConfig
@@ -158,17 +160,19 @@ async def test_the_prefill_queue_survives_the_loss_of_its_streams_leader_host(ho
         await bus.close()
 
 
-async def test_the_planners_local_connector_places_workers_on_any_host(hostbed):
-    """The planner's process connector with one launcher per bed host (``nsenter`` into hosts 2 and
-    3): scaling the decode pool to 2 starts one worker on each host (their cards carry the hosts'
-    names), both serve, and scaling to 0 drains them."""
+async def test_the_planner_adds_workers_on_any_host(hostbed):
+    """The planner with its process connector and one launcher per bed host (``nsenter`` into hosts
+    2 and 3): its window finds the decode pool under its floor of 2 and starts one worker on each
+    host (their cards carry the hosts' names), both serve, and scaling to 0 drains them."""
     argv = {"decode": [sys.executable, "-m", "cli", "worker", "mock", "--nats", hostbed.nats_urls, *BUS_FLAGS,
                        "--mock-speedup", "20"], "prefill": []}
     conn = LocalConnector(argv, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, drain_timeout=20,
                           launchers=[hostbed.hosts[i].enter() for i in (2, 3)])
     w = await open_watcher(hostbed.hosts[1].nats_url)
     try:
-        await conn.scale("decode", 2)
+        planner = Planner(w.bus, w.membership, conn, PlannerConfig(min_decode=2, max_decode=2, max_prefill=0))
+        (decision,) = await planner.tick(time.monotonic())  # one window, run here rather than on its timer
+        assert (decision.pool, decision.current, decision.target) == ("decode", 0, 2), decision
         cards = await w.wait_workers("decode", 2, model="mock", timeout=120)
         assert sorted(c.host for c in cards) == [hostbed.hosts[2].hostname, hostbed.hosts[3].hostname]
         for c in cards:
