@@ -196,7 +196,7 @@ class NixlNode:
             self._progressing = asyncio.get_running_loop().create_task(self._progress())
 
     async def _progress(self) -> None:
-        polls, since = 0, time.monotonic()
+        polls, newest = 0, 0.0
         while self.awaited:
             self.poll_notifs()
             now = time.monotonic()
@@ -204,9 +204,11 @@ class NixlNode:
                 if now - at > AWAIT_MAX:  # its writer is long gone; its blocks stay fenced
                     log.warning("nixl: no notification %r in %.0f s: no longer awaited", key, AWAIT_MAX)
                     del self.awaited[key]
-            await pause(polls, min(self.awaited.values(), default=now))
+            latest = max(self.awaited.values(), default=now)
+            if latest > newest:  # a new grant: poll it promptly, whatever older ones wait for
+                polls, newest = 0, latest
+            await pause(polls, newest)
             polls += 1
-        log.debug("nixl: no write in flight (%d polls in %.3f s)", polls, time.monotonic() - since)
 
     # -- notifications -------------------------------------------------------------
     def poll_notifs(self) -> None:
