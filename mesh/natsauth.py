@@ -372,13 +372,15 @@ async def retry_unavailable(op: Callable[[], Awaitable[T]], what: str, limit: fl
 
 async def check_jetstream(nc: Client, config: NatsConfig) -> None:
     """``NatsError`` unless JetStream answers on this connection: within ``connect_timeout``, or
-    ``JS_UNAVAILABLE_S`` when the server says it runs JetStream (its INFO) and JetStream is only
-    temporarily unavailable (``js_unavailable``: a cluster still electing its leader, or a
-    host's node restarting, does not answer for a while). The registry and the prefill queue
-    live in it."""
+    ``JS_UNAVAILABLE_S`` while it is only temporarily unavailable (a 503 saying so, or no answer
+    from a clustered server whose INFO says it runs JetStream: a cluster still electing its
+    leader, or a host's node restarting). The registry and the prefill queue live in it."""
     start = time.monotonic()
     deadline, last_log = start + config.connect_timeout, start - JS_RETRY_LOG_S
-    enabled = bool((getattr(nc, "_server_info", None) or {}).get("jetstream"))
+    info = getattr(nc, "_server_info", None) or {}
+    # no answer from a clustered server that runs JetStream: a leader election (a standalone
+    # one answers at once, unless this user may not ask: that stays a connect_timeout error)
+    electing = bool(info.get("jetstream") and info.get("cluster"))
     while True:
         try:
             await nc.jetstream(timeout=max(0.5, min(2.0, deadline - time.monotonic()))).account_info()
@@ -386,9 +388,10 @@ async def check_jetstream(nc: Client, config: NatsConfig) -> None:
         except nats.errors.NoRespondersError:
             break  # nothing serves the JetStream API: it is off
         except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, TimeoutError) as e:
-            if isinstance(e, nats.js.errors.ServiceUnavailableError) and not js_unavailable(e):
+            unavailable = isinstance(e, nats.js.errors.ServiceUnavailableError)
+            if unavailable and not js_unavailable(e):
                 break  # nats-py's name for "no responders" on the JetStream API: it is off
-            if enabled:  # on, not ready: wait for it longer than for a connection
+            if unavailable or electing:  # on, not ready: wait for it longer than for a connection
                 deadline = max(deadline, start + JS_UNAVAILABLE_S)
                 if time.monotonic() - last_log >= JS_RETRY_LOG_S:
                     last_log = time.monotonic()
