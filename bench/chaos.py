@@ -97,13 +97,13 @@ class Proc:
                 self.kill()
 
 
-async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, out: Outcome,
-                      timeout: float) -> None:
-    prompt = [rng.randrange(1, VOCAB) for _ in range(rng.choice([24, 48, 700]))]  # some go to prefill
-    n = rng.randrange(8, 64)
-    body = {"model": "mock", "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
-    t0 = time.monotonic()
-    got: list[int] = []
+async def checked_request(client: httpx.AsyncClient, url: str, body: dict, expected: list[int], out: Outcome,
+                          timeout: float) -> None:
+    """One completion ``body`` streamed with its token ids, counted in ``out``: correct (the
+    ``expected`` ids), incorrect, a clear error (an HTTP status or an SSE error event: its kind),
+    or hung (no end within ``timeout``)."""
+    body = {**body, "stream": True, "return_token_ids": True}
+    t0, got = time.monotonic(), []
     try:
         async with asyncio.timeout(timeout), client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -127,12 +127,21 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, o
     t1 = time.monotonic()
     out.latencies.append(t1 - t0)
     out.spans.append((t0, t1))
-    if got == expected_tokens(prompt, n):
+    if got == expected:
         out.correct += 1
     else:
         out.incorrect += 1
         if len(out.incorrect_samples) < 3:
-            out.incorrect_samples.append(f"{len(prompt)}-token prompt, {n} asked, got {len(got)}")
+            out.incorrect_samples.append(f"{len(body['prompt'])}-token prompt, {body['max_tokens']} asked, "
+                                         f"got {len(got)}")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, out: Outcome,
+                      timeout: float) -> None:
+    prompt = [rng.randrange(1, VOCAB) for _ in range(rng.choice([24, 48, 700]))]  # some go to prefill
+    n = rng.randrange(8, 64)
+    body = {"model": "mock", "prompt": prompt, "max_tokens": n}
+    await checked_request(client, url, body, expected_tokens(prompt, n), out, timeout)
 
 
 async def run_chaos(seconds: float = 120.0, clients: int = 6, kill_every: float = 6.0, decode: int = 3,

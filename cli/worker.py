@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     add_pool_flags(p)
     p.add_argument("--mock", action="store_true", help="use the mocker engine instead of a model")
     p.add_argument("--worker-id", default="")
-    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nats on CPU; cuda_ipc,nccl,nats on CUDA)")
+    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA; nixl if installed and TP 1)")
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")

@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SCHEMES = ("nats", "tls", "ws", "wss")
 MAX_REPLICAS = 5  # JetStream's limit
@@ -332,23 +337,66 @@ class _suppress:
         return kind is not None and issubclass(kind, (Exception, asyncio.CancelledError))
 
 
-async def check_jetstream(nc: Client, config: NatsConfig) -> None:
-    """``NatsError`` unless JetStream answers on this connection within ``connect_timeout`` (the
-    registry and the prefill queue live in it; a cluster that is still electing its JetStream
-    leader answers 503 for a moment)."""
-    deadline = time.monotonic() + config.connect_timeout
+JS_UNAVAILABLE_S = 300.0  # seconds a process keeps retrying a JetStream that answers "temporarily unavailable"
+JS_RETRY_LOG_S = 5.0
+
+
+def js_unavailable(e: BaseException) -> bool:
+    """A JetStream that is on but cannot answer yet: a 503 with a description ("JetStream system
+    temporarily unavailable"), or no answer in time (a cluster electing its leader, or a
+    restarted node not caught up). A bare 503 is nats-py's "no responders" on the JetStream
+    API: JetStream is off."""
+    if isinstance(e, nats.js.errors.ServiceUnavailableError):
+        return bool(e.description)
+    return isinstance(e, nats.errors.TimeoutError | TimeoutError)
+
+
+async def retry_unavailable(op: Callable[[], Awaitable[T]], what: str, limit: float = JS_UNAVAILABLE_S) -> T:
+    """``await op()``, again while JetStream cannot answer yet (at start, a host's roles may come
+    up before its cluster has a leader again), up to ``limit`` seconds; each attempt has the
+    caller's own timeout. Logged every few seconds, not per attempt."""
+    start = time.monotonic()
+    last_log = start - JS_RETRY_LOG_S  # the first one at once
     while True:
         try:
-            await nc.jetstream(timeout=max(0.5, min(5.0, deadline - time.monotonic()))).account_info()
+            return await op()
+        except Exception as e:
+            if not js_unavailable(e) or time.monotonic() - start >= limit:
+                raise
+            if time.monotonic() - last_log >= JS_RETRY_LOG_S:
+                last_log = time.monotonic()
+                log.warning("%s: JetStream temporarily unavailable (%s), retrying", what,
+                            getattr(e, "description", None) or "no answer")
+        await asyncio.sleep(0.5)
+
+
+async def check_jetstream(nc: Client, config: NatsConfig) -> None:
+    """``NatsError`` unless JetStream answers on this connection: within ``connect_timeout``, or
+    ``JS_UNAVAILABLE_S`` while it is only temporarily unavailable (a 503 saying so, or no answer
+    from a clustered server whose INFO says it runs JetStream: a cluster still electing its
+    leader, or a host's node restarting). The registry and the prefill queue live in it."""
+    start = time.monotonic()
+    deadline, last_log = start + config.connect_timeout, start - JS_RETRY_LOG_S
+    info = getattr(nc, "_server_info", None) or {}
+    # no answer from a clustered server that runs JetStream: a leader election (a standalone
+    # one answers at once, unless this user may not ask: that stays a connect_timeout error)
+    electing = bool(info.get("jetstream") and info.get("cluster"))
+    while True:
+        try:
+            await nc.jetstream(timeout=max(0.5, min(2.0, deadline - time.monotonic()))).account_info()
             return
         except nats.errors.NoRespondersError:
             break  # nothing serves the JetStream API: it is off
-        except nats.js.errors.ServiceUnavailableError as e:
-            if not e.description:
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, TimeoutError) as e:
+            unavailable = isinstance(e, nats.js.errors.ServiceUnavailableError)
+            if unavailable and not js_unavailable(e):
                 break  # nats-py's name for "no responders" on the JetStream API: it is off
-            # a cluster still electing its JetStream leader: "temporarily unavailable", retry
-        except (nats.errors.TimeoutError, TimeoutError):
-            pass
+            if unavailable or electing:  # on, not ready: wait for it longer than for a connection
+                deadline = max(deadline, start + JS_UNAVAILABLE_S)
+                if time.monotonic() - last_log >= JS_RETRY_LOG_S:
+                    last_log = time.monotonic()
+                    log.warning("NATS at %s: JetStream temporarily unavailable (%s), retrying", config.display,
+                                getattr(e, "description", None) or "no answer")
         except nats.js.errors.APIError as e:
             if e.code != 503:
                 raise NatsError(f"JetStream at {config.display} answered {e}: check this user's JetStream "

@@ -7,12 +7,13 @@ One NATS user per role; each may publish and subscribe only what its role does:
               router.decisions, lora (request), stored    planner.decisions, its inbox
               responses (its bucket)
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
-              replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv_fetch_release,
-              inboxes, kv_fetch, kv_fetch_data and        kv.snapshot, load, lora, its inbox
-              kv_fetch_release (peer fetch), its card
-    prefill   kv_ready, kv_data, nccl (requests), load,   lora, its inbox (jobs come by a JetStream
-              lora replies (only to a gateway's LoRA      pull)
-              inboxes), its registry card
+              replies to gateway, prefill and decode      nixl, kv_fetch, kv_fetch_data,
+              inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
+              kv_fetch_release and nixl (peer fetch),     its inbox
+              its card
+    prefill   kv_ready, kv_data, nccl and nixl            lora, its inbox (jobs come by a JetStream
+              (requests), load, lora replies (only to a   pull)
+              gateway's LoRA inboxes), its registry card
     planner   planner.decisions                           load, planner.decisions, its inbox
 
 plus the JetStream API calls each role makes on the registry bucket
@@ -115,12 +116,13 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
                inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
+               f"{decode}.nixl.{ANY}",
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
         sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
-                                            "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
+                                            f"nixl.{ANY}", "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
                f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":
-        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", load,
+        pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", f"{decode}.nixl.{ANY}", load,
                f"_INBOX.gateway.{LORA_REPLIES}.>", *_registry(ns, True)]
         for st in streams:
             pub += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",

@@ -29,6 +29,7 @@ from mesh import metrics
 from mesh.adapters import adapter_names
 from mesh.config import settings
 from mesh.errors import RequestError
+from mesh.natsauth import retry_unavailable
 from mesh.prefill_queue import PrefillQueue
 from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
 from mesh.telemetry import tracer
@@ -78,7 +79,8 @@ class PrefillWorker(WorkerBase):
             self.senders[name] = make_sender(name, bus=self.bus, speedup=speedup, copy_delay_s=copy_delay_s,
                                              worker_id=self.worker_id)
         self.queue = PrefillQueue(self.bus, self.engine.model_name)
-        self._sub = await self.queue.pull()
+        # a host's roles can start before its JetStream has a leader again: wait, don't die
+        self._sub = await retry_unavailable(self.queue.pull, "the prefill queue")
         stack.push_async_callback(self._unsubscribe)
         self._tasks.append(asyncio.create_task(self._pull(), name="prefill-pull"))
 

@@ -35,6 +35,7 @@ from mesh.constraints.spec import Constraint
 from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
+from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher
@@ -123,15 +124,12 @@ def _default_transports(on_cuda: bool, tp: int) -> tuple[str, ...]:
 
     global _told_no_nixl
     same_host = ("cuda_ipc", "nccl") if on_cuda else ("shm",)
+    if tp == 1 and nixl_available():
+        return (*same_host, "nixl", "nats")
     if not _told_no_nixl:
         _told_no_nixl = True
-        # nixl is opt-in (--transports ...,nixl,nats; the Helm chart sets it): a NIXL agent's UCX
-        # progress thread busy-polls a whole core per worker, idle or not (measured: 5.0 s of CPU
-        # in 5 s), which a host of several workers cannot give up
         log.info("KV between hosts goes over nats (%s)",
-                 "NIXL serves TP 1 only" if tp != 1 else
-                 "nixl when --transports names it" if nixl_available() else
-                 "NIXL is not installed: pip install 'pdmesh[nixl]'")
+                 "NIXL serves TP 1 only" if tp != 1 else "NIXL is not installed: pip install 'pdmesh[nixl]'")
     return (*same_host, "nats")
 
 
@@ -370,7 +368,7 @@ class WorkerBase:
             await self.setup(stack)
             await serve_lora_requests(self, stack)
             self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
-            await self.cards.start()
+            await retry_unavailable(self.cards.start, "the worker registry")
             stack.push_async_callback(self.cards.stop)
             self._tasks.append(asyncio.create_task(self._report_load(), name="load"))
             settle_heap()  # start-up state built: out of the collector's way

@@ -33,8 +33,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
 
 from kvstore.cache import KVCache, ShardedKVCache, block_runs
 from kvstore.transfer import (
@@ -45,26 +44,16 @@ from kvstore.transfer import (
     register_sender,
 )
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_agent import POLL_MAX, POLL_MIN, NixlNode, Region, refuse
+from kvstore.transfer.nixl_agent import Grants, NixlNode, Region, WriteJob, notif_key, refuse
 
 log = logging.getLogger(__name__)
 
 FINISH_TIMEOUT = 5.0  # seconds the receiver waits for a notification once the sender says it is done
 
 
-class JobState(Enum):
-    ARMED = 1  # params handed out: no write granted yet
-    WRITING = 2  # a writer has its grant: bytes may land until its notification
-    DONE = 3  # the notification came
-    REVOKED = 4  # given up before any grant: none will be given
-
-
 @dataclass
-class _Job:
-    blocks: list[int]
-    gen: int
-    state: JobState = JobState.ARMED
-    writer: str = ""
+class _Job(WriteJob):
+    blocks: list[int] = field(default_factory=list)
 
 
 def one_tensor(kv: KVCache | ShardedKVCache):
@@ -114,8 +103,7 @@ class NixlReceiver:
         self.bus, self.model, self.worker_id = bus, model, worker_id
         self.node = NixlNode.for_worker(worker_id)
         self.region: Region | None = None
-        self.jobs: dict[str, _Job] = {}
-        self._gen = 0
+        self.grants: Grants[_Job] = Grants(self.node, "kv")
         s = bus.subjects
         self._static = {"agent": self.node.name, "host": host_id(), "md": s.nixl(model, worker_id, "md"),
                         "begin": s.nixl(model, worker_id, "begin"), "num_blocks": self.spec.num_blocks,
@@ -127,7 +115,6 @@ class NixlReceiver:
         # registering a large pool can take a while: off the event loop
         self.region = await asyncio.to_thread(region_of, self.node, "kv", self.tensor)
         self._static.update(addr=self.region.addr, size=self.region.size)
-        self.node.grants["kv"] = self._grant
         await self.node.serve(self.bus, self.model, self.worker_id)
 
     def card_params(self) -> dict:
@@ -135,52 +122,24 @@ class NixlReceiver:
         return {"agent": self.node.name, "host": host_id(), "md": self._static["md"]}
 
     def params(self, request_id: str, dest_blocks: list[int]) -> dict:
-        self._gen = self._gen % (1 << 62) + 1
-        self.jobs[request_id] = _Job(list(dest_blocks), self._gen)
-        return {**self._static, "rev": self.node.rev, "gen": self._gen}
-
-    def _grant(self, job_id: str, gen: int, agent: str) -> str | None:
-        job = self.jobs.get(job_id)
-        if job is None or job.gen != gen:
-            return "no such job armed (late, or forged)"
-        if job.state is not JobState.ARMED:
-            return f"the job is {job.state.name.lower()}"
-        job.state, job.writer = JobState.WRITING, agent
-        return None
-
-    def _landed(self, request_id: str, job: _Job) -> bool:
-        """Has the writer's notification come (then the job is DONE)?"""
-        if job.state is JobState.WRITING:
-            who = self.node.take_notif(f"kv:{request_id}:{job.gen}".encode())
-            if who is not None and who != job.writer:
-                refuse("unknown_agent", f"a completion of {request_id} from {who!r}, not its writer")
-            elif who is not None:
-                job.state = JobState.DONE
-        return job.state is JobState.DONE
+        gen = self.grants.next_gen()
+        self.grants.jobs[request_id] = _Job(gen, blocks=list(dest_blocks))
+        return {**self._static, "rev": self.node.rev, "gen": gen}
 
     async def finish(self, request_id: str) -> bool:
-        job = self.jobs.get(request_id)
+        job = self.grants.jobs.get(request_id)
         if job is None:
             return False
-        end, pause = time.monotonic() + FINISH_TIMEOUT, POLL_MIN
-        while not self._landed(request_id, job):
-            if job.state is not JobState.WRITING or time.monotonic() > end:
-                log.warning("nixl: no completion of %s came (%s)", request_id, job.state.name)
-                return False
-            await asyncio.sleep(pause)
-            pause = min(POLL_MAX, pause * 1.5)
+        if not await self.grants.wait(request_id, job, FINISH_TIMEOUT):
+            log.warning("nixl: no completion of %s came (%s)", request_id, job.state.name)
+            return False
         return True
 
     def revoke(self, request_id: str) -> bool:
-        job = self.jobs.get(request_id)
-        if job is None:
-            return True
-        if job.state is JobState.ARMED:
-            job.state = JobState.REVOKED  # its grant is refused from now on: no write will start
-        return job.state is not JobState.WRITING or self._landed(request_id, job)
+        return self.grants.revoke(request_id)
 
     def forget(self, request_id: str) -> None:
-        self.jobs.pop(request_id, None)
+        self.grants.jobs.pop(request_id, None)
 
 
 @register_sender("nixl")
@@ -244,7 +203,7 @@ class NixlSender:
         # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
         # so that the PrefillDone sent after it means nothing writes the blocks any more.
         write = asyncio.ensure_future(self._write(peer, mine, local, dst, remote,
-                                                  f"kv:{target.request_id}:{p['gen']}".encode()))
+                                                  notif_key("kv", target.request_id, p["gen"])))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:

@@ -13,8 +13,15 @@ notifications, and the handshake that grants a peer one write into its memory.
                                                     notification "{kind}:{job}:{gen}"
     notification from the granted agent -> done <-  (UCX delivers it after the bytes)
 
-Nothing here blocks the event loop: registration and posting run in a thread; a transfer's
-state is polled with short asyncio sleeps (``wait_done``).
+Progress: the agent has no progress thread (UCX's busy-polls a core per worker, idle or not).
+UCX over TCP moves bytes and notifications only while each side's worker is progressed, the
+target's too: the writer drives its side by polling its transfer's state (``_wait_done``), the
+receiver from each grant until that write's notification (``_progress``, an asyncio task that
+runs only while a granted write may still land). An idle worker costs no CPU.
+
+Nothing here blocks the event loop: registration and posting run in a thread (the agent
+serializes its calls: ``NIXL_THREAD_SYNC_STRICT``); a transfer's state is polled with short
+asyncio sleeps.
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
 
 from prometheus_client import Counter
 
@@ -37,9 +47,9 @@ from kvstore.transfer.messenger import Messenger
 log = logging.getLogger(__name__)
 
 try:  # the ``nixl`` extra; without it the mesh moves KV between hosts over nats
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 except ImportError:  # pragma: no cover - depends on the environment
-    nixl_agent = nixl_agent_config = None
+    nixl_agent = nixl_agent_config = nixl_thread_sync_t = None
 
 REFUSED = Counter("pdmesh_nixl_refused", "nixl transport messages refused (logged and dropped)", ["reason"])
 PEERS_KEPT = 64  # remote agents a sender keeps added (least recently used dropped first)
@@ -47,6 +57,8 @@ NOTIFS_KEPT = 4096
 MD_TIMEOUT = 5.0  # seconds for a peer's metadata or grant
 POLL_MIN, POLL_MAX = 0.0001, 0.001  # seconds between polls of a transfer's state (a late look costs a 1 MB write a third)
 POST_INLINE = 256  # descriptors posted on the event loop; more are built in a thread
+SLOW_AFTER, POLL_SLOW = 10.0, 0.02  # a granted write this old (its writer likely gone): polled gently
+AWAIT_MAX = 300.0  # seconds after which an awaited notification is given up (the fence still holds)
 
 
 def available() -> bool:
@@ -82,6 +94,19 @@ class Peer:
 Grant = Callable[[str, int, str], str | None]  # (job id, gen, writer agent) -> None, or why not
 
 
+def notif_key(kind: str, job_id: str, gen: int) -> bytes:
+    """The notification that ends a granted write (the writer sends it after its bytes)."""
+    return f"{kind}:{job_id}:{gen}".encode()
+
+
+async def pause(polls: int, since: float) -> None:
+    """The wait between two polls of a transfer in flight: ``POLL_MIN`` growing to ``POLL_MAX``
+    (never none: a spinning poll takes the CPU the other side needs to move the bytes: measured,
+    a 1 MB write 3-5x slower on two busy cores), ``POLL_SLOW`` once it is old."""
+    await asyncio.sleep(POLL_SLOW if time.monotonic() - since > SLOW_AFTER else
+                        min(POLL_MAX, POLL_MIN * 1.5 ** min(polls, 8)))
+
+
 class NixlNode:
     """A worker's agent. ``for_worker`` gives every part of one worker (its receiver, its fetch
     channel, its sender) the same node."""
@@ -92,7 +117,9 @@ class NixlNode:
         if not available():
             raise RuntimeError("NIXL is not installed (pip install 'pdmesh[nixl]')")
         self.name = f"{worker_id}-{secrets.token_hex(4)}"  # a restarted worker is a new agent
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # no progress thread (it spins a core); calls from threads and the loop serialized
+        self.agent = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self.regions: list[Region] = []
         self._reg: dict[int, object] = {}  # addr -> its registration (kept alive)
         self._registering = threading.Lock()  # registration runs in threads
@@ -100,6 +127,8 @@ class NixlNode:
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.grants: dict[str, Grant] = {}  # kind -> the part that arms its jobs
         self.notifs: dict[bytes, str] = {}  # notification -> the agent it came from, until taken
+        self.awaited: dict[bytes, float] = {}  # notifications of granted writes -> when granted
+        self._progressing: asyncio.Task | None = None
         self._served = False
         self.bus: Messenger | None = None  # the one that serves our handshake
 
@@ -155,7 +184,31 @@ class NixlNode:
         why = "no such kind of job" if grant is None else grant(msg.job_id, msg.gen, msg.agent)
         if why is not None:
             log.info("nixl: no write grant for %s %s: %s", msg.kind, msg.job_id, why)
+        else:
+            self.expect(notif_key(msg.kind, msg.job_id, msg.gen))
         await self.bus.respond(raw, NixlReply(why is None, why or ""))
+
+    # -- progress ------------------------------------------------------------------
+    def expect(self, key: bytes) -> None:
+        """A write was granted: progress the agent until its notification ``key`` comes."""
+        self.awaited[key] = time.monotonic()
+        if self._progressing is None or self._progressing.done():
+            self._progressing = asyncio.get_running_loop().create_task(self._progress())
+
+    async def _progress(self) -> None:
+        polls, newest = 0, 0.0
+        while self.awaited:
+            self.poll_notifs()
+            now = time.monotonic()
+            for key, at in list(self.awaited.items()):
+                if now - at > AWAIT_MAX:  # its writer is long gone; its blocks stay fenced
+                    log.warning("nixl: no notification %r in %.0f s: no longer awaited", key, AWAIT_MAX)
+                    del self.awaited[key]
+            latest = max(self.awaited.values(), default=now)
+            if latest > newest:  # a new grant: poll it promptly, whatever older ones wait for
+                polls, newest = 0, latest
+            await pause(polls, newest)
+            polls += 1
 
     # -- notifications -------------------------------------------------------------
     def poll_notifs(self) -> None:
@@ -164,6 +217,7 @@ class NixlNode:
             who = agent.decode() if isinstance(agent, bytes) else str(agent)
             for m in msgs:
                 self.notifs[bytes(m)] = who
+                self.awaited.pop(bytes(m), None)
         while len(self.notifs) > NOTIFS_KEPT:  # late ones of jobs long forgotten
             self.notifs.pop(next(iter(self.notifs)))
 
@@ -246,17 +300,93 @@ class NixlNode:
         return handle
 
     async def _wait_done(self, peer: Peer, handle) -> None:
-        pause = POLL_MIN
+        polls, since = 0, time.monotonic()
         try:
             while True:
-                state = self.agent.check_xfer_state(handle)
+                state = self.agent.check_xfer_state(handle)  # progresses our side of it
                 if state == "DONE":
                     return
                 if state == "ERR":
                     self.drop_peer(peer.agent)
                     raise RuntimeError(f"the NIXL transfer to {peer.agent} failed")
-                await asyncio.sleep(pause)
-                pause = min(POLL_MAX, pause * 1.5)
+                await pause(polls, since)
+                polls += 1
         finally:
             with contextlib.suppress(Exception):
                 self.agent.release_xfer_handle(handle)
+
+
+# -- the receiving side of a kind of write -----------------------------------------
+class JobState(Enum):
+    ARMED = 1  # params handed out: no write granted yet
+    WRITING = 2  # a writer has its grant: bytes may land until its notification
+    DONE = 3  # the notification came
+    REVOKED = 4  # given up before any grant: none will be given
+
+
+@dataclass
+class WriteJob:
+    gen: int
+    state: JobState = JobState.ARMED
+    writer: str = ""
+
+
+J = TypeVar("J", bound=WriteJob)
+
+
+class Grants(Generic[J]):
+    """The writes of one kind into a node's memory ("kv": the decode worker's pool; "fetch": a
+    requester's fetch buffer). A job is armed with a fresh generation (``arm``), granted once to
+    one writer (``NixlBegin``: the node asks ``_grant``), and done when that writer's
+    notification came (``landed``). Who holds the memory: the caller, until ``landed`` or a
+    revoke before any grant (``revoke``)."""
+
+    def __init__(self, node: NixlNode, kind: str):
+        self.node, self.kind = node, kind
+        self.jobs: dict[str, J] = {}
+        self._gen = 0
+        node.grants[kind] = self._grant
+
+    def next_gen(self) -> int:
+        self._gen = self._gen % (1 << 62) + 1
+        return self._gen
+
+    def _grant(self, job_id: str, gen: int, agent: str) -> str | None:
+        job = self.jobs.get(job_id)
+        if job is None or job.gen != gen:
+            return f"no such {self.kind} job armed (late, or forged)"
+        if job.state is not JobState.ARMED:
+            return f"the {self.kind} job is {job.state.name.lower()}"
+        job.state, job.writer = JobState.WRITING, agent
+        return None
+
+    def landed(self, job_id: str, job: J) -> bool:
+        """Has the writer's notification come (then the job is DONE)?"""
+        if job.state is JobState.WRITING:
+            who = self.node.take_notif(notif_key(self.kind, job_id, job.gen))
+            if who is not None and who != job.writer:
+                refuse("unknown_agent", f"a completion of {self.kind} {job_id} from {who!r}, not its writer")
+            elif who is not None:
+                job.state = JobState.DONE
+        return job.state is JobState.DONE
+
+    async def wait(self, job_id: str, job: J, timeout: float) -> bool:
+        """Wait (up to ``timeout``) for a granted job's notification; False if it was never
+        granted or did not come in time."""
+        end, polls, since = time.monotonic() + timeout, 0, time.monotonic()
+        while not self.landed(job_id, job):
+            if job.state is not JobState.WRITING or time.monotonic() > end:
+                return False
+            await pause(polls, since)
+            polls += 1
+        return True
+
+    def revoke(self, job_id: str) -> bool:
+        """No write will land any more: True for a job never granted (its grant is refused from
+        now on) or one whose notification came; False while a granted write may still land."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return True
+        if job.state is JobState.ARMED:
+            job.state = JobState.REVOKED
+        return job.state is not JobState.WRITING or self.landed(job_id, job)

@@ -22,13 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 
 from kvstore.transfer import host_id
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl import JobState
-from kvstore.transfer.nixl_agent import POLL_MAX, POLL_MIN, NixlNode, Region, refuse
+from kvstore.transfer.nixl_agent import (
+    Grants,
+    JobState,
+    NixlNode,
+    Region,
+    WriteJob,
+    notif_key,
+    refuse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +45,9 @@ _STR = ("agent", "md", "begin", "fetch")
 
 
 @dataclass
-class _Slice:
-    offset: int
-    size: int
-    gen: int
-    state: JobState = JobState.ARMED
-    writer: str = ""
+class _Slice(WriteJob):
+    offset: int = 0
+    size: int = 0
 
 
 class NixlChannel:
@@ -59,16 +62,15 @@ class NixlChannel:
         self.node = NixlNode.for_worker(worker_id)
         self.buffer = torch.zeros(buffer_bytes, dtype=torch.uint8)  # allocated on first touch (sparse)
         self.region: Region | None = None
-        self.slices: dict[str, _Slice] = {}  # fetch id -> its slice, armed until forgotten
+        self.grants: Grants[_Slice] = Grants(self.node, "fetch")
+        self.slices = self.grants.jobs  # fetch id -> its slice, armed until forgotten
         self.fenced: dict[str, _Slice] = {}  # forgotten while a granted write may still land
-        self._gen = 0
 
     # -- requester -----------------------------------------------------------------------------
     async def params(self, fetch_id: str, max_bytes: int) -> dict:
         if self.region is None:
             b = self.buffer
             self.region = await asyncio.to_thread(self.node.register, "fetch", b.data_ptr(), b.numel())
-            self.node.grants["fetch"] = self._grant
             await self.node.serve(self.bus, self.model, self.worker_id)
         self._unfence()
         offset = self._room(max_bytes)
@@ -78,9 +80,9 @@ class NixlChannel:
                "size": self.region.size, "offset": 0, "bytes": 0, "gen": 0}
         if offset is None:
             return out  # no room: "bytes" 0, not usable; the holder takes the next channel
-        self._gen += 1
-        self.slices[fetch_id] = _Slice(offset, max_bytes, self._gen)
-        return {**out, "offset": offset, "bytes": max_bytes, "gen": self._gen}
+        gen = self.grants.next_gen()
+        self.slices[fetch_id] = _Slice(gen, offset=offset, size=max_bytes)
+        return {**out, "offset": offset, "bytes": max_bytes, "gen": gen}
 
     def _room(self, size: int) -> int | None:
         """First fit among the slices in use (armed or fenced)."""
@@ -92,44 +94,22 @@ class NixlChannel:
             at = max(at, hi)
         return at if self.buffer.numel() - at >= size and size > 0 else None
 
-    def _grant(self, fetch_id: str, gen: int, agent: str) -> str | None:
-        sl = self.slices.get(fetch_id)
-        if sl is None or sl.gen != gen:
-            return "no such fetch armed (late, or forged)"
-        if sl.state is not JobState.ARMED:
-            return f"the fetch is {sl.state.name.lower()}"
-        sl.state, sl.writer = JobState.WRITING, agent
-        return None
-
-    def _landed(self, fetch_id: str, sl: _Slice) -> bool:
-        if sl.state is JobState.WRITING:
-            who = self.node.take_notif(f"fetch:{fetch_id}:{sl.gen}".encode())
-            if who is not None and who != sl.writer:
-                refuse("unknown_agent", f"a completion of fetch {fetch_id} from {who!r}, not its writer")
-            elif who is not None:
-                sl.state = JobState.DONE
-        return sl.state is JobState.DONE
-
     def _unfence(self) -> None:
         for fid, sl in list(self.fenced.items()):
-            if self._landed(fid, sl):
+            if self.grants.landed(fid, sl):
                 del self.fenced[fid]
 
     async def take(self, fetch_id: str, nbytes: int, lent: dict | None = None) -> memoryview | None:
         sl = self.slices.get(fetch_id)
         if sl is None or nbytes > sl.size:
             return None
-        end, pause = time.monotonic() + TAKE_TIMEOUT, POLL_MIN
-        while not self._landed(fetch_id, sl):
-            if sl.state is not JobState.WRITING or time.monotonic() > end:
-                return None
-            await asyncio.sleep(pause)
-            pause = min(POLL_MAX, pause * 1.5)
+        if not await self.grants.wait(fetch_id, sl, TAKE_TIMEOUT):
+            return None
         return memoryview(self.buffer[sl.offset : sl.offset + nbytes].numpy().tobytes())  # a copy: the slice is reused
 
     async def forget(self, fetch_id: str) -> None:
         sl = self.slices.pop(fetch_id, None)
-        if sl is not None and sl.state is JobState.WRITING and not self._landed(fetch_id, sl):
+        if sl is not None and sl.state is JobState.WRITING and not self.grants.landed(fetch_id, sl):
             self.fenced[fetch_id] = sl  # a granted write may still land here: out of use until it has
 
     # -- holder --------------------------------------------------------------------------------
@@ -162,7 +142,7 @@ class NixlChannel:
         try:
             await self.node.ask_grant(self.bus, params["begin"], "fetch", params["fetch"], params["gen"])
             await self.node.write(peer, Region("payload", addr, len(payload)), [(addr, len(payload))], dst,
-                                  [(where, len(payload))], f"fetch:{params['fetch']}:{params['gen']}".encode())
+                                  [(where, len(payload))], notif_key("fetch", params["fetch"], params["gen"]))
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.node.agent.deregister_memory, reg)

@@ -5,13 +5,13 @@ transport carries KV between hosts, and the gateway's counters."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import openai
 
 from bench.chaos import Outcome
+from bench.chaos import checked_request as chaos_request
 from mesh.bus import Bus
 from mesh.natsauth import NatsConfig
 from mesh.protocol import LoadReport, WorkerCard
@@ -87,40 +87,10 @@ async def gateway_counter(url: str, name: str) -> int | None:
 
 async def checked_request(client: httpx.AsyncClient, url: str, prompt: list[int], expected: list[int],
                           out: Outcome, timeout: float, model: str = "tiny") -> None:
-    """One streamed greedy completion, counted in ``out``: correct (the ``expected`` token ids),
-    incorrect, a clear error (an HTTP status or an SSE error event: its kind), or hung (no end
-    within ``timeout``)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": len(expected), "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    t0, got = time.monotonic(), []
-    try:
-        async with asyncio.timeout(timeout), client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                out.error(f"http {r.status_code}")
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.error(f"stream {event['error'].get('type')}")
-                    return
-                got += event["choices"][0].get("token_ids") or []
-    except TimeoutError:
-        out.hung += 1
-        return
-    except httpx.HTTPError as e:
-        out.error(type(e).__name__)
-        return
-    out.latencies.append(time.monotonic() - t0)
-    out.spans.append((t0, time.monotonic()))
-    if got == expected:
-        out.correct += 1
-    else:
-        out.incorrect += 1
-        if len(out.incorrect_samples) < 3:
-            out.incorrect_samples.append(f"{len(prompt)}-token prompt, {len(expected)} asked, got {len(got)}")
+    """One streamed greedy completion of ``prompt``, checked against ``expected`` and counted in
+    ``out`` (``bench.chaos.checked_request``: correct, incorrect, a clear error, or hung)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": len(expected), "temperature": 0, "ignore_eos": True}
+    await chaos_request(client, url, body, expected, out, timeout)
 
 
 def clear_errors_only(out: Outcome) -> bool:

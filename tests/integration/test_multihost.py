@@ -15,20 +15,19 @@ import os
 import random
 import sys
 import time
-import uuid
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
-from mesh.client import generate
 from mesh.natsauth import NatsConfig
 from mesh.planner.connectors import LocalConnector
+from mesh.planner.planner import Planner
+from mesh.planner.policy import PlannerConfig
 from mesh.prefill_queue import PrefillQueue
-from mesh.protocol import GenerateRequest, PeerFetchPlan, PrefillJob, SamplingOptions, decode
+from mesh.protocol import PrefillJob, decode
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
 from tests.helpers.cluster import stream_tokens
@@ -38,6 +37,14 @@ from tests.helpers.multihost import (
     cross_host_transport,
     open_watcher,
     wait_gateway,
+)
+from tests.helpers.peer_fetch import (
+    BS,
+    PREFIX_BLOCKS,
+    ask,
+    decode_flags,
+    plan_of,
+    prefix_in_host_tier,
 )
 from tests.helpers.references import prompts_of
 
@@ -77,25 +84,11 @@ async def test_gateway_prefill_decode_on_three_hosts_is_token_identical(hostbed,
         await w.close()
 
 
-async def ask(bus, worker: str, tokens: list[int], plan: PeerFetchPlan | None = None) -> tuple[list[int], int]:
-    """(greedy tokens, cached prompt tokens) of one request sent to ``worker`` as the gateway sends it."""
-    req = GenerateRequest(uuid.uuid4().hex, "tiny", tokens, SamplingOptions(max_tokens=6, temperature=0.0),
-                          peer_fetch=plan)
-    toks, last = [], None
-    async for chunk in generate(bus, worker, req, first_timeout=60, idle_timeout=30):
-        assert chunk.error is None, chunk.error
-        toks += chunk.token_ids
-        last = chunk
-    return toks, last.usage.cached_tokens
-
-
 async def test_peer_fetch_across_hosts_gives_the_cold_runs_tokens(hostbed, tiny_model):
     """A prefix in the host tier of a decode worker on host 2 is fetched by one on host 3 (the router
     in the test process plans it, as the gateway's does): the cold run's tokens, no recompute, and
     the bytes went over the channel that crosses hosts, not shared memory."""
-    bs, blocks = 16, 10
-    flags = ["--model", str(tiny_model), "--device-kv-blocks", "24", "--host-kv-blocks", "64", "--peer-fetch",
-             "--peer-fetch-timeout", "5", "--max-num-seqs", "4"]
+    flags = decode_flags(tiny_model, timeout=5)
     hostbed.worker(2, "decode", *flags, "--worker-id", "pf-a", "--transports", "shm,nixl,nats")
     hostbed.worker(3, "decode", *flags, "--worker-id", "pf-b", "--transports", "shm,nixl,nats")
     w = await open_watcher(hostbed.hosts[1].nats_url)
@@ -103,22 +96,13 @@ async def test_peer_fetch_across_hosts_gives_the_cold_runs_tokens(hostbed, tiny_
     await router.start()
     try:
         await w.wait_workers("decode", 2, timeout=120)
-        rng = random.Random(5)
-        prompt = [rng.randrange(3, 4000) for _ in range(blocks * bs + 1)]
-        hashes = block_hashes(prompt[: blocks * bs], bs, hash_seed(DEFAULT_HASH_KEY, "tiny"))
-        cold, cached = await ask(w.bus, "pf-a", prompt)
-        assert cached == 0
-        for _ in range(3):  # other prompts push the prefix out of a's device pool into its host tier
-            await ask(w.bus, "pf-a", [rng.randrange(3, 4000) for _ in range(blocks * bs + 1)])
-        idx = router.index("tiny")
-        await w.wait_for(lambda: all(idx.tiers_of("pf-a", h) == {"host"} for h in hashes), 20,
-                         "the prefix to sit only in a's host tier")
+        prompt, cold = await prefix_in_host_tier(w, router, "pf-a", random.Random(5))
         d = router.route("tiny", prompt, "moved", exclude={"pf-a"})
-        assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("pf-b", "pf-a", blocks)
-        tokens, cached = await ask(w.bus, "pf-b", prompt, PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks))
-        assert tokens == cold and cached == blocks * bs
+        assert (d.worker_id, d.fetch_source, d.fetch_blocks) == ("pf-b", "pf-a", PREFIX_BLOCKS)
+        tokens, cached = await ask(w.bus, "pf-b", prompt, router, plan_of(d), "moved")
+        assert tokens == cold and cached == PREFIX_BLOCKS * BS
         b = (await w.fresh_load("pf-b")).counters
-        assert (b.get("peer_fetch_ok"), b.get("hit_blocks_peer")) == (1, blocks), b
+        assert (b.get("peer_fetch_ok"), b.get("hit_blocks_peer")) == (1, PREFIX_BLOCKS), b
         assert b.get("peer_fetch_via_shm", 0) == 0 and sum(v for k, v in b.items() if k.startswith("peer_fetch_via_")) == 1
     finally:
         await router.stop()
@@ -158,17 +142,19 @@ async def test_the_prefill_queue_survives_the_loss_of_its_streams_leader_host(ho
         await bus.close()
 
 
-async def test_the_planners_local_connector_places_workers_on_any_host(hostbed):
-    """The planner's process connector with one launcher per bed host (``nsenter`` into hosts 2 and
-    3): scaling the decode pool to 2 starts one worker on each host (their cards carry the hosts'
-    names), both serve, and scaling to 0 drains them."""
+async def test_the_planner_adds_workers_on_any_host(hostbed):
+    """The planner with its process connector and one launcher per bed host (``nsenter`` into hosts
+    2 and 3): its window finds the decode pool under its floor of 2 and starts one worker on each
+    host (their cards carry the hosts' names), both serve, and scaling to 0 drains them."""
     argv = {"decode": [sys.executable, "-m", "cli", "worker", "mock", "--nats", hostbed.nats_urls, *BUS_FLAGS,
                        "--mock-speedup", "20"], "prefill": []}
     conn = LocalConnector(argv, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, drain_timeout=20,
                           launchers=[hostbed.hosts[i].enter() for i in (2, 3)])
     w = await open_watcher(hostbed.hosts[1].nats_url)
     try:
-        await conn.scale("decode", 2)
+        planner = Planner(w.bus, w.membership, conn, PlannerConfig(min_decode=2, max_decode=2, max_prefill=0))
+        (decision,) = await planner.tick(time.monotonic())  # one window, run here rather than on its timer
+        assert (decision.pool, decision.current, decision.target) == ("decode", 0, 2), decision
         cards = await w.wait_workers("decode", 2, model="mock", timeout=120)
         assert sorted(c.host for c in cards) == [hostbed.hosts[2].hostname, hostbed.hosts[3].hostname]
         for c in cards:

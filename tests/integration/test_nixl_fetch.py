@@ -10,44 +10,28 @@ import random
 
 import pytest
 
-from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from kvstore.transfer import Refused
 from mesh.bus import Bus
-from mesh.client import generate
-from mesh.protocol import GenerateRequest, PeerFetchPlan, SamplingOptions
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
 from tests.helpers.cluster import Watcher, wait_until
+from tests.helpers.peer_fetch import (
+    BS,
+    PREFIX_BLOCKS,
+    ask,
+    decode_flags,
+    plan_of,
+    prefix_in_host_tier,
+)
 
 pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
 
 NS = "nxfetch"
 A, B = "nxf-a", "nxf-b"
-BS, PREFIX_BLOCKS = 16, 10
-
-
-async def ask(bus, worker, tokens, router=None, plan=None, request_id="") -> tuple[list[int], int]:
-    """(greedy tokens, cached tokens) of one request on ``worker``, as the gateway sends it."""
-    rid = request_id or f"r{random.random()}"
-    req = GenerateRequest(rid, "tiny", tokens, SamplingOptions(max_tokens=6, temperature=0.0), peer_fetch=plan)
-    toks, last = [], None
-    async for chunk in generate(bus, worker, req, first_timeout=60, idle_timeout=30):
-        assert chunk.error is None, chunk.error
-        toks += chunk.token_ids
-        last = chunk
-    if router is not None:
-        router.finished(worker, rid)
-    return toks, last.usage.cached_tokens
-
-
-def plan_of(d) -> PeerFetchPlan | None:
-    """What the gateway puts in the request."""
-    return PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks) if d.fetch_source else None
 
 
 async def test_a_prefix_on_another_host_is_fetched_over_nixl(cluster, tiny_model):
-    flags = ["--ns", NS, "--model", str(tiny_model), "--device-kv-blocks", "24", "--host-kv-blocks", "64",
-             "--peer-fetch", "--peer-fetch-timeout", "5", "--max-num-seqs", "4", "--transports", "nixl,nats"]
+    flags = ["--ns", NS, *decode_flags(tiny_model, timeout=5), "--transports", "nixl,nats"]
     for wid in (A, B):
         cluster.worker("decode", *flags, "--worker-id", wid, env={"MESH_HOST_ID": f"host-{wid}"})
     w = await Watcher.open(cluster.nats_url, ns=NS)
@@ -55,15 +39,7 @@ async def test_a_prefix_on_another_host_is_fetched_over_nixl(cluster, tiny_model
     await router.start()
     try:
         await w.wait_workers("decode", 2, timeout=120)
-        rng = random.Random(11)
-        prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
-        cold, cached = await ask(w.bus, A, prompt)
-        assert cached == 0
-        for _ in range(3):  # other prompts push the prefix out of a's device pool into its host tier
-            await ask(w.bus, A, [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)])
-        idx = router.index("tiny")
-        await w.wait_for(lambda: all(idx.tiers_of(A, h) == {"host"} for h in hashes), 10, "the prefix in a's host tier")
+        prompt, cold = await prefix_in_host_tier(w, router, A, random.Random(11))
         d = router.route("tiny", prompt, "moved", exclude={A})
         assert (d.worker_id, d.fetch_source) == (B, A)
         tokens, cached = await ask(w.bus, B, prompt, router, plan_of(d), "moved")

@@ -23,52 +23,37 @@ import pytest
 from nats.errors import NoRespondersError
 
 from decode.peerfetch import lent_files
-from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
-from mesh.client import generate
 from mesh.protocol import (
-    GenerateRequest,
     KvFetchDone,
     KvFetchRelease,
     KvFetchRequest,
     PeerFetchPlan,
-    SamplingOptions,
     WorkerCard,
     encode,
 )
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
 from tests.helpers.cluster import Watcher
+from tests.helpers.peer_fetch import (
+    BS,
+    PREFIX_BLOCKS,
+    ask,
+    decode_flags,
+    plan_of,
+    prefix_hashes,
+    prefix_in_host_tier,
+    prompt_of,
+)
 
 NS = "peerfetch"
 A, B = "pf-a", "pf-b"
-BS, PREFIX_BLOCKS = 16, 10
 
 
 @pytest.fixture(scope="module")
 def workers(cluster, tiny_model):
-    flags = ["--ns", NS, "--model", str(tiny_model), "--device-kv-blocks", "24", "--host-kv-blocks", "64",
-             "--peer-fetch", "--peer-fetch-timeout", "3", "--max-num-seqs", "4"]
+    flags = ["--ns", NS, *decode_flags(tiny_model, timeout=3)]
     return {wid: cluster.worker("decode", *flags, "--worker-id", wid) for wid in (A, B)}
-
-
-async def ask(bus, worker, tokens, router=None, plan=None, request_id=None):
-    """(greedy tokens, cached tokens) of one request on ``worker``, as the gateway sends it."""
-    rid = request_id or uuid.uuid4().hex
-    req = GenerateRequest(rid, "tiny", tokens, SamplingOptions(max_tokens=6, temperature=0.0), peer_fetch=plan)
-    toks, last = [], None
-    async for chunk in generate(bus, worker, req, first_timeout=60, idle_timeout=30):
-        assert chunk.error is None, chunk.error
-        toks += chunk.token_ids
-        last = chunk
-    if router is not None:
-        router.finished(worker, rid)
-    return toks, last.usage.cached_tokens
-
-
-def plan_of(d) -> PeerFetchPlan | None:
-    """What the gateway puts in the request (gateway/service.py ``_send``)."""
-    return PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks) if d.fetch_source else None
 
 
 async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster, workers):
@@ -78,16 +63,7 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_another(cluster, 
     try:
         cards = await w.wait_workers("decode", 2, timeout=120)
         assert all(c.serves_kv_fetch and c.fetches_kv for c in cards)
-        rng = random.Random(5)
-        prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
-        cold, cached = await ask(w.bus, A, prompt)
-        assert cached == 0
-        for _ in range(3):  # other prompts push the prefix out of a's 24-block device pool into its host tier
-            await ask(w.bus, A, [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)])
-        idx = router.index("tiny")
-        await w.wait_for(lambda: all(idx.tiers_of(A, h) == {"host"} for h in hashes), 10,
-                         "the prefix to sit only in a's host tier")
+        prompt, cold = await prefix_in_host_tier(w, router, A, random.Random(5))
 
         d = router.route("tiny", prompt, "moved", exclude={A})  # a is busy, say: b serves, fetching from a
         assert (d.worker_id, d.fetch_source, d.fetch_blocks, d.hit_blocks) == (B, A, PREFIX_BLOCKS, 0)
@@ -118,9 +94,9 @@ async def test_a_lent_run_and_a_copied_one_carry_the_same_bytes(cluster, workers
     try:
         await w.wait_workers("decode", 2, timeout=120)
         rng = random.Random(7)
-        prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
+        prompt = prompt_of(rng)
         await ask(w.bus, A, prompt)
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
+        hashes = prefix_hashes(prompt)
         before = (await w.fresh_load(A)).counters.get("peer_serve_released", 0)
         got, room = {}, PREFIX_BLOCKS * (1 << 20)
         for read in (True, False):
@@ -159,9 +135,9 @@ async def lend(w, ch, hashes) -> tuple[str, KvFetchDone]:
 async def held_prompt(w, seed: int) -> tuple[list[int], list[int]]:
     """A new prompt served by a (its prefix cached there) and its prefix's block hashes."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
+    prompt = prompt_of(rng)
     await ask(w.bus, A, prompt)
-    return prompt, block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
+    return prompt, prefix_hashes(prompt)
 
 
 async def test_a_release_without_the_fetch_key_changes_nothing(cluster, workers):
@@ -254,8 +230,8 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
         await w.bus.subscribe(w.bus.subjects.kv_fetch("tiny", A), on_fetch, KvFetchRequest)
         before = (await w.fresh_load(B)).counters
         rng = random.Random(6)
-        prompt = [rng.randrange(3, 4000) for _ in range(PREFIX_BLOCKS * BS + 1)]
-        hashes = block_hashes(prompt[: PREFIX_BLOCKS * BS], BS, hash_seed(DEFAULT_HASH_KEY, "tiny"))
+        prompt = prompt_of(rng)
+        hashes = prefix_hashes(prompt)
         cold, _ = await ask(w.bus, A, prompt)
         idx = router.index("tiny")
         await w.wait_for(lambda: all(idx.tiers_of(A, h) for h in hashes), 10, "a's events")

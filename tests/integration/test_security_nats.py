@@ -70,15 +70,22 @@ def violations(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if "Violation" in line]
 
 
-async def test_mesh_serves_with_least_privilege_users(secured, tiny_model):
+@pytest.mark.parametrize("transport", ["nats", "nixl"])
+async def test_mesh_serves_with_least_privilege_users(secured, tiny_model, transport):
+    """The KV crosses over ``transport`` (nixl: the two workers act as two hosts, and its
+    handshake subjects must be in the roles' permissions)."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
     server, seeds, log = secured
     cluster = Cluster(server.url)
     admin = url_for(server, "admin", ADMIN_PASSWORD)
-    flags = ["--model", str(tiny_model), "--device-kv-blocks", "256", "--transports", "nats"]
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", "256", "--transports", f"{transport},nats"]
+    dec, pre = f"dec-sec-{transport}", f"pre-sec-{transport}"
     try:
-        cluster.worker("decode", *flags, "--nats-nkey", str(seeds["decode"]), "--worker-id", "dec-sec",
-                       "--disagg-threshold", "16")
-        cluster.worker("prefill", *flags, "--nats-nkey", str(seeds["prefill"]), "--worker-id", "pre-sec")
+        cluster.worker("decode", *flags, "--nats-nkey", str(seeds["decode"]), "--worker-id", dec,
+                       "--disagg-threshold", "16", env={"MESH_HOST_ID": f"host-{dec}"})
+        cluster.worker("prefill", *flags, "--nats-nkey", str(seeds["prefill"]), "--worker-id", pre,
+                       env={"MESH_HOST_ID": f"host-{pre}"})
         cluster.spawn("planner", "--nats", server.url, "--nats-nkey", str(seeds["planner"]), "--planner-window", "1")
         port = free_port()
         cluster.spawn("gateway", "--nats", url_for(server, "gateway", GATEWAY_PASSWORD), "--model",
@@ -86,9 +93,9 @@ async def test_mesh_serves_with_least_privilege_users(secured, tiny_model):
         base = f"http://127.0.0.1:{port}"
         w = await Watcher.open(admin)
         try:
-            await w.wait_for(lambda: w.membership.get("dec-sec") and w.membership.get("pre-sec"), 120, "workers")
+            await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "workers")
             await asyncio.to_thread(wait_http_ok, f"{base}/health", 60)
-            await w.fresh_load("pre-sec")
+            await w.fresh_load(pre)
             await asyncio.sleep(1.2)  # the decode worker has heard the prefill worker's load
             client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
             long_prompt = list(range(10, 60))  # past the disaggregation threshold: prefilled remotely
@@ -102,9 +109,9 @@ async def test_mesh_serves_with_least_privilege_users(secured, tiny_model):
             made = await client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
             assert (await client.responses.retrieve(made.id)).output_text == made.output_text
             await client.responses.delete(made.id)
-            dec = await w.fresh_load("dec-sec")
-            assert dec.counters.get("remote_prefill_done", 0) >= 1, dec.counters
-            assert dec.counters.get("transport_nats", 0) >= 1
+            counters = (await w.fresh_load(dec)).counters
+            assert counters.get("remote_prefill_done", 0) >= 1, counters
+            assert counters.get(f"transport_{transport}", 0) >= 1, counters
         finally:
             await w.close()
         assert not violations(log), violations(log)
