@@ -5,7 +5,8 @@ One NATS user per role; each may publish and subscribe only what its role does:
     role      publishes                                   subscribes
     gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
               router.decisions, lora (request), stored    planner.decisions, its inbox
-              responses (its bucket)
+              responses, files and batches (its
+              buckets)
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
               replies to gateway, prefill and decode      nixl, kv_fetch, kv_fetch_data,
               inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
@@ -90,6 +91,20 @@ def _responses(ns: str) -> list[str]:
             f"$JS.API.STREAM.MSG.GET.{stream}", f"$KV.{bucket}.>"]
 
 
+def _batches(ns: str) -> list[str]:
+    """The Batch API's stores (the gateway's): the files' object store and the batches' bucket:
+    open or create them, put, get, list (an ordered consumer), watch, purge."""
+    s = Subjects(ns)
+    kv, obj = s.batches_bucket(), s.files_bucket()
+    api = []
+    for stream in (f"KV_{kv}", f"OBJ_{obj}"):
+        api += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.PURGE.{stream}",
+                f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+                f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.API.CONSUMER.DELETE.{stream}.*", f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
+    return [*api, "$JS.API.STREAM.NAMES", f"$KV.{kv}.>", f"$O.{obj}.>"]  # names: the object store finds its stream
+
+
 def _prefill_streams(ns: str, models: Sequence[str]) -> list[str]:
     """Stream names as a subject token: exact per model, or any (a stream name is one token)."""
     return [Subjects(ns).prefill_stream(m) for m in models] if models else [ANY]
@@ -108,9 +123,9 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     load = s.load_all()
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     if role == "gateway":
-        # stored responses (the Responses API): the gateway reads and writes their bucket
+        # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
-               *_registry(ns, False), *_responses(ns)]
+               *_registry(ns, False), *_responses(ns), *_batches(ns)]
         sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)

@@ -109,6 +109,8 @@ async def test_mesh_serves_with_least_privilege_users(secured, tiny_model, trans
             made = await client.responses.create(model=MODEL, input="hi", max_output_tokens=3)
             assert (await client.responses.retrieve(made.id)).output_text == made.output_text
             await client.responses.delete(made.id)
+            if transport == "nats":  # the Batch API: the files' object store and the batches' bucket
+                await run_a_small_batch(client)
             counters = (await w.fresh_load(dec)).counters
             assert counters.get("remote_prefill_done", 0) >= 1, counters
             assert counters.get(f"transport_{transport}", 0) >= 1, counters
@@ -117,6 +119,21 @@ async def test_mesh_serves_with_least_privilege_users(secured, tiny_model, trans
         assert not violations(log), violations(log)
     finally:
         cluster.stop()
+
+
+async def run_a_small_batch(client: openai.AsyncOpenAI) -> None:
+    """Two lines through /v1/files and /v1/batches; both answered in the output file."""
+    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}}) for i in range(2)]
+    upload = await client.files.create(file=("lines.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        batch = await client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    out = (await client.files.content(batch.output_file_id)).text
+    assert sorted(json.loads(line)["custom_id"] for line in out.splitlines()) == ["line-0", "line-1"]
 
 
 async def test_worker_credentials_cannot_act_as_a_gateway(secured):
