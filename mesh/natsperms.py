@@ -3,9 +3,9 @@
 One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
-    gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
+    gateway   generate, cancel, embed, kv.snapshot (req.),    kv.events, load, router.decisions,
               router.decisions, lora (request)            planner.decisions, its inbox
-    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
+    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, embed, kv_ready, kv_data, nccl,
               replies to gateway, prefill and decode      kv_fetch, kv_fetch_data, kv_fetch_release,
               inboxes, kv_fetch, kv_fetch_data and        kv.snapshot, load, lora, its inbox
               kv_fetch_release (peer fetch), its card
@@ -98,7 +98,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     load = s.load_all()
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     if role == "gateway":
-        pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
+        pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
                *_registry(ns, False)]
         sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
     elif role == "decode":
@@ -106,7 +106,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
                inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
-        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
+        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "embed", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
                                             "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
                f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":
