@@ -144,6 +144,14 @@ def pool(hidden: torch.Tensor, lens: list[int], method: str) -> torch.Tensor:
     return F.normalize(pooled, dim=-1)
 
 
+def truncate(vectors: torch.Tensor, dimensions: int) -> torch.Tensor:
+    """Matryoshka: the first ``dimensions`` of each normalised vector, normalised again (0 or the
+    full size: as they are)."""
+    if not dimensions or dimensions >= vectors.shape[1]:
+        return vectors
+    return F.normalize(vectors[:, :dimensions], dim=-1)
+
+
 class Embedder:
     """The model of ``config`` for embeddings: ``embed(prompts)`` -> ``[N, dim]`` float32 on the CPU.
 
@@ -183,10 +191,7 @@ class Embedder:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out = torch.empty(len(prompts), dimensions or self.hidden_size)
         for group in self._groups(order, prompts):
-            vectors = self._forward([prompts[i] for i in group])
-            if dimensions and dimensions != self.hidden_size:
-                vectors = F.normalize(vectors[:, :dimensions], dim=-1)
-            out[torch.as_tensor(group)] = vectors.cpu()
+            out[torch.as_tensor(group)] = truncate(self._forward([prompts[i] for i in group]), dimensions).cpu()
         return out
 
     def _groups(self, order: list[int], prompts: list[list[int]]) -> list[list[int]]:
