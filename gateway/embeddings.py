@@ -66,7 +66,7 @@ class EmbeddingRequest(BaseModel):
             v = [v]
         if not v:
             raise ValueError("input must not be empty")
-        if len(v) > MAX_INPUTS:
+        if len(v) > MAX_INPUTS and not isinstance(v[0], int):  # a list of ids is one input
             raise ValueError(f"input holds at most {MAX_INPUTS} items")
         if any(isinstance(x, str | list) and not x for x in v):
             raise ValueError("input must not hold an empty string or an empty token list")
