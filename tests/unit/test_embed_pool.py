@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.embeddings import ENVELOPE_BYTES, EmbeddingRequest, split_inputs
+from gateway.embeddings import ENVELOPE_BYTES, EmbeddingRequest, Embeddings, split_inputs
+from gateway.errors import APIError
+from gateway.service import Gateway, GatewayConfig
 from mesh.protocol import EmbedReply, EmbedRequest, WorkerCard, encode
 from mesh.router.embed import EmbedRouter, pick_embed_worker
 
@@ -70,3 +72,54 @@ def test_a_body_holds_one_input_or_a_list_none_empty():
                 {"input": ["a"] * 2049}):
         with pytest.raises(ValidationError):
             EmbeddingRequest(model="m", **bad)
+
+
+class FakeGatewayMembership(FakeMembership):
+    def served_recently(self, model: str) -> bool:
+        return any(c.model == model for c in self._cards)
+
+
+def gateway_with(cards) -> Gateway:
+    gw = Gateway(GatewayConfig(nats_url="nats://unused"))
+    gw.membership = FakeGatewayMembership(cards)
+    return gw
+
+
+def test_embeddings_go_to_embed_workers_only_and_chat_never_does():
+    gen_only = gateway_with([card("d1", role="decode")])
+    with pytest.raises(APIError) as e:  # served, but not for embeddings
+        Embeddings(gen_only)._workers("m")
+    assert e.value.status == 503 and "--task embed" in e.value.message
+    with pytest.raises(APIError) as e:
+        Embeddings(gen_only)._workers("nobody-serves-this")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    embed_only = gateway_with([card("e1"), card("e2", status="draining")])
+    assert [c.worker_id for c in Embeddings(embed_only)._workers("m")] == ["e1"]
+    with pytest.raises(APIError) as e:  # a chat or completion for it
+        embed_only.resolve("m")
+    assert e.value.status == 400 and "embeddings only" in e.value.message
+    assert embed_only.served_models() == ["m"] and embed_only.live_models() == []
+    assert embed_only.max_model_len("m") == 512
+
+
+def test_mesh_up_plans_an_embed_pool_of_its_own():
+    from cli import build_parser
+    from cli.flags import CliError
+    from cli.localmesh import UpPlan, worker_argv
+    from cli.up import _embed_pool
+    from cli.worker import role_of
+
+    args = build_parser().parse_args(["up", "--task", "embed", "--pooling", "mean"])
+    assert _embed_pool(args) == 1 and args.decode == args.prefill == 0  # embeddings only
+    args = build_parser().parse_args(["up", "--embed-workers", "2"])
+    assert _embed_pool(args) == 2 and args.decode == 1  # beside the generate pools
+    assert _embed_pool(build_parser().parse_args(["up"])) == 0
+    for bad in (["up", "--embed-workers", "1", "--mock"], ["up", "--task", "embed", "--embed-workers", "0"]):
+        with pytest.raises(CliError):
+            _embed_pool(build_parser().parse_args(bad))
+    plan = UpPlan(models=["/m/tiny"], mock=False, prefill=0, decode=0, host="h", port=1, nats=None, ns=None,
+                  embed=1, embed_flags=["--task", "embed", "--pooling", "mean"])
+    argv = worker_argv(plan, "/m/tiny")["embed"]
+    assert argv[argv.index("worker") + 1] == "decode" and argv[-4:] == ["--task", "embed", "--pooling", "mean"]
+    with pytest.raises(CliError):  # an embed worker runs a model
+        role_of(build_parser().parse_args(["worker", "decode", "--task", "embed", "--mock"]))
