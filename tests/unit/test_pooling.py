@@ -4,6 +4,7 @@ one forward each, and a model's pooling and matryoshka sizes come from its direc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -97,3 +98,23 @@ def test_matryoshka_truncates_and_renormalises(tiny_model, tmp_path):
     with pytest.raises(RequestError, match="16, 32"):
         embedder.embed(PROMPTS[:1], dimensions=8)
     assert PoolingConfig.from_dir(_model_copy(tiny_model, tmp_path / "any", config={"is_matryoshka": True})).matryoshka
+
+
+async def test_requests_queued_during_a_forward_share_the_next_one(tiny_model, tmp_path):
+    from decode.embed import EmbedBatcher
+
+    path = _model_copy(tiny_model, tmp_path, config={"is_matryoshka": True})
+    embedder = Embedder(EngineConfig(model=path, device="cpu"), PoolingConfig.from_dir(path))
+    forwards = []
+    real = embedder.embed
+    embedder.embed = lambda prompts, dimensions=0: forwards.append(len(prompts)) or real(prompts, dimensions)
+    batcher = EmbedBatcher(embedder, max_tokens=10_000)
+    batcher.start()
+    try:
+        asks = [(PROMPTS[i:i + 2], 16 if i % 2 else 0) for i in range(len(PROMPTS))]
+        got = await asyncio.gather(*(batcher.embed(p, d) for p, d in asks))
+    finally:
+        await batcher.stop()
+    assert len(forwards) < len(asks) and sum(forwards) == sum(len(p) for p, _ in asks)
+    for (prompts, dims), vectors in zip(asks, got, strict=True):
+        torch.testing.assert_close(vectors, real(prompts, dims), atol=1e-5, rtol=0)
