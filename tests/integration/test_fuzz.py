@@ -34,8 +34,9 @@ def fuzz_mesh(cluster, tiny_model):
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/health")
     deadline = time.monotonic() + 60
-    while "tiny" not in httpx.get(f"{url}/health", timeout=5).json().get("embed_models", []):
-        assert time.monotonic() < deadline, "the embed worker did not come up"
+    while not {"models", "embed_models"} <= {k for k, v in httpx.get(f"{url}/health", timeout=5).json().items()
+                                            if isinstance(v, list) and "tiny" in v}:
+        assert time.monotonic() < deadline, "the decode and embed workers did not both come up"
         time.sleep(0.2)
     return url, proc
 
