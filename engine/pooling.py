@@ -93,7 +93,8 @@ def _sentence_transformers_pooling(path: Path) -> str | None:
 class DenseCausalAttention:
     """Attention over the batch's own tokens only (no cache), in the backend interface
     (``engine.attention.base``): the packed rows are padded into ``[B, H, L, D]`` for one SDPA
-    call per layer with a causal, length-masked ``[B, 1, L, L]`` mask (one sequence: plain causal)."""
+    call per layer with a causal, length-masked ``[B, 1, L, L]`` mask (sequences of one length:
+    a view of the packed rows, plain causal)."""
 
     name = "dense"
 
@@ -102,8 +103,8 @@ class DenseCausalAttention:
 
     def plan(self, lens: list[int], device: torch.device) -> None:
         self.batch, self.longest, self.total = len(lens), max(lens), sum(lens)
-        self.single = len(lens) == 1
-        if self.single:
+        self.uniform = min(lens) == self.longest  # no padding: a view, plain causal
+        if self.uniform:
             return
         starts = [i * self.longest for i in range(len(lens))]
         self.rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]).to(device)
@@ -118,11 +119,11 @@ class DenseCausalAttention:
         return out.view(self.batch, self.longest, *x.shape[1:]).transpose(1, 2)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.single:
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                               v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale,
-                                               enable_gqa=True)
-            return o[0].transpose(0, 1)
+        if self.uniform:
+            b, n = self.batch, self.longest
+            o = F.scaled_dot_product_attention(*(x.view(b, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2).reshape(q.shape)
         o = F.scaled_dot_product_attention(self._padded(q), self._padded(k), self._padded(v), attn_mask=self.mask,
                                            scale=self.scale, enable_gqa=True)
         flat = o.transpose(1, 2).reshape(self.batch * self.longest, *q.shape[1:])

@@ -41,6 +41,9 @@ def test_vectors_are_transformers_pooled_hidden_states(tiny_model, hf_model, met
         one = embedder.embed([prompt])[0]  # alone: no padding, plain causal attention
         torch.testing.assert_close(batched[i], one, atol=1e-5, rtol=0)
     assert torch.allclose(batched.norm(dim=1), torch.ones(len(PROMPTS)), atol=1e-5)
+    same_length = [PROMPTS[0], PROMPTS[0][::-1], [7] * 6]  # no padding: the uniform path
+    torch.testing.assert_close(embedder.embed(same_length), torch.cat([embedder.embed([p]) for p in same_length]),
+                               atol=1e-5, rtol=0)
 
 
 def test_a_token_budget_splits_the_forward_and_keeps_the_order(tiny_model):
