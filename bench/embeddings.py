@@ -16,8 +16,9 @@ Definitions (identical for both sides):
 * transformers: ``AutoModel(batch).last_hidden_state[:, -1]``, normalised (the same last-token
   pooling), under ``torch.inference_mode``;
 * embeddings/s = batch size / wall time of one call; the best and the median of ``--reps``
-  calls after one warm-up call (best: the machine may be shared, and a slow spell of another
-  process hits some calls, not the undisturbed ones);
+  calls of each side, alternating ours and transformers, after one warm-up call each (best: the
+  machine may be shared, and a slow spell of another process hits some calls, not the
+  undisturbed ones; alternating: it hits both sides alike);
 * "max |diff|": the largest difference between the two sides' vectors (a check that both did
   the same work).
 """
@@ -51,14 +52,17 @@ def default_model_dir() -> Path:
     return cache
 
 
-def timed(fn, reps: int) -> tuple[list[float], object]:
-    fn()  # warm-up
-    times, out = [], None
+def timed_pair(ours, theirs, reps: int) -> tuple[list[float], list[float], object, object]:
+    """Wall times of ``reps`` calls of each, alternating (ours, theirs, ours, ...) after one warm-up
+    call each, so that a slow spell of another process on a shared machine hits both sides alike."""
+    out = [ours(), theirs()]
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return times, out
+        for side, fn in enumerate((ours, theirs)):
+            t = time.perf_counter()
+            out[side] = fn()
+            times[side].append(time.perf_counter() - t)
+    return times[0], times[1], out[0], out[1]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -75,13 +79,11 @@ def run(args: argparse.Namespace) -> dict:
     for batch in args.batches:
         prompts = [[rng.randrange(3, vocab) for _ in range(args.tokens)] for _ in range(batch)]
         reps = args.reps if batch > 1 else args.reps * 4
-        ours_t, ours_v = timed(lambda p=prompts: ours.embed(p), reps)
-
         def transformers(p=prompts):
             with torch.inference_mode():
                 return F.normalize(hf(torch.tensor(p)).last_hidden_state[:, -1].float(), dim=-1)
 
-        hf_t, hf_v = timed(transformers, reps)
+        ours_t, hf_t, ours_v, hf_v = timed_pair(lambda p=prompts: ours.embed(p), transformers, reps)
         row = {"batch": batch, "tokens_each": args.tokens, "reps": reps,
                "ours_best": batch / min(ours_t), "ours_median": batch / statistics.median(ours_t),
                "hf_best": batch / min(hf_t), "hf_median": batch / statistics.median(hf_t),

@@ -143,16 +143,22 @@ class Embeddings:
         self.gw.acquire(1)
         try:
             parts = split_inputs(prompts, body.dimensions or dim, self.gw.bus.max_payload)
-            replies = await asyncio.gather(*(self._send(rid, model, part, body.dimensions or 0) for part in parts))
+            sends = [asyncio.ensure_future(self._send(rid, model, part, body.dimensions or 0)) for part in parts]
+            try:
+                replies = await asyncio.gather(*sends)
+            except BaseException:  # a part failed, or the request was cancelled: the other parts stop
+                for task in sends:
+                    task.cancel()
+                raise
         finally:
             self.gw.release(1)
         vectors = [v for reply in replies for v in _rows(reply)]
         tokens = sum(len(p) for p in prompts)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
-        body = {"object": "list", "data": data, "model": model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-        return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json",
+        payload = {"object": "list", "data": data, "model": model,
+                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json",
                         headers={"x-request-id": rid})
 
     def _workers(self, model: str) -> list[WorkerCard]:
