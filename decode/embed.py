@@ -78,7 +78,8 @@ class EmbedBatcher:
             if not p.done.done():
                 p.done.set_exception(RequestError("the worker stopped"))
         self.queue.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        # a forward still running finishes in its thread: wait for it off the loop
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     async def embed(self, inputs: list[list[int]], dimensions: int = 0) -> torch.Tensor:
         """``[len(inputs), dim]`` float32, normalised (``dimensions`` already checked)."""
