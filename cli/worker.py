@@ -113,9 +113,21 @@ def run(args: argparse.Namespace) -> int:
     if args.peer_pin_max_s <= 0:
         raise CliError("--peer-pin-max-s must be > 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
+    if name == "embed":
+        _check_embed(ws)
     worker = role.worker_class()(ws)
     _run_loop(worker.run())
     return worker.exit_code
+
+
+def _check_embed(ws) -> None:
+    """An embed worker runs the plain forward: a flag of the generate path is an error, not ignored."""
+    e = ws.engine
+    given = [flag for flag, on in (("--tp", e.tp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
+                                   ("--host-kv-gb/--host-kv-blocks", e.has_host_tier), ("--peer-fetch", ws.peer_fetch))
+             if on]
+    if given:
+        raise CliError(f"--task embed does not take {', '.join(given)} (an embed worker keeps no KV cache)")
 
 
 def _run_loop(main) -> None:
