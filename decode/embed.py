@@ -8,7 +8,8 @@ size, ``embed_dim``), so routers and gateways keep it out of the generate pool; 
 
     embed subject --> check (400s, on the loop) --> EmbedBatcher queue
                           one forward at a time, in the worker's one torch thread:
-                          every request queued meanwhile joins the next forward (token budget)
+                          every request queued meanwhile joins the next forward (token budget,
+                          highest priority first: batch lines wait for interactive requests)
                       --> vectors, truncated per request (matryoshka) --> EmbedReply
 
 Who ends what: a request's future is the batcher's to resolve (result, or the forward's error);
@@ -48,6 +49,7 @@ class _Pending:
     inputs: list[list[int]]
     dimensions: int
     done: asyncio.Future
+    priority: int = 0
 
     @property
     def tokens(self) -> int:
@@ -81,14 +83,16 @@ class EmbedBatcher:
         # a forward still running finishes in its thread: wait for it off the loop
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
-    async def embed(self, inputs: list[list[int]], dimensions: int = 0) -> torch.Tensor:
+    async def embed(self, inputs: list[list[int]], dimensions: int = 0, priority: int = 0) -> torch.Tensor:
         """``[len(inputs), dim]`` float32, normalised (``dimensions`` already checked)."""
-        p = _Pending(inputs, dimensions, asyncio.get_running_loop().create_future())
+        p = _Pending(inputs, dimensions, asyncio.get_running_loop().create_future(), priority)
         self.queue.append(p)
         self._wake.set()
         return await p.done
 
     def _take(self) -> list[_Pending]:
+        """The next forward's requests: highest priority first, first come first within one."""
+        self.queue.sort(key=lambda p: -p.priority)  # stable
         batch, tokens = [], 0
         while self.queue and (not batch or tokens + self.queue[0].tokens <= self.max_tokens):
             p = self.queue.pop(0)
@@ -216,7 +220,7 @@ class EmbedWorker:
             return self._error(req, f"this worker serves {self.embedder.model_name!r}, not {req.model!r}", 404)
         try:
             self.embedder.check(req.inputs, req.dimensions)
-            vectors = await self.batcher.embed(req.inputs, req.dimensions)
+            vectors = await self.batcher.embed(req.inputs, req.dimensions, req.priority)
         except RequestError as e:
             self.counters.errors += 1
             return self._error(req, str(e), 400)

@@ -1,7 +1,8 @@
 """``POST /v1/embeddings``, as the ``openai`` client's ``client.embeddings.create`` speaks it.
 
     parse + validate --> the model's embed pool (none: 404 / 503) --> tokenize --> limits (400)
-        --> acquire (429) --> cut the inputs into parts under the bus's max_payload
+        --> priority (x-priority, clamped by the key) --> acquire (429)
+        --> cut the inputs into parts under the bus's max_payload
         --> each part to an embed worker (``EmbedRouter``: least in flight; another on no answer)
         --> join the vectors in order --> float lists or base64 (little-endian float32)
     release: once, in a ``finally``
@@ -33,6 +34,7 @@ from gateway import errors
 from gateway.errors import APIError
 from gateway.schemas import TokenId
 from gateway.service import Gateway
+from gateway.tenancy import clamp_priority
 from mesh.protocol import DecodeError, EmbedReply, EmbedRequest, WorkerCard
 from mesh.router.embed import EmbedRouter
 from mesh.telemetry import tracer
@@ -139,11 +141,13 @@ class Embeddings:
         dim = workers[0].embed_dim or 1
         if body.dimensions is not None and body.dimensions > dim:
             raise APIError(400, f"dimensions {body.dimensions} is more than this model's {dim}", "dimensions")
+        priority = _priority(request)
         rid = f"embd-{uuid.uuid4().hex}"
         self.gw.acquire(1)
         try:
             parts = split_inputs(prompts, body.dimensions or dim, self.gw.bus.max_payload)
-            sends = [asyncio.ensure_future(self._send(rid, model, part, body.dimensions or 0)) for part in parts]
+            sends = [asyncio.ensure_future(self._send(rid, model, part, body.dimensions or 0, priority))
+                     for part in parts]
             try:
                 replies = await asyncio.gather(*sends)
             except BaseException:  # a part failed, or the request was cancelled: the other parts stop
@@ -199,7 +203,8 @@ class Embeddings:
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (size {tok.vocab_size})", "input")
 
-    async def _send(self, rid: str, model: str, part: list[list[int]], dimensions: int) -> EmbedReply:
+    async def _send(self, rid: str, model: str, part: list[list[int]], dimensions: int,
+                    priority: int = 0) -> EmbedReply:
         """One part to an embed worker; on no answer (gone, draining, silent) to another, each
         worker tried once. Worker errors pass through (``errors.upstream``)."""
         tried: set[str] = set()
@@ -215,8 +220,8 @@ class Embeddings:
             self.router.started(card.worker_id)
             started = time.monotonic()
             try:
-                reply = await self.gw.bus.request(subject, EmbedRequest(rid, model, part, dimensions), EmbedReply,
-                                                  timeout)
+                msg = EmbedRequest(rid, model, part, dimensions, priority)
+                reply = await self.gw.bus.request(subject, msg, EmbedReply, timeout)
             except (TimeoutError, nats.errors.Error) as e:
                 self.router.suspect(card.worker_id)
                 last = f"embed worker {card.worker_id} did not answer ({type(e).__name__})"
@@ -253,6 +258,24 @@ def split_inputs(prompts: list[list[int]], dim: int, max_payload: int) -> list[l
         parts[-1].append(p)
         request += size
     return parts
+
+
+PRIORITY_NAMES = {"": 0, "interactive": 0, "batch": -1}
+
+
+def _priority(request: Request) -> int:
+    """The ``x-priority`` header (interactive, batch or an integer; the Batch API sends its lines'),
+    as far as the request's API key may ask (``clamp_priority``)."""
+    header = request.headers.get("x-priority", "").strip().lower()
+    value = PRIORITY_NAMES.get(header)
+    if value is None:
+        try:
+            value = int(header)
+        except ValueError:
+            raise APIError(400, "x-priority must be interactive, batch or an integer", "x-priority") from None
+        if not -(1 << 31) <= value < (1 << 31):
+            raise APIError(400, "x-priority is out of range", "x-priority")
+    return clamp_priority(value, request.scope.get("state", {}).get("api_key"))
 
 
 def _rows(reply: EmbedReply) -> list[np.ndarray]:

@@ -24,6 +24,7 @@ class EmbedRequest(EmbedMessage):
     model: str
     inputs: list[list[int]]
     dimensions: int = 0  # 0: the model's own size; else a matryoshka truncation (renormalised)
+    priority: int = 0  # higher first in the worker's queue (as GenerateRequest.priority; batch lines below 0)
 
 
 class EmbedReply(EmbedMessage):

@@ -90,6 +90,11 @@ def test_bad_requests_are_openai_errors(client, mesh):
     with pytest.raises(openai.NotFoundError) as e:
         client.embeddings.create(model="no-such-model", input="hi")
     assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input="hi", extra_headers={"x-priority": "soon"})
+    assert e.value.body["param"] == "x-priority"
+    batch_line = client.embeddings.create(model="tiny", input="hi", extra_headers={"x-priority": "batch"})
+    assert len(batch_line.data[0].embedding) == 64  # what the Batch API sends: served, after interactive work
     r = httpx.post(f"{mesh[0]}/v1/embeddings", json={"model": "tiny", "input": "hi"}, timeout=10)
     assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 

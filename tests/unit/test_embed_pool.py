@@ -3,6 +3,8 @@ inputs are cut to fit the bus (gateway/embeddings.py ``split_inputs``), what a b
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
@@ -123,3 +125,15 @@ def test_mesh_up_plans_an_embed_pool_of_its_own():
     assert argv[argv.index("worker") + 1] == "decode" and argv[-4:] == ["--task", "embed", "--pooling", "mean"]
     with pytest.raises(CliError):  # an embed worker runs a model
         role_of(build_parser().parse_args(["worker", "decode", "--task", "embed", "--mock"]))
+
+
+async def test_the_next_forward_takes_the_highest_priority_first():
+    from decode.embed import EmbedBatcher, _Pending
+
+    batcher = EmbedBatcher(embedder=None, max_tokens=4)
+    loop = asyncio.get_running_loop()
+    for name, priority in (("batch-1", -1), ("chat-1", 0), ("batch-2", -1), ("chat-2", 0)):
+        batcher.queue.append(_Pending([[1, 2]], 0, loop.create_future(), priority))
+        batcher.queue[-1].name = name
+    assert [p.name for p in batcher._take()] == ["chat-1", "chat-2"]  # 4 tokens: two requests
+    assert [p.name for p in batcher._take()] == ["batch-1", "batch-2"]  # then the batch lines, in order
