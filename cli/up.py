@@ -86,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "generate" and (args.prefill < 0 or args.decode < 1):
         raise CliError("--decode must be >= 1 and --prefill >= 0")
     models = _models(args)
+    if embed:  # a pooling the embed workers cannot serve: one line now, not workers that crash-loop
+        from engine.pooling import PoolingConfig
+
+        for m in models:
+            PoolingConfig.from_dir(m, args.pooling or "last")
     key_flags = _hash_key_flags(args)
     worker_flags = _worker_flags(args) + key_flags
     gateway_flags, gateway_env = _gateway_flags(args, models)

@@ -128,6 +128,9 @@ def _check_embed(ws) -> None:
              if on]
     if given:
         raise CliError(f"--task embed does not take {', '.join(given)} (an embed worker keeps no KV cache)")
+    from engine.pooling import PoolingConfig
+
+    PoolingConfig.from_dir(e.model, ws.pooling)  # a pooling it cannot serve: one line (ModelError) now
 
 
 def _run_loop(main) -> None:
