@@ -54,6 +54,8 @@ class UpPlan:
     planner: PlannerConfig | None = None  # None: fixed pools
     served_name: str | None = None  # the one model's name when --served-name is given
     gateway_env: dict[str, str] = field(default_factory=dict)  # secrets for the gateway (API keys)
+    embed: int = 0  # embed workers per model (worker decode --task embed): a fixed pool of its own
+    embed_flags: list[str] = field(default_factory=list)  # --task embed and its pooling
 
 
 def served_name(model_dir: str) -> str:
@@ -71,6 +73,7 @@ def worker_argv(plan: UpPlan, model_dir: str | None) -> dict[str, list[str]]:
     return {
         "decode": [*py, "worker", decode_role, *bus, *model, *plan.worker_flags],
         "prefill": [*py, "worker", "prefill", *mock, *bus, *model, *plan.worker_flags],
+        "embed": [*py, "worker", "decode", *bus, *model, *plan.worker_flags, *plan.embed_flags],
     }
 
 
@@ -87,8 +90,10 @@ def gateway_argv(plan: UpPlan) -> list[str]:
             "--port", str(plan.port), *plan.gateway_flags]
 
 
-async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, timeout: float) -> bool:
-    """Healthy, and every model has a live worker (a mesh is up when all of it is)."""
+async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, timeout: float,
+                      embed: set[str] = frozenset()) -> bool:
+    """Healthy, every model of ``models`` has a live decode worker and every one of ``embed`` an
+    embed worker (a mesh is up when all of it is)."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
@@ -96,7 +101,8 @@ async def _wait_ready(base: str, models: set[str], gateway: subprocess.Popen, ti
                 return False
             try:
                 health = await client.get(f"{base}/health")  # open even with API keys on
-                if health.status_code == 200 and models <= set(health.json().get("models", [])):
+                ready = health.json() if health.status_code == 200 else {}
+                if models <= set(ready.get("models", [])) and embed <= set(ready.get("embed_models", [])) and ready:
                     return True
             except httpx.HTTPError:
                 pass
@@ -137,11 +143,13 @@ async def run_up(plan: UpPlan) -> int:
         for connector in pools.values():
             await connector.scale("decode", plan.decode)
             await connector.scale("prefill", plan.prefill)
+            await connector.scale("embed", plan.embed)
         gateway = subprocess.Popen(gateway_argv(plan), env={**env, **plan.gateway_env},  # noqa: ASYNC220 (returns at once)
                                    preexec_fn=die_with_parent, process_group=0)  # Ctrl-C reaches us only; we signal it once
         base = f"http://{'127.0.0.1' if plan.host in ('0.0.0.0', '::') else plan.host}:{plan.port}"
         names = {plan.served_name} if plan.served_name else set(pools)
-        if not await _wait_ready(base, names, gateway, timeout=120.0):
+        generate = names if plan.decode else set()
+        if not await _wait_ready(base, generate, gateway, timeout=120.0, embed=names if plan.embed else set()):
             print(f"mesh: error: the mesh did not come up (gateway {'exited' if gateway.poll() is not None else 'not healthy'})",
                   file=sys.stderr)
             return 1
@@ -155,11 +163,12 @@ async def run_up(plan: UpPlan) -> int:
                 planners.append(planner)
         print(_banner(plan, len(pools), bool(planners), config), flush=True)
         while not stop.is_set():
-            if not planners:  # fixed pools: replace a worker that died
-                for connector in pools.values():
-                    for pool, n in (("decode", plan.decode), ("prefill", plan.prefill)):
-                        if await connector.replicas(pool) < n:
-                            await connector.scale(pool, n)
+            # fixed pools (the embed pool always): replace a worker that died
+            fixed = [("embed", plan.embed)] + ([] if planners else [("decode", plan.decode), ("prefill", plan.prefill)])
+            for connector in pools.values():
+                for pool, n in fixed:
+                    if await connector.replicas(pool) < n:
+                        await connector.scale(pool, n)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
@@ -172,8 +181,9 @@ def _banner(plan: UpPlan, num_models: int, planner_on: bool, config: NatsConfig)
     if plan.mock and plan.models:
         what = f"the mocker as {what}"
     mode = "planner on" if planner_on else "fixed pools"
+    embed = f", {plan.embed} embed" if plan.embed else ""
     return (f"pdmesh is up: http://{plan.host}:{plan.port}/v1 serving {what} "
-            f"({plan.prefill} prefill, {plan.decode} decode{' per model' if num_models > 1 else ''}, {mode}; "
+            f"({plan.prefill} prefill, {plan.decode} decode{embed}{' per model' if num_models > 1 else ''}, {mode}; "
             f"NATS {config.display}). Ctrl-C stops it.")
 
 

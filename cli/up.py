@@ -37,6 +37,14 @@ def add_parser(sub) -> None:
                    help="mocker workers instead of a model (with --model DIR: under its name, vocabulary and context)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--task", default="generate", choices=("generate", "embed"),
+                   help="embed: serve the model(s) for /v1/embeddings only (--embed-workers of them, no "
+                        "prefill or decode pools, no planner)")
+    p.add_argument("--embed-workers", type=int, default=None, metavar="N",
+                   help="embed workers per model (worker decode --task embed), a fixed pool beside the "
+                        "generate pools (default: 0; 1 with --task embed)")
+    p.add_argument("--pooling", default=None, choices=("last", "mean", "cls"),
+                   help="embed workers: pooling of a model without sentence-transformers' modules.json")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--transports", default=None, help="KV transports for the workers, e.g. shm,nats")
@@ -79,24 +87,43 @@ def run(args: argparse.Namespace) -> int:
 
     from cli.localmesh import UpPlan, run_up
 
-    if args.prefill < 0 or args.decode < 1:
+    embed = _embed_pool(args)
+    if args.task == "generate" and (args.prefill < 0 or args.decode < 1):
         raise CliError("--decode must be >= 1 and --prefill >= 0")
     models = _models(args)
+    if embed:  # a pooling the embed workers cannot serve: one line now, not workers that crash-loop
+        from engine.pooling import PoolingConfig
+
+        for m in models:
+            PoolingConfig.from_dir(m, args.pooling or "last")
     key_flags = _hash_key_flags(args)
     worker_flags = _worker_flags(args) + key_flags
     gateway_flags, gateway_env = _gateway_flags(args, models)
     gateway_flags += key_flags
     if args.min_prefill is None:
         args.min_prefill = min(1, args.prefill)
-    planner = None if args.no_planner else PlannerConfig.from_args(args)
+    planner = None if args.no_planner or args.task == "embed" else PlannerConfig.from_args(args)
     if planner is not None:  # start inside the planner's bounds
         args.prefill = min(max(args.prefill, planner.min_prefill), planner.max_prefill)
         args.decode = min(max(args.decode, planner.min_decode), planner.max_decode)
     plan = UpPlan(models=models, mock=args.mock, prefill=args.prefill, decode=args.decode, host=args.host,
                   port=args.port, nats=_nats(args), ns=args.ns, worker_flags=worker_flags,
                   gateway_flags=gateway_flags, planner=planner, served_name=args.served_name,
-                  gateway_env=gateway_env)
+                  gateway_env=gateway_env, embed=embed,
+                  embed_flags=["--task", "embed", *(["--pooling", args.pooling] if args.pooling else [])])
     return asyncio.run(run_up(plan))
+
+
+def _embed_pool(args: argparse.Namespace) -> int:
+    """Embed workers per model. ``--task embed``: only those (the generate pools are 0)."""
+    n = args.embed_workers if args.embed_workers is not None else int(args.task == "embed")
+    if n < 0 or (args.task == "embed" and n < 1):
+        raise CliError("--embed-workers must be >= 0 (>= 1 with --task embed)")
+    if n and args.mock:
+        raise CliError("embed workers run a model: --task embed and --embed-workers do not take --mock")
+    if args.task == "embed":
+        args.decode = args.prefill = 0
+    return n
 
 
 def _hash_key_flags(args: argparse.Namespace) -> list[str]:

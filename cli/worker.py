@@ -31,12 +31,18 @@ ROLES = {
     "decode": Role("decode.worker:DecodeWorker", "decode"),
     "prefill": Role("prefill.worker:PrefillWorker", "prefill"),
     "mock": Role("mocker.worker:MockWorker", "decode", simulated=True),  # a decode worker on the mocker engine
+    "embed": Role("decode.embed:EmbedWorker", "decode"),  # worker decode --task embed: embeddings, no KV cache
 }
+TASKS = ("generate", "embed")
 
 
 def role_of(args: argparse.Namespace) -> str:
     """``worker decode --mock`` is the mocker's decode worker; ``worker prefill --mock`` a prefill
-    worker on the mocker's engine."""
+    worker on the mocker's engine; ``worker decode --task embed`` an embed worker."""
+    if args.task == "embed":
+        if args.role != "decode" or args.mock:
+            raise CliError("--task embed runs a decode worker on a model: mesh worker decode --task embed --model DIR")
+        return "embed"
     return "mock" if args.mock and args.role == "decode" else args.role
 
 
@@ -46,6 +52,12 @@ def add_parser(sub) -> None:
     add_bus_flags(p)
     add_pool_flags(p)
     p.add_argument("--mock", action="store_true", help="use the mocker engine instead of a model")
+    p.add_argument("--task", default="generate", choices=TASKS,
+                   help="decode: generate (default), or embed: serve /v1/embeddings only (pooled hidden states, "
+                        "no KV cache), as a pool of its own")
+    p.add_argument("--pooling", default="last", choices=("last", "mean", "cls"),
+                   help="--task embed: pooling of a model whose directory has no sentence-transformers "
+                        "modules.json (which wins when present)")
     p.add_argument("--worker-id", default="")
     p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA; nixl if installed and TP 1)")
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
@@ -94,16 +106,31 @@ def run(args: argparse.Namespace) -> int:
         prefill_capacity=args.prefill_capacity, metrics_port=args.metrics_port, max_queued=args.max_queued,
         drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
         peer_fetch=args.peer_fetch and name == "decode",  # the mocker's is in its MockConfig
-        peer_fetch_timeout=args.peer_fetch_timeout, peer_pin_max_s=args.peer_pin_max_s,
+        peer_fetch_timeout=args.peer_fetch_timeout, peer_pin_max_s=args.peer_pin_max_s, pooling=args.pooling,
     )
     if args.drain_timeout < 0:
         raise CliError("--drain-timeout must be >= 0")
     if args.peer_pin_max_s <= 0:
         raise CliError("--peer-pin-max-s must be > 0")
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
+    if name == "embed":
+        _check_embed(ws)
     worker = role.worker_class()(ws)
     _run_loop(worker.run())
     return worker.exit_code
+
+
+def _check_embed(ws) -> None:
+    """An embed worker runs the plain forward: a flag of the generate path is an error, not ignored."""
+    e = ws.engine
+    given = [flag for flag, on in (("--tp", e.tp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
+                                   ("--host-kv-gb/--host-kv-blocks", e.has_host_tier), ("--peer-fetch", ws.peer_fetch))
+             if on]
+    if given:
+        raise CliError(f"--task embed does not take {', '.join(given)} (an embed worker keeps no KV cache)")
+    from engine.pooling import PoolingConfig
+
+    PoolingConfig.from_dir(e.model, ws.pooling)  # a pooling it cannot serve: one line (ModelError) now
 
 
 def _run_loop(main) -> None:

@@ -105,7 +105,8 @@ def _base(gateway, model: str | None, name: str) -> str:
 
 async def _apply(gateway, base: str, req: LoraRequest) -> None:
     """Send ``req`` to every worker of ``base``; APIError unless all of them did it."""
-    cards = [c for c in gateway.membership.cards(base) if c.status == "ready"]
+    # embed workers (role embed) run no adapters and do not answer
+    cards = [c for c in gateway.membership.cards(base) if c.status == "ready" and c.role != "embed"]
     replies = await broadcast(gateway.bus, base, req, expected=len(cards))
     failed = [r for r in replies if not r.ok]
     if failed:

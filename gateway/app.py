@@ -34,6 +34,7 @@ from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
 from gateway.auth import AuthConfig, guard, require_admin
 from gateway.batches import install_batch_routes
+from gateway.embeddings import install_embedding_routes
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.outputs import OutputPlan, plan_chat, plan_completion
@@ -79,9 +80,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/health")
     async def health():
         ready = [m for m in gateway.live_models() if gateway.decode_workers(m)]
-        if ready:
-            return {"status": "ok", "models": ready}
-        return JSONResponse({"status": "unavailable", "models": []}, status_code=503)
+        embed = gateway.embed_models()  # /v1/embeddings only
+        if ready or embed:
+            return {"status": "ok", "models": ready, "embed_models": embed}
+        return JSONResponse({"status": "unavailable", "models": [], "embed_models": []}, status_code=503)
 
     @app.get("/live")
     async def live():
@@ -91,7 +93,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def models():
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "pdmesh", "root": m, "parent": None,
-                 "max_model_len": gateway.max_model_len(m)} for m in gateway.live_models()]
+                 "max_model_len": gateway.max_model_len(m)} for m in gateway.served_models()]
         data += [{"id": a, "object": "model", "created": now, "owned_by": "pdmesh", "root": a, "parent": base,
                   "max_model_len": gateway.max_model_len(base)} for a, base in sorted(gateway.adapters().items())]
         return {"object": "list", "data": data}
@@ -111,6 +113,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     install_adapter_routes(app, gateway)
     install_responses_routes(app, gateway, _responses_runner(gateway))
     install_batch_routes(app, gateway)
+    install_embedding_routes(app, gateway)
     _install_components(app)
     return app
 

@@ -379,7 +379,7 @@ async def require_admin(request) -> None:
                        code="permission_denied")
 
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 
 
 def guard(app, gateway, auth: AuthConfig | None = None):

@@ -158,6 +158,14 @@ class Gateway:
     def live_models(self) -> list[str]:
         return sorted({c.model for c in self.membership.cards(role="decode")})
 
+    def embed_models(self) -> list[str]:
+        """Models with ready embed workers (``--task embed``: /v1/embeddings only)."""
+        return sorted({c.model for c in self.membership.cards(role="embed") if c.status == "ready"})
+
+    def served_models(self) -> list[str]:
+        """What /v1/models lists: models with decode or embed workers."""
+        return sorted({*self.live_models(), *self.embed_models()})
+
     def ready_workers(self) -> dict[str, int]:
         """Ready decode workers per live model (none before ``start``): the /metrics gauge."""
         if self.membership is None:
@@ -179,6 +187,9 @@ class Gateway:
         base = self.adapters().get(name)
         if base is not None:
             return Target(base, name)
+        if name in self.embed_models():
+            raise APIError(400, f"the model {name!r} serves embeddings only (POST /v1/embeddings)", "model",
+                           "model_not_supported")
         if name in self.tokenizers or self.membership.served_recently(name):
             raise APIError(503, f"no live worker serves model {name!r}")
         raise APIError(404, f"the model {name!r} does not exist", "model", "model_not_found")
@@ -195,6 +206,7 @@ class Gateway:
 
     def max_model_len(self, model: str) -> int:
         lens = [c.max_model_len for c in self.membership.cards(model, "decode")]
+        lens = lens or [c.max_model_len for c in self.membership.cards(model, "embed")]
         return min(lens) if lens else 0
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",

@@ -3,12 +3,12 @@
 One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
-    gateway   generate, cancel, kv.snapshot (request),    kv.events, load, router.decisions,
-              router.decisions, lora (request), stored    planner.decisions, its inbox
-              responses, files and batches (its
-              buckets)
-    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, kv_ready, kv_data, nccl,
-              replies to gateway, prefill and decode      nixl, kv_fetch, kv_fetch_data,
+    gateway   generate, cancel, embed, kv.snapshot        kv.events, load, router.decisions,
+              (request), router.decisions, lora           planner.decisions, its inbox
+              (request), stored responses, files and
+              batches (its buckets)
+    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, embed, kv_ready, kv_data,
+              replies to gateway, prefill and decode      nccl, nixl, kv_fetch, kv_fetch_data,
               inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
               kv_fetch_release and nixl (peer fetch),     its inbox
               its card
@@ -124,8 +124,8 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     if role == "gateway":
         # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
-        pub = [f"{decode}.generate", f"{decode}.cancel", f"{m}.kv.snapshot.{ANY}", s.router_decisions(), lora,
-               *_registry(ns, False), *_responses(ns), *_batches(ns)]
+        pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}",
+               s.router_decisions(), lora, *_registry(ns, False), *_responses(ns), *_batches(ns)]
         sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
@@ -133,7 +133,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
                inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
                f"{decode}.nixl.{ANY}",
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
-        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
+        sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "embed", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
                                             f"nixl.{ANY}", "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
                f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
     elif role == "prefill":

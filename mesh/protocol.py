@@ -16,7 +16,7 @@ deep), and input nested past the decoder's recursion limit is a ``DecodeError`` 
 
 The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
 ``NcclConnect``, ``NcclBegin``, ``NcclReply``, the ``Nixl*`` handshake) are defined below the mesh, in
-``kvstore/transfer/messages.py``. Both are re-exported here, and the transports' messages
+``kvstore/transfer/messages.py``, the embed pool's in ``mesh/embed_messages.py``. All are re-exported here, and the transports' messages
 go through this codec like every other.
 
 ``docs/protocol.md`` documents the same table for writers of custom workers.
@@ -40,6 +40,9 @@ from kvstore.transfer.messages import NixlMetadata as NixlMetadata
 from kvstore.transfer.messages import NixlMetadataRequest as NixlMetadataRequest
 from kvstore.transfer.messages import NixlReply as NixlReply
 from kvstore.transfer.messages import TransportMessage
+from mesh.embed_messages import MESSAGES as EMBED_MESSAGES
+from mesh.embed_messages import EmbedReply as EmbedReply
+from mesh.embed_messages import EmbedRequest as EmbedRequest
 from mesh.params import Transports, checked_transports
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import max_bytes
@@ -92,7 +95,7 @@ class Part(msgspec.Struct, omit_defaults=True):
         MESSAGE_TYPES[cls.__name__] = cls
 
 
-for _message in TRANSPORT_MESSAGES:  # the same form as a Message, defined below the mesh
+for _message in (*TRANSPORT_MESSAGES, *EMBED_MESSAGES):  # a Message's form, defined in their own modules
     register(_message)
 
 
@@ -122,8 +125,6 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
         raise DecodeError(f"not msgpack: {e}") from None
     except RecursionError:  # msgspec's guard against nesting deeper than the C stack allows
         raise DecodeError("nested too deeply", "too_deep") from None
-
-
 
 
 # -- messages -------------------------------------------------------------------
@@ -294,6 +295,7 @@ class WorkerCard(Message):
     kv_costs: dict[str, float] = field(default_factory=dict)
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
+    embed_dim: int = 0  # role "embed" (``--task embed``): the size of its vectors
 
     def __post_init__(self):
         checked_transports(self.transports)

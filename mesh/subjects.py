@@ -31,6 +31,10 @@ class Subjects:
     def generate(self, model: str, worker: str) -> str:
         return f"{self._m(model)}.decode.{subject_token(worker)}.generate"
 
+    def embed(self, model: str, worker: str) -> str:
+        """An embed worker's requests (``EmbedRequest``, answered with an ``EmbedReply``)."""
+        return f"{self._m(model)}.decode.{subject_token(worker)}.embed"
+
     def cancel(self, model: str, worker: str) -> str:
         return f"{self._m(model)}.decode.{subject_token(worker)}.cancel"
 
@@ -137,6 +141,7 @@ MAX_BYTES: dict[str, int] = {
     "KvFetchRequest": 2 * MIB, "KvFetchDone": 2 * MIB,
     "KvChunk": 64 * MIB,  # bytes: decoded without growing
     "WorkerCard": 256 * KIB, "LoadReport": 64 * KIB,
+    "EmbedRequest": 8 * MIB, "EmbedReply": 64 * MIB,  # vectors as bytes: decoded without growing
 }
 
 

@@ -91,6 +91,7 @@ class WorkerSettings:
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
     peer_pin_max_s: float = 10.0  # decode: the longest a peer's fetch keeps our blocks pinned, whatever it asks
+    pooling: str = "last"  # embed: the pooling of a model whose directory names none (sentence-transformers')
 
     @property
     def is_mock(self) -> bool:

@@ -86,7 +86,7 @@ class LocalConnector:
     _placed: itertools.count = field(default_factory=itertools.count)
 
     def _alive(self, pool: str) -> list[_Proc]:
-        return [p for p in self.procs[pool] if p.proc.poll() is None and not p.draining]
+        return [p for p in self.procs.get(pool, []) if p.proc.poll() is None and not p.draining]
 
     async def replicas(self, pool: str) -> int:
         self.reap()
@@ -117,13 +117,13 @@ class LocalConnector:
         proc = subprocess.Popen([*launcher, *self.argv[pool], "--worker-id", wid], env=self.env,
                                 preexec_fn=die_with_parent, process_group=0)
         p = _Proc(wid, proc)
-        self.procs[pool].append(p)
+        self.procs.setdefault(pool, []).append(p)  # a pool of argv beyond POOLS: mesh up's embed workers
         log.info("started %s (pid %d)", wid, proc.pid)
         return p
 
     def reap(self) -> None:
         """Forget exited processes; kill drainers that overstay."""
-        for pool in POOLS:
+        for pool in self.procs:
             keep = []
             for p in self.procs[pool]:
                 rc = p.proc.poll()
@@ -138,7 +138,7 @@ class LocalConnector:
     async def close(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
         """Stop every worker: SIGTERM drains each (up to its own drain timeout), SIGINT stops them
         quickly; whoever is still running after ``timeout`` (default ``drain_timeout``) is killed."""
-        everyone = [p for pool in POOLS for p in self.procs[pool]]
+        everyone = [p for procs in self.procs.values() for p in procs]
         # a worker already draining got its SIGTERM from ``scale``: a second one would reach it
         # while it exits, after Python restored the default handler (killed, status -15); a
         # SIGINT is meant to cut its drain short, so that one goes to every worker

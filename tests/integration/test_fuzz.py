@@ -4,6 +4,7 @@ messages a worker receives (hypothesis). No 500s, no crashed worker, no leaked b
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx
@@ -26,12 +27,23 @@ WORKER = "fuzz-dec"
 def fuzz_mesh(cluster, tiny_model):
     proc = cluster.worker("decode", "--ns", NS, "--model", str(tiny_model), "--worker-id", WORKER,
                           "--device-kv-blocks", "256")
+    cluster.worker("decode", "--task", "embed", "--ns", NS, "--model", str(tiny_model))  # /v1/embeddings
     port = free_port()
     cluster.spawn("gateway", "--nats", cluster.nats_url, "--ns", NS, "--model", str(tiny_model),
                   "--host", "127.0.0.1", "--port", str(port), "--default-max-tokens", "4")
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/health")
+    wait_serving(url, "models")  # /health answers 200 once either worker is up
     return url, proc
+
+
+def wait_serving(url: str, kind: str) -> None:
+    """``/health`` lists ``tiny`` under ``kind`` (models: a decode worker; embed_models: an embed
+    worker, which starts beside the decode worker and is waited for only when its route is next)."""
+    deadline = time.monotonic() + 60
+    while "tiny" not in httpx.get(f"{url}/health", timeout=5).json().get(kind, []):
+        assert time.monotonic() < deadline, f"no worker for tiny in {kind}"
+        time.sleep(0.2)
 
 
 def test_http_api_never_answers_500(fuzz_mesh):
@@ -39,7 +51,9 @@ def test_http_api_never_answers_500(fuzz_mesh):
     url, _ = fuzz_mesh
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     seen: dict[int, int] = {}
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"):
+        if path == "/v1/embeddings":
+            wait_serving(url, "embed_models")
 
         @given(case=schema[path]["POST"].as_strategy())
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
