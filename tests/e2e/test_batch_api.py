@@ -27,13 +27,16 @@ from tests.helpers.procs import descendants
 KEYS = ("batch-key-one", "batch-key-two")
 LEASE_S = 2.0
 
-# the endpoint mix of a batch: url -> the body of its line number i (responses and embeddings
-# join here once those routes are on main)
+# the endpoint mix of a batch: url -> the body of its line number i, generating at most n tokens
+# (/v1/embeddings needs embed workers, which run the model: tests/e2e/test_up_embeddings.py mixes all four)
 LINE_BODIES = {
-    "/v1/chat/completions": lambda model, i: {"model": model, "max_tokens": 2,
-                                              "messages": [{"role": "user", "content": f"hello number {i}"}]},
-    "/v1/completions": lambda model, i: {"model": model, "prompt": f"count to {i}", "max_tokens": 2},
+    "/v1/chat/completions": lambda model, i, n: {"model": model, "max_tokens": n,
+                                                 "messages": [{"role": "user", "content": f"hello number {i}"}]},
+    "/v1/completions": lambda model, i, n: {"model": model, "prompt": f"count to {i}", "max_tokens": n},
+    "/v1/responses": lambda model, i, n: {"model": model, "input": f"respond to {i}", "max_output_tokens": n},
 }
+OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion",
+           "/v1/responses": "response"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def mixed_lines(model: str, n: int, max_tokens: int = 2) -> list[dict]:
     rows = []
     for i in range(n):
         url = urls[i % len(urls)]
-        body = {**LINE_BODIES[url](model, i), "max_tokens": max_tokens}
+        body = LINE_BODIES[url](model, i, max_tokens)
         rows.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
     return rows
 
@@ -111,10 +114,11 @@ def test_a_mixed_batch_completes_with_every_custom_id_once(mesh):
     assert sorted(r["custom_id"] for r in out) == sorted(r["custom_id"] for r in rows)
     for r in out:
         assert r["error"] is None and r["response"]["status_code"] == 200
-        kind = r["response"]["body"]["object"]
-        i = int(r["custom_id"].split("-")[1])
-        assert kind == ("chat.completion" if rows[i]["url"] == "/v1/chat/completions" else "text_completion")
-        assert r["response"]["body"]["usage"]["completion_tokens"] == 2
+        body = r["response"]["body"]
+        route = rows[int(r["custom_id"].split("-")[1])]["url"]
+        assert body["object"] == OBJECTS[route]
+        generated = body["usage"]["output_tokens" if route == "/v1/responses" else "completion_tokens"]
+        assert generated == 2
     assert b.id in [x.id for x in c.batches.list(limit=100).data]
     # another tenant sees none of it
     other = client(url, KEYS[1])

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
 import signal
+import time
 
 import httpx
 import numpy as np
@@ -120,3 +122,35 @@ def test_chat_requests_never_reach_the_embed_worker(client, mesh):
     assert decode_after.requests_total == decode_before.requests_total + 6
     models = httpx.get(f"{mesh[0]}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_a_batch_mixes_all_four_endpoints(client, reference):
+    """The Batch API runs embeddings lines beside chat, completions and responses lines, each
+    answered as its route answers it: the embeddings lines carry transformers' vectors."""
+    expected, _ = reference
+    bodies = {
+        "/v1/chat/completions": lambda i: {"model": "tiny", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": f"hi {i}"}]},
+        "/v1/completions": lambda i: {"model": "tiny", "prompt": f"count {i}", "max_tokens": 2},
+        "/v1/responses": lambda i: {"model": "tiny", "input": f"reply {i}", "max_output_tokens": 2},
+        "/v1/embeddings": lambda i: {"model": "tiny", "input": TEXTS[i % len(TEXTS)], "encoding_format": "float"},
+    }
+    urls = list(bodies)
+    rows = [{"custom_id": f"mix-{i}", "method": "POST", "url": urls[i % 4], "body": bodies[urls[i % 4]](i)}
+            for i in range(24)]
+    upload = client.files.create(file=("mix.jsonl", "\n".join(json.dumps(r) for r in rows).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
+    out = {r["custom_id"]: r for r in map(json.loads, client.files.content(batch.output_file_id).read().splitlines())}
+    assert sorted(out) == sorted(r["custom_id"] for r in rows)
+    objects = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion",
+               "/v1/responses": "response", "/v1/embeddings": "list"}
+    for i, row in enumerate(rows):
+        body = out[row["custom_id"]]["response"]["body"]
+        assert body["object"] == objects[row["url"]], body
+        if row["url"] == "/v1/embeddings":
+            np.testing.assert_allclose(body["data"][0]["embedding"], expected[i % len(TEXTS)], atol=1e-4)
