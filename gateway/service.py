@@ -244,6 +244,7 @@ class Gateway:
         stream = None
         last_at = run.started
         latency = self.stats.latency(model)
+        figures = self.stats.choice_figures(latency)  # tokens and ITL: into Prometheus once, at the end
         self.stats.choice_started()
         try:
             while True:
@@ -269,12 +270,12 @@ class Gateway:
                 first = not run.generated
                 delta = text.delta(chunks)
                 run.streamed(delta.token_ids, delta.finish_reason is not None)
-                self.stats.tokens(len(delta.token_ids))
+                figures.tokens += len(delta.token_ids)
                 now = time.monotonic()
                 if first:
                     latency.ttft.observe(now - run.started)
                 elif delta.token_ids:
-                    latency.itl.observe((now - last_at) / len(delta.token_ids))
+                    figures.gap((now - last_at) / len(delta.token_ids))
                 last_at = now
                 if run.state is ChoiceState.FINISHED:
                     if last.finish_reason is not None:  # else a stop string ended it: the worker goes on
@@ -284,6 +285,7 @@ class Gateway:
                     return
                 yield delta
         finally:
+            figures.flush()
             self._ended(run, span, stream, model, request_id)
 
     async def _back_off(self, run: ChoiceRun) -> None:
