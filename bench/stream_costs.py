@@ -7,8 +7,9 @@
    alone), through ASGI ``send`` per event (what the gateway does) and through a raw writer of
    the same HTTP/1.1 chunks straight to the transport (what bypassing uvicorn would save); checks
    both wrote the same bytes.
-2. Incremental detokenization per token: ``gateway.detok.IncrementalDetokenizer`` (two decodes
-   of a short window per push) against ``tokenizers.decoders.DecodeStream`` (one native step),
+2. Incremental detokenization per token: ``gateway.detok.IncrementalDetokenizer`` (a
+   ``DecodeStream`` step per token since 2026-12-03; before, two decodes of a short window per
+   push) against a bare ``tokenizers.decoders.DecodeStream``,
    on random 64-token streams of the side-by-side tokenizer; checks the texts agree.
 
 3. A timeout timer per wait for a token (``loop.call_later`` + ``cancel``, what

@@ -173,6 +173,7 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
     """The pool flags every worker gets, as given."""
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-prefill-with-decode", str(args.max_prefill_with_decode),
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]

@@ -303,6 +303,7 @@ class EngineConfig:
     cpu_kv_gib: float = 4.0  # CPU: cap for the KV pool when num_kv_blocks is not given
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_prefill_with_decode: int = 512  # prompt tokens in a step that also decodes (stall-free; 0: no cap)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # default: flashinfer on CUDA, torch otherwise
@@ -337,6 +338,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_prefill_with_decode < 0:
+            raise ValueError("max_prefill_with_decode must be >= 0 (0: no cap)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

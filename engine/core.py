@@ -49,6 +49,7 @@ class CoreConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_prefill_with_decode: int = 0  # prompt tokens in a step that also decodes (0: the whole budget)
     eos_token_ids: tuple[int, ...] = ()
     enable_prefix_caching: bool = True
     max_loras: int = 0  # LoRA adapters one step can run; 0: LoRA off
@@ -82,6 +83,7 @@ class EngineCore:
             SchedulerConfig(
                 max_num_seqs=core.max_num_seqs,
                 max_num_batched_tokens=core.max_num_batched_tokens,
+                max_prefill_with_decode=core.max_prefill_with_decode,
                 max_model_len=self.max_model_len,
                 eos_token_ids=core.eos_token_ids,
                 max_loras=core.max_loras,

@@ -94,6 +94,7 @@ class Engine(EngineCore):
             max_model_len=max_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_with_decode=config.max_prefill_with_decode,
             eos_token_ids=mc.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=config.lora_slots,

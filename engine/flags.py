@@ -39,6 +39,9 @@ def add_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
                    help="cap of the disk KV tier in blocks (instead of --disk-kv-gb; the mocker's virtual disk tier)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-with-decode", type=int, default=512,
+                   help="at most this many prompt tokens in a step that also decodes, so admissions never "
+                        "stall running streams for more than ~one step (stall-free batching; 0: no cap)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
                    help="GPU: the share of the device this worker may use, weights and KV (two models on one GPU: 0.4 each)")
     p.add_argument("--tp", type=int, default=1,
@@ -76,7 +79,8 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, tp=args.tp,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_with_decode=args.max_prefill_with_decode,
+        tp=args.tp,
         kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_fields(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
         grammar_spin_ms=args.grammar_spin_ms, **speculative_fields(args), **{k: v for k, v in tiers.items() if v is not None}, **lora_fields(args),

@@ -42,6 +42,10 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_loras: int = 0  # distinct LoRA adapters the running set may hold (one step runs them all); 0: off
     num_speculative_tokens: int = 0  # drafted tokens a decoding row verifies per step (with a drafter)
+    # Stall-free batching (Sarathi-Serve): at most this many prompt tokens in a step that also
+    # decodes, so a burst of admissions never stretches every stream's next token past ~one
+    # step; a step with no decoding row takes the whole budget. 0: no cap.
+    max_prefill_with_decode: int = 0
 
 
 @dataclass(slots=True)  # never changed once made; not frozen: one per row per step (a frozen __init__ is slower)
@@ -170,6 +174,7 @@ class Scheduler:
         chunks = out.chunks
         running = self.running
         bs = self.kv.block_size
+        prefill = -1  # prompt tokens this step may still take (-1: not worked out yet)
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.priority < top:
@@ -180,6 +185,14 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_placeholders
             n = min(end - start, budget)
+            if n > 1:  # the next chunk of a prompt
+                if prefill < 0:
+                    prefill = self._prefill_room(budget)
+                n = min(n, prefill)
+                if n == 0:
+                    i += 1  # its prompt waits for a step with room
+                    continue
+                prefill -= n
             drafts = self._draft(seq, budget) if n == 1 and self.drafter is not None else ()
             if drafts and self.kv.grow(seq, 1 + len(drafts)):  # no room for them: no drafts
                 chunks.append(ScheduledChunk(seq, start, 1 + len(drafts), True, drafts))
@@ -193,9 +206,17 @@ class Scheduler:
                 i += 1
             else:
                 pressure = True
-        if not pressure:
-            self._admit(out, budget, top)
+        if not pressure and self.waiting:
+            self._admit(out, min(budget, self._prefill_room(budget) if prefill < 0 else prefill), top)
         return out
+
+    def _prefill_room(self, budget: int) -> int:
+        """Prompt tokens a step may take: ``max_prefill_with_decode`` when a running sequence is
+        decoding (its prompt computed), else the whole budget."""
+        cap = self.config.max_prefill_with_decode
+        if cap <= 0 or cap >= budget:
+            return budget
+        return cap if any(s.output_token_ids or s.num_placeholders for s in self.running) else budget
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens drafted after a decoding row's last one: as many as the step's budget, the row's

@@ -1,8 +1,10 @@
 """Incremental detokenization, stop strings, and the text and bytes of single tokens.
 
 Byte-level tokenizers split multi-byte characters across tokens; decoding a
-token alone yields U+FFFD. ``IncrementalDetokenizer`` re-decodes a short
-window and holds text back while it ends in an incomplete character.
+token alone yields U+FFFD. ``IncrementalDetokenizer`` steps tokenizers'
+``DecodeStream`` (one native call per token), which holds text back while it
+ends in an incomplete character; the last push re-decodes a short window to
+give out what is still held.
 ``StopMatcher`` holds back the last ``len(longest stop) - 1`` characters, so a
 stop string spanning several tokens is never partly streamed before it is
 recognized; the stop string itself is not returned.
@@ -30,31 +32,35 @@ class IncrementalDetokenizer:
         if skip_special_tokens and keep_special:
             self.skip, self.drop = False, tokenizer.special_ids - keep_special
         self.ids: list[int] = []
-        # ids[prefix_offset:read_offset] is context already emitted (re-decoded so that a
-        # tokenizer's spacing rules see it); ``sent`` characters after it are emitted too.
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.sent = 0
+        self._step = tokenizer.decode_stream(self.skip)
+        self._held = 0  # the last ids whose text has not come out (an incomplete character)
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """The text the new tokens complete; ``final``: the last tokens, so hold nothing back."""
         if self.drop:
             new_ids = [t for t in new_ids if t not in self.drop]
         self.ids.extend(new_ids)
-        ids = self.ids
-        prefix = self.tok.decode(ids[self.prefix_offset : self.read_offset], self.skip) if self.read_offset else ""
-        full = self.tok.decode(ids[self.prefix_offset :], self.skip)
-        end = len(full)
-        if not final:  # an incomplete character at the end: hold it (not the text before it) back
-            while end > len(prefix) and full[end - 1] == "\ufffd":
-                end -= 1
-        start = len(prefix) + self.sent
-        out = full[start:end] if end > start else ""
-        if end == len(full) and len(full) > len(prefix):
-            self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(ids), 0
-        else:
-            self.sent += len(out)
+        step = self._step
+        out = ""
+        for t in new_ids:
+            piece = step(t)
+            if piece is None:
+                self._held += 1
+            else:
+                out += piece
+                self._held = 0
+        if final and self._held:
+            out += self._tail()
+            self._held = 0
         return out
+
+    def _tail(self) -> str:
+        """The text of the held ids, U+FFFD for an incomplete character (decoded after a few ids of
+        context, so that the tokenizer's spacing rules see them)."""
+        ids, n = self.ids, self._held
+        ctx = ids[max(0, len(ids) - n - 4) : len(ids) - n]
+        prefix = self.tok.decode(ctx, self.skip) if ctx else ""
+        return self.tok.decode(ctx + ids[len(ids) - n :], self.skip)[len(prefix) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""

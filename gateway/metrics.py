@@ -9,6 +9,7 @@ their counters live in files there and a scrape, whichever process answers it, a
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,39 @@ class Latency:
     e2e: object
 
 
+class ChoiceFigures:
+    """One choice's streamed tokens and inter-token gaps, added to Prometheus once, when the choice
+    ends: at GPU pace every token is its own batch, and ``Histogram.observe`` walks the buckets in
+    Python under a lock (with the token counter's lock, a few us per token)."""
+
+    __slots__ = ("bounds", "buckets", "gap_sum", "itl", "tokens")
+
+    def __init__(self, itl):
+        self.itl = itl
+        self.bounds = itl._upper_bounds
+        self.buckets = [0] * len(self.bounds)
+        self.gap_sum = 0.0
+        self.tokens = 0
+
+    def gap(self, seconds: float) -> None:
+        """One observation of the ITL histogram (the time per token of a batch after the first)."""
+        self.buckets[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.gap_sum += seconds
+
+    def flush(self) -> None:
+        """Into Prometheus, as that many ``observe`` and ``inc`` calls would (once per choice)."""
+        if self.tokens:
+            COMPLETION_TOKENS.inc(self.tokens)
+            self.tokens = 0
+        if self.gap_sum or any(self.buckets):
+            self.itl._sum.inc(self.gap_sum)
+            for i, n in enumerate(self.buckets):
+                if n:
+                    self.itl._buckets[i].inc(n)
+            self.buckets = [0] * len(self.bounds)
+            self.gap_sum = 0.0
+
+
 class GatewayStats:
     """What the gateway's code bumps; one per process."""
 
@@ -79,6 +113,9 @@ class GatewayStats:
 
     def tokens(self, n: int) -> None:
         COMPLETION_TOKENS.inc(n)
+
+    def choice_figures(self, latency: Latency) -> ChoiceFigures:
+        return ChoiceFigures(latency.itl)
 
     def cancel(self) -> None:
         CANCELS.inc()

@@ -23,7 +23,7 @@ from gateway.batch_store import BatchConfig
 from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.errors import APIError
-from gateway.metrics import GatewayStats, workers_registry
+from gateway.metrics import ChoiceFigures, GatewayStats, workers_registry
 from gateway.outputs import OutputPlan
 from gateway.replies import ReplyStream, ReplyStreams
 from mesh import client, metrics
@@ -256,9 +256,9 @@ class Gateway:
         run = ChoiceRun(self.retry_policy)
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
-        stream = None
-        last_at = run.started
+        stream, last_at = None, run.started
         latency = self.stats.latency(model)
+        figures = self.stats.choice_figures(latency)  # tokens and ITL: into Prometheus once, at the end
         self.stats.choice_started()
         try:
             while True:
@@ -284,12 +284,12 @@ class Gateway:
                 first = not run.generated
                 delta = text.delta(chunks)
                 run.streamed(delta.token_ids, delta.finish_reason is not None)
-                self.stats.tokens(len(delta.token_ids))
+                figures.tokens += len(delta.token_ids)
                 now = time.monotonic()
                 if first:
                     latency.ttft.observe(now - run.started)
                 elif delta.token_ids:
-                    latency.itl.observe((now - last_at) / len(delta.token_ids))
+                    figures.gap((now - last_at) / len(delta.token_ids))
                 last_at = now
                 if run.state is ChoiceState.FINISHED:
                     if last.finish_reason is not None:  # else a stop string ended it: the worker goes on
@@ -299,7 +299,7 @@ class Gateway:
                     return
                 yield delta
         finally:
-            self._ended(run, span, stream, model, request_id)
+            self._ended(run, span, stream, model, request_id, figures)
 
     async def _back_off(self, run: ChoiceRun) -> None:
         """Every worker tried is unreachable: wait, then try them all again."""
@@ -324,10 +324,11 @@ class Gateway:
         self._close(stream, request_id)
 
     def _ended(self, run: ChoiceRun, span: trace.Span, stream: ReplyStream | None, model: str,
-               request_id: str) -> None:
+               request_id: str, figures: ChoiceFigures) -> None:
         """The choice's generator is done, however it ended: count it, end its span, and stop the
         worker if it ended before the worker's last chunk (``stream`` still open)."""
         run.closed()
+        figures.flush()
         self.stats.choice_ended(run.state.name)
         span.set_attributes({"pdmesh.output_tokens": len(run.generated), "pdmesh.state": run.state.name})
         span.end()

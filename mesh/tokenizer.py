@@ -10,14 +10,16 @@ contains them.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from mesh.errors import ModelError
 
@@ -76,6 +78,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """One stream's incremental decoder: each token id in, the text it completes out (None
+        while it ends inside a character, or adds no text)."""
+        return partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

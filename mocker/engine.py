@@ -151,6 +151,7 @@ class MockConfig:
     max_model_len: int = 131072
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_prefill_with_decode: int = 0  # prompt tokens in a step that also decodes (0: no cap)
     speedup: float = 1.0
     timing: TimingModel = TimingModel()
     host_kv_blocks: int = 0  # a virtual host tier: bookkeeping and KV events, no bytes; onboarding costs time
@@ -164,6 +165,8 @@ class MockConfig:
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        if self.max_prefill_with_decode < 0:
+            raise ValueError("max_prefill_with_decode must be >= 0 (0: no cap)")
         if self.host_kv_blocks < 0 or self.disk_kv_blocks < 0:
             raise ValueError("the host and disk KV tiers cannot be negative")
         if self.disk_kv_blocks and not self.host_kv_blocks:
@@ -188,6 +191,7 @@ class MockConfig:
         refuse_model_flags(args)
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_prefill_with_decode": args.max_prefill_with_decode,
               "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False)}
         if getattr(args, "peer_fetch_timeout", None) is not None:
             kw["fetch_timeout"] = args.peer_fetch_timeout
@@ -233,6 +237,7 @@ class MockEngine(EngineCore):
                 max_model_len=config.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_with_decode=config.max_prefill_with_decode,
                 hash_key=config.hash_key,
             )
         )

@@ -41,3 +41,22 @@ def test_observe_counts_equals_repeated_observe():
             one.observe(amount)
     observe_counts(many, counts)
     assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)
+
+
+def test_a_choices_figures_flushed_once_equal_observe_per_batch():
+    from gateway.metrics import ChoiceFigures
+    from mesh.telemetry import REGISTRY
+
+    reg, one, many = _pair()
+    gaps = [0.0, 0.001, 0.0011, 0.0025, 0.0025, 0.7, 60.0, 61.0, 0.02]
+    before = REGISTRY.get_sample_value("pdmesh_gateway_completion_tokens_total") or 0.0
+    figures = ChoiceFigures(many)
+    for g in gaps:
+        one.observe(g)
+        figures.gap(g)
+        figures.tokens += 2
+    assert _samples(reg, "in_one_go")[("_count", (("model", "m"),))] == 0  # nothing until the choice ends
+    figures.flush()
+    figures.flush()  # a second flush adds nothing
+    assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)
+    assert REGISTRY.get_sample_value("pdmesh_gateway_completion_tokens_total") == before + 2 * len(gaps)
