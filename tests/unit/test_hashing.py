@@ -1,10 +1,12 @@
 import random
 
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvstore.hashing import (
     DEFAULT_HASH_KEY,
+    PAD_WORD,
     HashKey,
     block_hashes,
     chain_hashes,
@@ -83,3 +85,33 @@ def test_no_full_block_keeps_the_state():
     seed = hash_seed(KEY, "m")
     _, state = chain_hashes(list(range(16)), 16, seed)
     assert chain_hashes([1, 2], 16, seed, state) == ([], state)
+
+
+def test_kept_cbc_contexts_hash_as_a_fresh_cipher_would():
+    """``chain_hashes`` reuses one AES-CBC context per thread and key, folding each call's IV in:
+    interleaved seeds, continued chains and padded block sizes name blocks exactly as a fresh
+    ``Cipher(AES(k), CBC(iv))`` over the padded words does."""
+    def fresh(tokens, bs, seed, state):
+        n = len(tokens) // bs
+        if n == 0:
+            return [], state
+        words = np.array(tokens[:n * bs], dtype="<u4").reshape(n, bs)
+        if (4 * bs) % 16:
+            padded = np.full((n, -(-bs // 4) * 4), PAD_WORD, dtype="<u4")
+            padded[:, :bs] = words
+            words = padded
+        ct = Cipher(algorithms.AES(seed.aes_key), modes.CBC(seed.iv if state is None else state)).encryptor()
+        ct = ct.update(words.tobytes())
+        return np.frombuffer(ct, dtype="<u8").reshape(n, -1)[:, -2].tolist(), ct[-16:]
+
+    rng = random.Random(7)
+    seeds = [hash_seed(HashKey(rng.randbytes(32)), "m", scope, None) for _ in range(2) for scope in ("", "t")]
+    chains: dict[int, bytes] = {}
+    for _ in range(400):
+        i, bs = rng.randrange(len(seeds)), rng.choice([1, 3, 4, 5, 16, 17])
+        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(80))]
+        state = chains.get(i) if rng.random() < 0.5 else None
+        got = chain_hashes(tokens, bs, seeds[i], state)
+        assert got == fresh(tokens, bs, seeds[i], state)
+        if got[1] is not None:
+            chains[i] = got[1]
