@@ -2,11 +2,18 @@
 
 A verification step costs more than a plain decode step wherever the forward pass is not bound by
 reading the weights (a CPU; a GPU at large batch): drafts that keep being rejected must stop.
-A row starts at K. A step that accepts none of the row's drafts halves its length (K, K/2, ..., 0);
-a step that accepts any puts it back to K. A row at 0 drafts one token after ``PROBE_EVERY`` steps,
-then after twice as many each time that probe is rejected (up to ``PROBE_MAX``), so it starts
-again when its drafts would be accepted again (the text turned repetitive) at a vanishing cost
-where they never are.
+A row starts at the length ``AcceptancePrior.start`` gives (below); a step that accepts none of the
+row's drafts halves its length (..., 1, 0); a step that accepts any puts it to K. A row at 0 drafts
+one token after ``PROBE_EVERY`` steps, then after twice as many each time that probe is rejected
+(up to ``PROBE_MAX``), so it starts again when its drafts would be accepted again (the text turned
+repetitive) at a vanishing cost where they never are. Between probes a row at 0 is a plain decode
+row: no drafted positions, and (``due``) no reason to keep its token off an overlapped step.
+
+Where a new row starts (``AcceptancePrior``): the method's acceptance over the engine's recent
+verifications. With none yet, or a middling one, a row starts at one draft (a rejected first
+draft costs one position, not K); where drafts were mostly accepted, at K; where they were
+almost all rejected, at 0 (probing), so a batch of new rows on traffic the drafter never guesses
+runs as plain decode from its first step.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from dataclasses import dataclass
 
 PROBE_EVERY = 16
 PROBE_MAX = 256
+PRIOR_WEIGHT = 0.05  # the weight of one verified row in the recent acceptance (about 20 rows' memory)
+PRIOR_LOW = 0.1  # recent acceptance below this: new rows start at 0 (probing)
+PRIOR_HIGH = 0.5  # at or above this: new rows start at K
 
 
 @dataclass(slots=True)
@@ -32,6 +42,10 @@ class DraftLength:
             return 1
         return 0
 
+    def due(self) -> bool:
+        """Whether the next ``next()`` drafts (without counting a step)."""
+        return self.k > 0 or self.idle + 1 >= self.probe_every
+
     def update(self, drafted: int, accepted: int, max_k: int) -> None:
         if not drafted:
             return
@@ -41,3 +55,22 @@ class DraftLength:
             self.k //= 2
         else:  # a probe rejected
             self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+
+
+class AcceptancePrior:
+    """The drafter's acceptance over the engine's recent verifications: where new rows start."""
+
+    __slots__ = ("rate",)
+
+    def __init__(self) -> None:
+        self.rate: float | None = None  # None: nothing verified yet
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            r = accepted / drafted
+            self.rate = r if self.rate is None else self.rate + PRIOR_WEIGHT * (r - self.rate)
+
+    def start(self, max_k: int) -> DraftLength:
+        if self.rate is None or PRIOR_LOW <= self.rate < PRIOR_HIGH:
+            return DraftLength(min(1, max_k))
+        return DraftLength(max_k if self.rate >= PRIOR_HIGH else 0)

@@ -244,11 +244,28 @@ def test_draft_length_adapts_per_row():
     for want in (2, 1, 0):  # nothing accepted: halves down to 0
         d.update(d.k, 0, 4)
         assert d.k == want
-    assert [d.next() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]  # a probe
+    due = []
+    for _ in range(PROBE_EVERY):
+        due.append(d.due())
+        assert d.next() == due[-1]  # due() foretells next() without counting a step
+    assert due == [False] * (PROBE_EVERY - 1) + [True]  # a probe
     d.update(1, 0, 4)  # rejected: the next probe comes twice as late
     assert [d.next() for _ in range(2 * PROBE_EVERY)].count(1) == 1 and d.idle == 0
     d.update(1, 1, 4)  # accepted: back to K
     assert d.k == 4 and d.next() == 4
+
+
+def test_new_rows_start_from_the_methods_recent_acceptance():
+    from engine.spec.adaptive import AcceptancePrior
+
+    prior = AcceptancePrior()
+    assert prior.start(4).k == 1  # nothing verified yet: one draft, not K
+    for _ in range(40):
+        prior.observe(4, 4)
+    assert prior.start(4).k == 4  # drafts accepted lately: K from the first step
+    for _ in range(60):
+        prior.observe(2, 0)
+    assert prior.start(4).k == 0 and not prior.start(4).due()  # rejected lately: plain decode, probing
 
 
 def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
@@ -257,8 +274,11 @@ def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
     engine = oracle_engine(make_engine, ps, ref, 0.0, num_speculative_tokens=4)
     assert outputs(engine, ps, greedy(60, ignore_eos=True)) == ref
     c = engine.scheduler.spec
-    # per row: 4 + 2 + 1 drafts, then one-token probes after 16 and 32 more steps
-    assert 0 < c.drafted <= 3 * (4 + 2 + 1 + 2)
+    # per row: one draft (nothing verified yet), then one-token probes after 16 and 32 more steps
+    assert 0 < c.drafted <= 3 * (1 + 2)
+    drafted = c.drafted
+    assert outputs(engine, ps, greedy(15, ignore_eos=True)) == [r[:15] for r in ref]
+    assert c.drafted == drafted  # new rows after rejected drafts start as plain rows (no probe yet)
 
 
 def test_the_worker_reports_speculation_per_method(make_engine):
