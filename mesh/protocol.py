@@ -145,6 +145,8 @@ class SamplingOptions(Part):
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     # The output must match this grammar (issue 17; the block at the end of this module). nil: free.
     constraint: ConstraintSpec | None = None
+    # false: the request opts out of speculative decoding (a worker without it ignores the field)
+    speculate: bool = True
 
 
 class GenerateRequest(Message):
