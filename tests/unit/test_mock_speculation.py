@@ -65,6 +65,13 @@ def test_the_flags():
     assert MockConfig.from_args(build_parser().parse_args(["worker", "mock"])).speculative is None
     with pytest.raises(ValueError, match="mock-spec-acceptance"):
         MockConfig(spec_acceptance=1.5)
+    # mesh up --mock passes them on to its mock workers (bench/trace_replay.py: --mesh-arg)
+    from cli.up import _worker_flags
+
+    up = build_parser().parse_args(["up", "--mock", "--speculative", "ngram", "--mock-spec-acceptance", "0.5"])
+    flags = _worker_flags(up)
+    assert flags[flags.index("--speculative") + 1] == "ngram"
+    assert flags[flags.index("--mock-spec-acceptance") + 1] == "0.5"
 
 
 def test_mesh_top_shows_acceptance_and_tokens_per_step():
