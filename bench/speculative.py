@@ -13,7 +13,7 @@ Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, 
 tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
 1 and ``N`` new tokens (``t(1)`` is prefill plus the first token, which no row drafts). Every run
 is checked token-identical to plain decoding. Each run sets its drafter afresh, so its rows start
-with no acceptance history (``engine.spec.adaptive``: one draft each, then adapting). "step cost" is the time of one step at ALPHA 0 (every
+with no acceptance history (``engine.spec.adaptive``: K drafts each at batch <= 8, fewer above). "step cost" is the time of one step at ALPHA 0 (every
 row verifies K drafts and emits one token) over a plain decode step: what a (K+1)-token forward
 pass costs against a one-token one on this device.
 """
@@ -38,6 +38,7 @@ from engine.spec.oracle import OracleDrafter
 from engine.spec.registry import create_drafter
 
 BLOCK_SIZE = 16
+CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
 
 
 def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) -> Engine:
@@ -55,9 +56,9 @@ def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple
     if isinstance(drafter, OracleDrafter):
         drafter.rng = random.Random(0)  # the same corruptions every time
     s0 = engine.num_steps
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     seqs = engine.generate(prompts, params)
-    return time.perf_counter() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
+    return CLOCK[0]() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
 
 
 def measure(engine: Engine, prompts, n: int, modes: dict, reps: int) -> dict[str, dict]:
@@ -143,10 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-k", action="store_true",
                    help="rows always draft K (no adaptation): at ALPHA 0, 'step cost' is then the raw cost of "
                         "a (K+1)-token verification step against a plain decode step")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one torch thread, and the process's CPU time instead of wall time (a loaded shared "
+                        "machine: wall time measures the other tenants)")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        import torch
+
+        torch.set_num_threads(1)
+        CLOCK[0] = time.process_time
     if args.fixed_k:  # every row starts at K and stays there
         DraftLength.update = lambda self, drafted, accepted, max_k: None
-        AcceptancePrior.start = lambda self, max_k: DraftLength(max_k)
+        AcceptancePrior.start = lambda self, max_k, batch: DraftLength(max_k)
     from bench.engine import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()

@@ -213,7 +213,7 @@ class Scheduler:
         if not can_draft(seq):
             return []
         if seq.draft_length is None:
-            seq.draft_length = self.spec_prior.start(self.config.num_speculative_tokens)
+            seq.draft_length = self.spec_prior.start(self.config.num_speculative_tokens, len(self.running))
         k = seq.draft_length.next()  # counts the steps of a row at 0 even while its token is in flight
         if not k or seq.num_placeholders or seq.num_tokens - seq.num_computed_tokens != 1:
             return []

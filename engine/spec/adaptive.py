@@ -10,10 +10,12 @@ repetitive) at a vanishing cost where they never are. Between probes a row at 0 
 row: no drafted positions, and (``due``) no reason to keep its token off an overlapped step.
 
 Where a new row starts (``AcceptancePrior``): the method's acceptance over the engine's recent
-verifications. With none yet, or a middling one, a row starts at one draft (a rejected first
-draft costs one position, not K); where drafts were mostly accepted, at K; where they were
-almost all rejected, at 0 (probing), so a batch of new rows on traffic the drafter never guesses
-runs as plain decode from its first step.
+verifications. Where drafts were mostly accepted, at K; where they were almost all rejected, at 0
+(probing), so a batch of new rows on traffic the drafter never guesses runs as plain decode from
+its first step. With no history, or a middling one, the batch decides: a verified position costs
+little in a small batch (the step reads the weights once for all its positions) and about what a
+decoded token costs in a large one, so new rows start at K in batches of up to ``SMALL_BATCH``
+rows and with fewer drafts in larger ones (K * SMALL_BATCH / batch, at least one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PROBE_MAX = 256
 PRIOR_WEIGHT = 0.05  # the weight of one verified row in the recent acceptance (about 20 rows' memory)
 PRIOR_LOW = 0.1  # recent acceptance below this: new rows start at 0 (probing)
 PRIOR_HIGH = 0.5  # at or above this: new rows start at K
+SMALL_BATCH = 8  # running rows up to which a new row with no telling history starts at K
 
 
 @dataclass(slots=True)
@@ -70,7 +73,8 @@ class AcceptancePrior:
             r = accepted / drafted
             self.rate = r if self.rate is None else self.rate + PRIOR_WEIGHT * (r - self.rate)
 
-    def start(self, max_k: int) -> DraftLength:
+    def start(self, max_k: int, batch: int) -> DraftLength:
+        """A new row's draft length in a batch of ``batch`` running rows."""
         if self.rate is None or PRIOR_LOW <= self.rate < PRIOR_HIGH:
-            return DraftLength(min(1, max_k))
+            return DraftLength(max(1, min(max_k, max_k * SMALL_BATCH // max(1, batch))))
         return DraftLength(max_k if self.rate >= PRIOR_HIGH else 0)

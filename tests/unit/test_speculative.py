@@ -259,13 +259,14 @@ def test_new_rows_start_from_the_methods_recent_acceptance():
     from engine.spec.adaptive import AcceptancePrior
 
     prior = AcceptancePrior()
-    assert prior.start(4).k == 1  # nothing verified yet: one draft, not K
+    # nothing verified yet: K in a small batch, fewer drafts in a large one (each costs a position)
+    assert [prior.start(4, batch).k for batch in (1, 8, 16, 32, 256)] == [4, 4, 2, 1, 1]
     for _ in range(40):
         prior.observe(4, 4)
-    assert prior.start(4).k == 4  # drafts accepted lately: K from the first step
+    assert prior.start(4, 32).k == 4  # drafts accepted lately: K from the first step
     for _ in range(60):
         prior.observe(2, 0)
-    assert prior.start(4).k == 0 and not prior.start(4).due()  # rejected lately: plain decode, probing
+    assert prior.start(4, 1).k == 0 and not prior.start(4, 1).due()  # rejected lately: plain decode, probing
 
 
 def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
@@ -274,8 +275,8 @@ def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
     engine = oracle_engine(make_engine, ps, ref, 0.0, num_speculative_tokens=4)
     assert outputs(engine, ps, greedy(60, ignore_eos=True)) == ref
     c = engine.scheduler.spec
-    # per row: one draft (nothing verified yet), then one-token probes after 16 and 32 more steps
-    assert 0 < c.drafted <= 3 * (1 + 2)
+    # per row: 4 + 2 + 1 drafts (a small batch), then one-token probes after 16 and 32 more steps
+    assert 0 < c.drafted <= 3 * (4 + 2 + 1 + 2)
     drafted = c.drafted
     assert outputs(engine, ps, greedy(15, ignore_eos=True)) == [r[:15] for r in ref]
     assert c.drafted == drafted  # new rows after rejected drafts start as plain rows (no probe yet)
