@@ -13,7 +13,7 @@ Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, 
 tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
 1 and ``N`` new tokens (``t(1)`` is prefill plus the first token, which no row drafts). Every run
 is checked token-identical to plain decoding. Each run sets its drafter afresh, so its rows start
-with no acceptance history (``engine.spec.adaptive``: K drafts each at batch <= 8, fewer above). "step cost" is the time of one step at ALPHA 0 (every
+with no acceptance history (``engine.spec.adaptive``: K drafts each at batch <= 4, fewer above, none at 32). "step cost" is the time of one step at ALPHA 0 (every
 row verifies K drafts and emits one token) over a plain decode step: what a (K+1)-token forward
 pass costs against a one-token one on this device.
 """

@@ -15,7 +15,8 @@ verifications. Where drafts were mostly accepted, at K; where they were almost a
 its first step. With no history, or a middling one, the batch decides: a verified position costs
 little in a small batch (the step reads the weights once for all its positions) and about what a
 decoded token costs in a large one, so new rows start at K in batches of up to ``SMALL_BATCH``
-rows and with fewer drafts in larger ones (K * SMALL_BATCH / batch, at least one).
+rows and with fewer drafts in larger ones (K * SMALL_BATCH / batch, rounded down: at 0 in the
+largest, where the row's probes find out whether drafting pays).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ PROBE_MAX = 256
 PRIOR_WEIGHT = 0.05  # the weight of one verified row in the recent acceptance (about 20 rows' memory)
 PRIOR_LOW = 0.1  # recent acceptance below this: new rows start at 0 (probing)
 PRIOR_HIGH = 0.5  # at or above this: new rows start at K
-SMALL_BATCH = 8  # running rows up to which a new row with no telling history starts at K
+SMALL_BATCH = 4  # running rows up to which a new row with no telling history starts at K (a CPU's;
+# a GPU's weights-bound decode would allow more: not yet measured)
 
 
 @dataclass(slots=True)
@@ -76,5 +78,5 @@ class AcceptancePrior:
     def start(self, max_k: int, batch: int) -> DraftLength:
         """A new row's draft length in a batch of ``batch`` running rows."""
         if self.rate is None or PRIOR_LOW <= self.rate < PRIOR_HIGH:
-            return DraftLength(max(1, min(max_k, max_k * SMALL_BATCH // max(1, batch))))
+            return DraftLength(min(max_k, max_k * SMALL_BATCH // max(1, batch)))
         return DraftLength(max_k if self.rate >= PRIOR_HIGH else 0)

@@ -260,7 +260,7 @@ def test_new_rows_start_from_the_methods_recent_acceptance():
 
     prior = AcceptancePrior()
     # nothing verified yet: K in a small batch, fewer drafts in a large one (each costs a position)
-    assert [prior.start(4, batch).k for batch in (1, 8, 16, 32, 256)] == [4, 4, 2, 1, 1]
+    assert [prior.start(4, batch).k for batch in (1, 4, 8, 16, 32)] == [4, 4, 2, 1, 0]
     for _ in range(40):
         prior.observe(4, 4)
     assert prior.start(4, 32).k == 4  # drafts accepted lately: K from the first step
