@@ -16,7 +16,9 @@ its first step. With no history, or a middling one, the batch decides: a verifie
 little in a small batch (the step reads the weights once for all its positions) and about what a
 decoded token costs in a large one, so new rows start at K in batches of up to ``SMALL_BATCH``
 rows and with fewer drafts in larger ones (K * SMALL_BATCH / batch, rounded down: at 0 in the
-largest, where the row's probes find out whether drafting pays).
+largest, where the row's probes find out whether drafting pays). A row that starts at 0 first
+probes after ``PROBE_EVERY`` steps times batch / ``SMALL_BATCH`` (at most ``PROBE_MAX``): in a
+large batch every row probing at once is a step of twice the positions.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class AcceptancePrior:
 
     def start(self, max_k: int, batch: int) -> DraftLength:
         """A new row's draft length in a batch of ``batch`` running rows."""
-        if self.rate is None or PRIOR_LOW <= self.rate < PRIOR_HIGH:
-            return DraftLength(min(max_k, max_k * SMALL_BATCH // max(1, batch)))
-        return DraftLength(max_k if self.rate >= PRIOR_HIGH else 0)
+        if self.rate is not None and self.rate >= PRIOR_HIGH:
+            return DraftLength(max_k)
+        k = min(max_k, max_k * SMALL_BATCH // max(1, batch)) if self.rate is None or self.rate >= PRIOR_LOW else 0
+        if k:
+            return DraftLength(k)
+        return DraftLength(0, probe_every=min(PROBE_MAX, PROBE_EVERY * max(1, batch // SMALL_BATCH)))

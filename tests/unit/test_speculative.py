@@ -256,11 +256,12 @@ def test_draft_length_adapts_per_row():
 
 
 def test_new_rows_start_from_the_methods_recent_acceptance():
-    from engine.spec.adaptive import AcceptancePrior
+    from engine.spec.adaptive import PROBE_EVERY, AcceptancePrior
 
     prior = AcceptancePrior()
     # nothing verified yet: K in a small batch, fewer drafts in a large one (each costs a position)
     assert [prior.start(4, batch).k for batch in (1, 4, 8, 16, 32)] == [4, 4, 2, 1, 0]
+    assert prior.start(4, 32).probe_every == 8 * PROBE_EVERY  # a large batch probes less often
     for _ in range(40):
         prior.observe(4, 4)
     assert prior.start(4, 32).k == 4  # drafts accepted lately: K from the first step
