@@ -205,6 +205,18 @@ class FixedDrafter:
         return [self.token] if len(seq.output_token_ids) == 1 else []
 
 
+class StartAtK:
+    """Every new row drafts K (``engine.spec.adaptive.AcceptancePrior``'s interface)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def start(self, max_k: int, batch: int):
+        from engine.spec.adaptive import DraftLength
+
+        return DraftLength(max_k)
+
+
 def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
     from collections import Counter
 
@@ -224,6 +236,7 @@ def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
                              speculative="ngram" if spec else None, num_speculative_tokens=2)
         if spec:
             engine.scheduler.drafter = FixedDrafter(draft)
+            engine.scheduler.spec_prior = StartAtK()  # every row drafts (adaptive K would stop most at batch 256)
         outs = outputs(engine, [prompt] * n, params)
         stat, df = chi_square(Counter((o[0], o[1]) for o in outs), expected, n)
         assert stat < CHI2_CRITICAL_0001[df - 1], (spec, stat, df)
