@@ -3,6 +3,7 @@
     python bench/speculative.py                       # CPU, `small`: batch 1 at ALPHA 0.7, batch 32 at ALPHA 0, ngram
     python bench/speculative.py --oracle 0.7 --batch 1 --k 4
     python bench/speculative.py --oracle 0 0.5 1 --batch 1 4 --json out.json
+    python bench/speculative.py --batch 1 --oracle 0.7 --draft DIR   # + draft:DIR, as its acceptance comes
 
 ``--oracle ALPHA``: the drafter proposes the target's own greedy continuation (known from a run
 without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
@@ -11,7 +12,8 @@ acceptance rate. ``ngram`` (prompt lookup) runs on the same prompts, as its acce
 Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, greedy. Decode
 tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
 1 and ``N`` new tokens (``t(1)`` is prefill plus the first token, which no row drafts). Every run
-is checked token-identical to plain decoding. "step cost" is the time of one step at ALPHA 0 (every
+is checked token-identical to plain decoding. Each run sets its drafter afresh, so its rows start
+with no acceptance history (``engine.spec.adaptive``: K drafts each at batch <= 4, fewer above, none at 32). "step cost" is the time of one step at ALPHA 0 (every
 row verifies K drafts and emits one token) over a plain decode step: what a (K+1)-token forward
 pass costs against a one-token one on this device.
 """
@@ -28,13 +30,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine package, not bench/engine.py
 
 from engine.config import EngineConfig
+from engine.draft_model import DraftModelDrafter
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from engine.spec.adaptive import DraftLength
+from engine.spec.adaptive import AcceptancePrior, DraftLength
 from engine.spec.oracle import OracleDrafter
 from engine.spec.registry import create_drafter
 
 BLOCK_SIZE = 16
+CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
 
 
 def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) -> Engine:
@@ -52,9 +56,9 @@ def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple
     if isinstance(drafter, OracleDrafter):
         drafter.rng = random.Random(0)  # the same corruptions every time
     s0 = engine.num_steps
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     seqs = engine.generate(prompts, params)
-    return time.perf_counter() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
+    return CLOCK[0]() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
 
 
 def measure(engine: Engine, prompts, n: int, modes: dict, reps: int) -> dict[str, dict]:
@@ -91,6 +95,9 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     modes.update({f"oracle {a:g}": OracleDrafter(conts, a, engine.vocab_size) for a in args.oracle})
     if args.ngram:
         modes["ngram"] = create_drafter("ngram")
+    if args.draft:
+        modes["draft"] = DraftModelDrafter(args.draft, engine.model_config, engine.device, engine.dtype,
+                                           engine.pool.num_blocks, BLOCK_SIZE, "torch")
     stats = measure(engine, prompts, args.new_tokens, modes, args.reps)
     engine.close()
     plain = stats["plain"]
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle", type=float, nargs="*", default=None, metavar="ALPHA",
                    help="acceptance rates of the oracle drafter (default: 0.7 at batch 1, 0 at batch 32)")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the ngram drafter")
+    p.add_argument("--draft", metavar="DIR", help="also draft with this model (draft:DIR; the same tokenizer)")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -136,9 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-k", action="store_true",
                    help="rows always draft K (no adaptation): at ALPHA 0, 'step cost' is then the raw cost of "
                         "a (K+1)-token verification step against a plain decode step")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one torch thread, and the process's CPU time instead of wall time (a loaded shared "
+                        "machine: wall time measures the other tenants)")
     args = p.parse_args(argv)
-    if args.fixed_k:
+    if args.cpu_time:
+        import torch
+
+        torch.set_num_threads(1)
+        CLOCK[0] = time.process_time
+    if args.fixed_k:  # every row starts at K and stays there
         DraftLength.update = lambda self, drafted, accepted, max_k: None
+        AcceptancePrior.start = lambda self, max_k, batch: DraftLength(max_k)
     from bench.engine import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_args = argparse.Namespace(**{**vars(args), "oracle": args.oracle if args.oracle is not None
                                            else defaults.get(batch, [0.0])})
         rows += run_batch(model_dir, batch, batch_args)
-        print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram):])
+        print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram + bool(args.draft)):])
         sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -1,7 +1,9 @@
 """``mesh top``: a live view of the mesh from the bus.
 
-Workers by model and pool with their load and KV usage, the request rate
-(from the workers' request counters), and the planner's latest decisions.
+Workers by model and pool with their load and KV usage, speculative decoding
+(acceptance rate and tokens a drafting row emits per step, since the worker
+started), the request rate (from the workers' request counters), and the
+planner's latest decisions.
 Everything comes from what workers and the planner publish; nothing is asked.
 """
 
@@ -62,7 +64,7 @@ def render(state: TopState, now: float | None = None) -> str:
         lines.append("")
         lines.append(f"model {model}: {rate:.1f} req/s")
         lines.append(f"  {'worker':<34} {'role':<8} {'status':<9} {'run':>4} {'wait':>4} {'kv%':>5} "
-                     f"{'ttft p90':>9} {'itl p90':>8} {'jobs':>5}")
+                     f"{'ttft p90':>9} {'itl p90':>8} {'jobs':>5} {'spec acc':>8} {'tok/step':>8}")
         for c in sorted(cards, key=lambda c: (c.role, c.worker_id)):
             r = state.loads.get(c.worker_id)
             if r is None:
@@ -71,7 +73,7 @@ def render(state: TopState, now: float | None = None) -> str:
             kv = 100.0 * r.kv_blocks_used / r.kv_blocks_total if r.kv_blocks_total else 0.0
             lines.append(
                 f"  {c.worker_id:<34} {c.role:<8} {c.status:<9} {r.running:>4} {r.waiting + r.waiting_for_kv:>4} "
-                f"{kv:>5.1f} {r.ttft_p90_ms:>7.0f}ms {r.itl_p90_ms:>6.1f}ms {r.active_jobs:>5}"
+                f"{kv:>5.1f} {r.ttft_p90_ms:>7.0f}ms {r.itl_p90_ms:>6.1f}ms {r.active_jobs:>5} {spec_columns(r)}"
             )
         for pool in ("prefill", "decode"):
             d = state.decisions.get((model, pool)) or state.decisions.get(("", pool))
@@ -80,6 +82,21 @@ def render(state: TopState, now: float | None = None) -> str:
     if not models:
         lines.append("no workers registered")
     return "\n".join(lines)
+
+
+def spec_columns(r: LoadReport) -> str:
+    """Speculative decoding since the worker started, every method together (its ``spec_*``
+    counters, ``worker.base.speculative_counters``): accepted / drafted tokens, and the tokens a
+    drafting row emits per step; dashes where it drafts nothing."""
+    total: dict[str, int] = {}
+    for key, value in r.counters.items():
+        if key.startswith("spec_") and ":" in key:
+            kind = key[len("spec_"):].partition(":")[0]
+            total[kind] = total.get(kind, 0) + value
+    if not total.get("drafted"):
+        return f"{'-':>8} {'-':>8}"
+    per_step = total.get("emitted", 0) / total["rows"] if total.get("rows") else 0.0
+    return f"{total.get('accepted', 0) / total['drafted']:>8.2f} {per_step:>8.2f}"
 
 
 async def run_top(nats, ns: str, interval: float = 1.0, once: bool = False) -> None:

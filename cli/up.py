@@ -197,6 +197,8 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
         engine_config(args, mock=True)  # a bad mocker flag is one line here, not a crash-looping worker
         flags += ["--mock-speedup", str(args.mock_speedup)]
         flags += [f for t in args.mock_timing for f in ("--mock-timing", t)]
+        if args.speculative:
+            flags += ["--mock-spec-acceptance", str(args.mock_spec_acceptance)]
     flags += ["--peer-fetch"] if args.peer_fetch else []
     return flags
 

@@ -30,7 +30,7 @@ from engine.overlap import OverlappedSteps
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from engine.sequence import SampledToken, Sequence
-from engine.spec.drafter import can_draft
+from engine.spec.drafter import Drafter, can_draft
 from engine.spec.registry import create_drafter
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey, HashSeed, hash_seed
 from kvstore.manager import KVCacheManager
@@ -70,7 +70,8 @@ class _Done:
 
 
 class EngineCore:
-    def __init__(self, core: CoreConfig):
+    def __init__(self, core: CoreConfig, drafter: Drafter | None = None):
+        """``drafter``: speculative decoding's, instead of the one ``core.speculative`` names (the mocker's)."""
         self.core_config = core
         self.model_name = core.model_name
         self.block_size = core.block_size
@@ -92,7 +93,7 @@ class EngineCore:
             self.kv_manager,
         )
         if core.speculative:
-            self.scheduler.drafter = create_drafter(core.speculative)
+            self.scheduler.drafter = drafter or create_drafter(core.speculative)
         self.hash_key = core.hash_key
         self.hash_seed = self.seed_for()  # the base model's, in no cache scope
         self.num_steps = 0
@@ -159,8 +160,10 @@ class EngineCore:
         """Whether the step after ``out`` (in flight) needs its tokens before it is scheduled:
         penalties count every token, and a grammar's next mask follows the token before it."""
         drafting = self.scheduler.drafter is not None
-        # a row that may draft next needs its last token on the host (the drafter reads it)
-        return any(c.seq.params.has_penalties or c.seq.grammar is not None or (drafting and can_draft(c.seq))
+        # a row that drafts next needs its last token on the host (the drafter reads it); one whose
+        # drafts stopped (adaptive K at 0, between probes) overlaps as a plain row
+        return any(c.seq.params.has_penalties or c.seq.grammar is not None
+                   or (drafting and can_draft(c.seq) and (c.seq.draft_length is None or c.seq.draft_length.due()))
                    for c in out.sampling_chunks)
 
     # -- requests ---------------------------------------------------------------

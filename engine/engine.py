@@ -24,6 +24,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.constraints.manager import GrammarConfig, GrammarManager
 from engine.core import CoreConfig, EngineCore
 from engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
+from engine.draft_model import model_drafter
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.lora import start_lora
@@ -63,7 +64,9 @@ class Engine(EngineCore):
         if config.tp == 1:
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
-        super().__init__(self._core_config(num_blocks, max_len))
+        drafter = model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size,
+                                backend)
+        super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
             self._enable_tiers()

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import SampledToken, SeqStatus, Sequence
-from engine.spec.adaptive import DraftLength
+from engine.spec.adaptive import AcceptancePrior
 from engine.spec.drafter import Drafter, SpecCounters, can_draft
 from kvstore.manager import KVCacheManager
 
@@ -110,6 +110,15 @@ class Scheduler:
         self.drafter: Drafter | None = None  # speculative decoding: proposes tokens for decoding rows
         self.spec = SpecCounters()
 
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self._drafter = drafter
+        self.spec_prior = AcceptancePrior()  # another drafter: its acceptance is not known yet
+
     # -- queue management ---------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -175,6 +184,7 @@ class Scheduler:
         running = self.running
         bs = self.kv.block_size
         prefill = -1  # prompt tokens this step may still take (-1: not worked out yet)
+        drafting = self._drafter is not None
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.priority < top:
@@ -193,7 +203,7 @@ class Scheduler:
                     i += 1  # its prompt waits for a step with room
                     continue
                 prefill -= n
-            drafts = self._draft(seq, budget) if n == 1 and self.drafter is not None else ()
+            drafts = self._draft(seq, budget) if n == 1 and drafting else ()
             if drafts and self.kv.grow(seq, 1 + len(drafts)):  # no room for them: no drafts
                 chunks.append(ScheduledChunk(seq, start, 1 + len(drafts), True, drafts))
                 budget -= 1 + len(drafts)
@@ -221,14 +231,17 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens drafted after a decoding row's last one: as many as the step's budget, the row's
         ``max_tokens`` and the context leave room for (none for a row that cannot draft)."""
-        if seq.num_placeholders or seq.num_tokens - seq.num_computed_tokens != 1 or not can_draft(seq):
+        if not can_draft(seq):
             return []
         if seq.draft_length is None:
-            seq.draft_length = DraftLength(self.config.num_speculative_tokens)
-        k = min(seq.draft_length.next(), budget - 1,
+            seq.draft_length = self.spec_prior.start(self.config.num_speculative_tokens, len(self.running))
+        k = seq.draft_length.next()  # counts the steps of a row at 0 even while its token is in flight
+        if not k or seq.num_placeholders or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        k = min(k, budget - 1,
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1)
-        return self.drafter.propose(seq, k)[:k] if k > 0 else []
+        return self._drafter.propose(seq, k)[:k] if k > 0 else []
 
     def _make_room_for(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt lower-priority running sequences until the head of the queue fits."""
@@ -411,6 +424,7 @@ class Scheduler:
             self.take_token(seq, SampledToken(t))  # drafting rows have no grammar: always taken
             taken += 1
         self.spec.count(len(chunk.drafts), len(tok.then), 1 + taken)
+        self.spec_prior.observe(len(chunk.drafts), len(tok.then))
         seq.draft_length.update(len(chunk.drafts), len(tok.then), self.config.num_speculative_tokens)
         # the step computed the last token and the drafts; valid KV: every token but the last emitted
         seq.num_computed_tokens = seq.num_tokens - 1

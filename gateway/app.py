@@ -376,6 +376,7 @@ def _sampling(body, max_tokens: int, seed: int | None, constraint: Constraint | 
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens,
+        speculate=body.speculate,
         constraint=None if constraint is None else ConstraintSpec(constraint.kind.value, constraint.source,
                                                                   constraint.start_after),
     )

@@ -112,6 +112,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)  # vLLM's: EOS, stop ids and stop strings wait for this many tokens
+    speculate: bool = True  # false: no speculative decoding for this request (where the worker has it)
     user: str | None = None
     priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
     # vLLM's: prefixes are cached and reused only among requests with the same salt (and tenant)

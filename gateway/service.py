@@ -402,13 +402,16 @@ class _ChoiceText:
         else:
             ids = [t for c in chunks for t in c.token_ids]
             lps = [lp for c in chunks for lp in c.logprobs]
-        self.completion += len(ids)
         for c in chunks:
             if c.usage is not None and self.cached is None:
                 self.cached = c.usage.cached_tokens  # the first worker's: a resumed request's is not the client's
         reason = last.finish_reason
-        text = self.detok.push(ids, final=reason is not None) if self.detok else ""
-        out = self.stop.feed(text) if self.completion > self.min_tokens else self.stop.skip(text)
+        if self.detok and self.stop.stops and len(ids) > 1:
+            out, ids, lps = self._stop_per_token(ids, lps, reason is not None)
+        else:
+            self.completion += len(ids)
+            text = self.detok.push(ids, final=reason is not None) if self.detok else ""
+            out = self.stop.feed(text) if self.completion > self.min_tokens else self.stop.skip(text)
         if self.stop.stopped:
             reason = "stop"
         elif reason is not None:
@@ -418,3 +421,16 @@ class _ChoiceText:
         if self.output is not None:
             self.output.parse(delta)
         return delta
+
+    def _stop_per_token(self, ids: list[int], lps: list, final: bool) -> tuple[str, list[int], list]:
+        """Several tokens at once (a verification step's accepted drafts, steps merged by the stream
+        interval) where a stop string may end inside them: looked for token by token, so the output
+        ends with the token that completed it, as it would have had they come one by one."""
+        out = []
+        for i, t in enumerate(ids):
+            self.completion += 1
+            text = self.detok.push([t], final=final and i == len(ids) - 1)
+            out.append(self.stop.feed(text) if self.completion > self.min_tokens else self.stop.skip(text))
+            if self.stop.stopped:
+                return "".join(out), ids[:i + 1], lps[:i + 1]
+        return "".join(out), ids, lps

@@ -129,7 +129,6 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
 
 # -- messages -------------------------------------------------------------------
 
-
 class SamplingOptions(Part):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -146,6 +145,7 @@ class SamplingOptions(Part):
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     # The output must match this grammar (issue 17; the block at the end of this module). nil: free.
     constraint: ConstraintSpec | None = None
+    speculate: bool = True  # false: the request opts out of speculative decoding (the worker's own, if any)
 
 
 class GenerateRequest(Message):

@@ -30,6 +30,7 @@ from kvstore.disk import VirtualDiskTier
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.router import costs as ref
 from mesh.router.costs import KvCosts, transfer_ms
+from mocker.spec import MockDrafter, next_token, verify
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class TimingModel:
     decode_base_ms: float = ref.DECODE_STEP_MS
     decode_ms_per_seq: float = 0.06
     decode_ms_per_kv_token: float = 2e-5
+    decode_ms_per_draft_token: float = 0.02  # speculative decoding: each drafted token a step verifies
     # the KV shape (Llama-3-8B: 128 KiB per token in bf16)
     num_layers: int = 32
     num_kv_heads: int = 8
@@ -95,10 +97,12 @@ class TimingModel:
         ms = 0.0
         decodes = 0
         kv_tokens = 0
+        drafted = 0
         for c in out.chunks:
-            if c.num_tokens == 1 and c.start > 0:
+            if (c.num_tokens == 1 and c.start > 0) or c.drafts:
                 decodes += 1
                 kv_tokens += c.end
+                drafted += len(c.drafts)
             else:
                 ms += (
                     self.prefill_base_ms
@@ -106,7 +110,8 @@ class TimingModel:
                     + self.prefill_ms_per_token_ctx * c.num_tokens * c.end
                 )
         if decodes:
-            ms += self.decode_base_ms + self.decode_ms_per_seq * decodes + self.decode_ms_per_kv_token * kv_tokens
+            ms += (self.decode_base_ms + self.decode_ms_per_seq * decodes + self.decode_ms_per_kv_token * kv_tokens
+                   + self.decode_ms_per_draft_token * drafted)
         return ms
 
     def onboard_ms(self, host_blocks: int, disk_blocks: int, block_size: int) -> float:
@@ -161,6 +166,9 @@ class MockConfig:
     fetch_timeout: float = 5.0  # seconds (wall) before a peer fetch is given up for prefill
     hint_wait: float = 0.05  # seconds (wall) to wait for the router's decision about a request
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)
+    speculative: str | None = None  # --speculative: the method the simulated drafter reports (mocker.spec)
+    num_speculative_tokens: int = 4
+    spec_acceptance: float = 0.7  # the probability that each drafted token is the target's own
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -173,6 +181,10 @@ class MockConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give host KV blocks too")
         if self.fetch_timeout <= 0 or self.hint_wait < 0:
             raise ValueError("fetch_timeout must be > 0 and hint_wait >= 0")
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"--mock-spec-acceptance must be in [0, 1], got {self.spec_acceptance}")
+        if self.speculative and self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
 
     def build(self) -> MockEngine:
         return MockEngine(self)
@@ -183,6 +195,8 @@ class MockConfig:
         p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
         p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
                        help="mocker: set a timing-model field, e.g. network_gb_per_s=50 (repeatable)")
+        p.add_argument("--mock-spec-acceptance", type=float, default=0.7, metavar="ALPHA",
+                       help="mocker with --speculative: the probability that each drafted token is accepted")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MockConfig:
@@ -192,7 +206,10 @@ class MockConfig:
         kw = {"block_size": args.block_size, "speedup": args.mock_speedup, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_prefill_with_decode": args.max_prefill_with_decode,
-              "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False)}
+              "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False),
+              "speculative": getattr(args, "speculative", None),
+              "num_speculative_tokens": getattr(args, "num_speculative_tokens", 4),
+              "spec_acceptance": getattr(args, "mock_spec_acceptance", 0.7)}
         if getattr(args, "peer_fetch_timeout", None) is not None:
             kw["fetch_timeout"] = args.peer_fetch_timeout
         if args.device_kv_blocks:
@@ -239,7 +256,10 @@ class MockEngine(EngineCore):
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_with_decode=config.max_prefill_with_decode,
                 hash_key=config.hash_key,
-            )
+                speculative=config.speculative,
+                num_speculative_tokens=config.num_speculative_tokens,
+            ),
+            MockDrafter(config.speculative, config.spec_acceptance, config.vocab_size) if config.speculative else None,
         )
         if config.host_kv_blocks or config.peer_fetch:  # host_kv_blocks 0: only the stage of fetched blocks
             disk = VirtualDiskTier(config.disk_kv_blocks, self.pool.events) if config.disk_kv_blocks else None
@@ -284,11 +304,16 @@ class MockEngine(EngineCore):
             self.owed_seconds += seconds
         elif seconds > 0:
             time.sleep(seconds)
-        return [SampledToken(self.token_for(c.seq)) for c in out.chunks if c.samples]
+        return [self.token_for(c.seq, c.drafts) for c in out.chunks if c.samples]
 
-    def token_for(self, seq: Sequence) -> int:
-        """The next token: a fixed function of the last token and the length (once per row per step:
-        the sequence's lists read directly, not through its properties)."""
+    def token_for(self, seq: Sequence, drafts=()) -> SampledToken:
+        """The next token: a fixed function of the last token and the length (``mocker.spec.next_token``;
+        once per row per step: the sequence's lists read directly, not through its properties); a
+        drafting row's carries the drafts it accepted and the token after them."""
         outs = seq.output_token_ids
         last = outs[-1] if outs else seq.prompt_token_ids[-1]
-        return (last * 31 + (len(seq.prompt_token_ids) + len(outs)) * 17 + 7) % self.vocab_size
+        length = len(seq.prompt_token_ids) + len(outs)
+        if not drafts:
+            return SampledToken(next_token(last, length, self.vocab_size))
+        first, *then = verify(last, length, drafts, self.vocab_size)
+        return SampledToken(first, None, tuple(then))

@@ -198,6 +198,7 @@ def sampling_params(opts: SamplingOptions, **override) -> SamplingParams:
         frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty,
         min_tokens=min(opts.min_tokens, override.get("max_tokens", opts.max_tokens)),
+        speculate=opts.speculate,
         constraint=None if spec is None else Constraint(spec.kind, spec.source, spec.start_after),
     )
 

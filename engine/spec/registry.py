@@ -40,4 +40,10 @@ def create_drafter(method: str) -> Drafter:
     return factory(arg)
 
 
+def _runs_a_model(arg: str) -> Drafter:
+    raise ValueError("--speculative draft:DIR runs a model: a model worker's engine makes it "
+                     "(engine.draft_model), not a torch-free core")
+
+
 register("ngram", NgramDrafter.from_arg)
+register("draft", _runs_a_model)  # named here so that flags are checked in one place

@@ -205,6 +205,18 @@ class FixedDrafter:
         return [self.token] if len(seq.output_token_ids) == 1 else []
 
 
+class StartAtK:
+    """Every new row drafts K (``engine.spec.adaptive.AcceptancePrior``'s interface)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def start(self, max_k: int, batch: int):
+        from engine.spec.adaptive import DraftLength
+
+        return DraftLength(max_k)
+
+
 def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
     from collections import Counter
 
@@ -224,6 +236,7 @@ def test_rejection_sampling_preserves_the_distribution(make_engine, tiny_model):
                              speculative="ngram" if spec else None, num_speculative_tokens=2)
         if spec:
             engine.scheduler.drafter = FixedDrafter(draft)
+            engine.scheduler.spec_prior = StartAtK()  # every row drafts (adaptive K would stop most at batch 256)
         outs = outputs(engine, [prompt] * n, params)
         stat, df = chi_square(Counter((o[0], o[1]) for o in outs), expected, n)
         assert stat < CHI2_CRITICAL_0001[df - 1], (spec, stat, df)
@@ -244,11 +257,30 @@ def test_draft_length_adapts_per_row():
     for want in (2, 1, 0):  # nothing accepted: halves down to 0
         d.update(d.k, 0, 4)
         assert d.k == want
-    assert [d.next() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]  # a probe
+    due = []
+    for _ in range(PROBE_EVERY):
+        due.append(d.due())
+        assert d.next() == due[-1]  # due() foretells next() without counting a step
+    assert due == [False] * (PROBE_EVERY - 1) + [True]  # a probe
     d.update(1, 0, 4)  # rejected: the next probe comes twice as late
     assert [d.next() for _ in range(2 * PROBE_EVERY)].count(1) == 1 and d.idle == 0
     d.update(1, 1, 4)  # accepted: back to K
     assert d.k == 4 and d.next() == 4
+
+
+def test_new_rows_start_from_the_methods_recent_acceptance():
+    from engine.spec.adaptive import PROBE_EVERY, AcceptancePrior
+
+    prior = AcceptancePrior()
+    # nothing verified yet: K in a small batch, fewer drafts in a large one (each costs a position)
+    assert [prior.start(4, batch).k for batch in (1, 4, 8, 16, 32)] == [4, 4, 2, 1, 0]
+    assert prior.start(4, 32).probe_every == 8 * PROBE_EVERY  # a large batch probes less often
+    for _ in range(40):
+        prior.observe(4, 4)
+    assert prior.start(4, 32).k == 4  # drafts accepted lately: K from the first step
+    for _ in range(60):
+        prior.observe(2, 0)
+    assert prior.start(4, 1).k == 0 and not prior.start(4, 1).due()  # rejected lately: plain decode, probing
 
 
 def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
@@ -257,8 +289,11 @@ def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
     engine = oracle_engine(make_engine, ps, ref, 0.0, num_speculative_tokens=4)
     assert outputs(engine, ps, greedy(60, ignore_eos=True)) == ref
     c = engine.scheduler.spec
-    # per row: 4 + 2 + 1 drafts, then one-token probes after 16 and 32 more steps
+    # per row: 4 + 2 + 1 drafts (a small batch), then one-token probes after 16 and 32 more steps
     assert 0 < c.drafted <= 3 * (4 + 2 + 1 + 2)
+    drafted = c.drafted
+    assert outputs(engine, ps, greedy(15, ignore_eos=True)) == [r[:15] for r in ref]
+    assert c.drafted == drafted  # new rows after rejected drafts start as plain rows (no probe yet)
 
 
 def test_the_worker_reports_speculation_per_method(make_engine):

@@ -1,0 +1,237 @@
+"""Speculative decoding on every serving path (issue 34): greedy outputs through the gateway are
+token-identical to decoding without speculation, with the ``ngram`` drafter in real decode worker
+processes. The reference: transformers (and peft for adapters) for short outputs; for long ones
+our engine without speculation in this process (transformers' eager generate takes a minute for
+600 tokens here), which the engine tests hold to transformers' logits.
+
+One mesh for the module: two decode workers that draft (``spec-dec-0``/``-1``: a small KV pool,
+two LoRA adapters, prompts of 48 tokens and more prefilled by the prefill worker), one prefill
+worker and one gateway. Prompts repeat themselves, so prompt lookup finds drafts the target
+accepts; every test checks from the workers' own counters that drafts were verified. The last
+test kills a decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from mesh.protocol import RouterDecision
+from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.lora import ADAPTERS, make_adapter
+from tests.helpers.references import hf_greedy, hf_model, prompts_of
+
+NS = "spec"
+DECODE = ("spec-dec-0", "spec-dec-1")
+PREFILL = "spec-pre"
+THRESHOLD = 48  # prompts this long are prefilled by the prefill worker
+BLOCKS = 48  # each decode worker's KV pool (blocks of 16): 16 requests of 144 tokens preempt
+MAX_TOKENS = 24
+LORAS = ("all", "mlp")
+
+
+def repeating(n: int, seed: int, times: int = 3) -> list[int]:
+    """A prompt of ``n`` random ids said ``times`` times: something for prompt lookup to find."""
+    return prompts_of([n], 4000, seed, low=3)[0] * times
+
+
+SHORT = [repeating(n, 10 + n) for n in (6, 8, 10)]  # 18-30 tokens: prefilled where they decode
+LONG = [repeating(n, 20 + n) for n in (17, 22)]  # 51, 66 tokens: disaggregated
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    """transformers' greedy outputs of ``SHORT`` and ``LONG`` (``MAX_TOKENS`` each)."""
+    model = hf_model(tiny_model)
+    return [hf_greedy(model, p, MAX_TOKENS) for p in SHORT + LONG]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    """Greedy outputs of our engine without speculation: ``plain(prompts, n)``."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(tiny_model, device="cpu", num_kv_blocks=512))
+    yield lambda prompts, n: [s.output_token_ids for s in engine.generate(
+        prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-lora")
+    return {name: make_adapter(tiny_model, root / name, seed, **ADAPTERS[name])
+            for seed, name in enumerate(LORAS, start=1)}
+
+
+@pytest.fixture(scope="module")
+def mesh(cluster, tiny_model, adapters):
+    common = ["--ns", NS, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
+    loras = [arg for name, d in adapters.items() for arg in ("--lora", f"{name}={d}")]
+    workers = {wid: cluster.worker("decode", *common, *loras, "--device-kv-blocks", str(BLOCKS),
+                                   "--speculative", "ngram", "--num-speculative-tokens", "3",
+                                   "--disagg-threshold", str(THRESHOLD), "--worker-id", wid)
+               for wid in DECODE}
+    cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", PREFILL)
+    url = cluster.gateway(tiny_model, None, "--ns", NS)
+
+    async def ready():
+        w = await Watcher.open(cluster.nats_url, ns=NS)
+        try:
+            await w.wait_for(lambda: all(w.membership.get(x) for x in (*DECODE, PREFILL)), 180, "workers")
+            await w.fresh_load(PREFILL)  # the decode workers have heard the prefill pool
+        finally:
+            await w.close()
+
+    asyncio.run(ready())
+    wait_http_ok(url + "/health", 60)
+    return url, workers
+
+
+@asynccontextmanager
+async def counters(cluster):
+    """The decode and prefill workers' counters added up, after the block minus before."""
+    w = await Watcher.open(cluster.nats_url, ns=NS)
+    delta: dict[str, int] = {}
+    names = (*DECODE, PREFILL)
+    try:
+        before = [r.counters for r in await asyncio.gather(*(w.fresh_load(x) for x in names))]
+        yield delta
+        after = [r.counters for r in await asyncio.gather(*(w.fresh_load(x) for x in names))]
+        for b, a in zip(before, after, strict=True):
+            for k, v in a.items():
+                delta[k] = delta.get(k, 0) + v - b.get(k, 0)
+    finally:
+        await w.close()
+
+
+async def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, model: str = "tiny", **extra):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["text"]
+
+
+async def test_aggregated_and_disaggregated_outputs_are_transformers(cluster, mesh, hf):
+    url, _ = mesh
+    prompts = SHORT + LONG
+    async with counters(cluster) as delta:
+        got = await asyncio.gather(*(complete(url, p) for p in prompts))
+    for p, (tokens, _), want in zip(prompts, got, hf, strict=True):
+        assert tokens == want, f"prompt of {len(p)} tokens"
+    assert delta.get("spec_accepted:ngram", 0) > 0, delta  # drafts were verified and accepted
+    assert delta.get("remote_prefill_done", 0) >= len(LONG), delta  # the long ones were disaggregated
+
+
+async def test_a_request_that_opts_out_drafts_nothing(cluster, mesh, plain):
+    url, _ = mesh
+    prompt = repeating(7, 77, times=4)
+    async with counters(cluster) as opted_out:
+        tokens, _ = await complete(url, prompt, speculate=False)
+    assert tokens == plain([prompt], MAX_TOKENS)[0]
+    assert opted_out.get("spec_drafted:ngram", 0) == 0, opted_out
+    async with counters(cluster) as speculated:
+        again, _ = await complete(url, prompt)
+    assert again == tokens and speculated.get("spec_drafted:ngram", 0) > 0, speculated
+
+
+async def test_a_json_schema_row_in_a_drafting_batch(cluster, mesh, hf):
+    """A constrained row decodes beside rows whose drafts are verified in the same steps; its output
+    is the one it gets alone without speculation, and valid JSON."""
+    url, _ = mesh
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}  # bounded: it ends within max_tokens
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    prompt = repeating(9, 91)
+    alone, text = await complete(url, prompt, 40, response_format=fmt, speculate=False, ignore_eos=False)
+    async with counters(cluster) as delta:
+        got = await asyncio.gather(complete(url, prompt, 40, response_format=fmt, ignore_eos=False),
+                                   *(complete(url, p) for p in SHORT))
+    assert got[0][0] == alone
+    assert set(json.loads(text)) == {"a", "b"}
+    assert [tokens for tokens, _ in got[1:]] == hf[:len(SHORT)]
+    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+
+
+async def test_a_batch_mixing_adapters_is_peft(cluster, mesh, tiny_model, adapters):
+    from peft import PeftModel
+
+    url, _ = mesh
+    jobs = [(name, SHORT[2]) for name in (None, *LORAS)]
+    expected = []
+    for name, p in jobs:
+        model = hf_model(tiny_model)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name]).eval()
+        expected.append(hf_greedy(model, p, MAX_TOKENS))
+    async with counters(cluster) as delta:
+        got = await asyncio.gather(*(complete(url, p, model=name or "tiny") for name, p in jobs))
+    for (name, p), (tokens, _), want in zip(jobs, got, expected, strict=True):
+        assert tokens == want, f"{name or 'base'}, prompt of {len(p)} tokens"
+    assert len({str(w) for w in expected}) > 1  # the adapters change the output
+    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+
+
+async def test_under_preemption(cluster, mesh, plain):
+    """16 requests of 144 tokens (two prompts, 8 times each) on two pools of 48 blocks of 16: one
+    worker has at least 8, which need 8 x 8 blocks beside their shared first one, so running rows
+    are preempted (their drafts' blocks included) and recomputed."""
+    url, _ = mesh
+    pair = [repeating(8, 300), repeating(8, 301)]
+    n = 120
+    async with counters(cluster) as delta:
+        got = await asyncio.gather(*(complete(url, pair[i % 2], n) for i in range(16)))
+    want = plain(pair, n)
+    for i, (tokens, _) in enumerate(got):
+        assert tokens == want[i % 2], i
+    assert delta.get("preemptions", 0) > 0, delta
+    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+
+
+async def test_a_decode_worker_killed_mid_stream(cluster, mesh, plain):
+    """kill -9 of the worker that serves a stream: the gateway migrates it to the other one, which
+    drafts on; the client's tokens are those without speculation (none lost, none repeated)."""
+    url, workers = mesh
+    prompt = repeating(8, 808)
+    n = 300
+    w = await Watcher.open(cluster.nats_url, ns=NS)
+    chosen: list[str] = []  # the router's decisions, in order: the stream's worker (a stream this short
+
+    async def on_decision(d: RouterDecision, raw) -> None:  # can end before a load report says where it runs)
+        chosen.append(d.worker_id)
+
+    await w.bus.subscribe(w.bus.subjects.router_decisions(), on_decision, RouterDecision)
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        got: list[int] = []
+        killed = None
+        async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
+                                                                           json=body) as r:
+            assert r.status_code == 200
+            async for event in completion_events(r):
+                got += event["choices"][0].get("token_ids") or []
+                if killed is None and len(got) >= 8:
+                    killed = chosen[-1]
+                    os.kill(workers[killed].pid, signal.SIGKILL)
+        assert killed is not None
+        assert got == plain([prompt], n)[0]
+        survivor = next(x for x in DECODE if x != killed)
+        report = await w.fresh_load(survivor)
+        assert report.counters.get("spec_drafted:ngram", 0) > 0
+        async with httpx.AsyncClient(timeout=10) as client:
+            metrics = (await client.get(f"{url}/metrics")).text
+        assert "pdmesh_gateway_migrations_total 1" in metrics
+    finally:
+        await w.close()
