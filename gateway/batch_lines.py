@@ -135,12 +135,45 @@ def count_kept(done: dict[int, bytes]) -> tuple[int, int]:
     return ok, len(done) - ok
 
 
-def render_files(lines: list[Line], done: dict[int, bytes], expired: bool) -> tuple[bytes, bytes, int, int]:
-    """The output file, the error file (lines in input order) and the (completed, failed) counts
-    of a finished batch; lines without a result are left out, or, when the batch ``expired``,
-    written to the error file as ``batch_expired`` (or, never runnable, as what is wrong with them)."""
+def line_usage(result: LineResult) -> dict[str, int]:
+    """The tokens a completed line's response reports, in the Batch object's terms (chat and
+    completions: prompt/completion tokens; responses: input/output tokens; embeddings: prompt)."""
+    try:
+        usage = msgspec.json.decode(result.body).get("usage") or {}
+    except (msgspec.DecodeError, AttributeError):
+        return {}
+    if not isinstance(usage, dict):
+        return {}
+
+    def count(*path: str) -> int:
+        value = usage
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, int) and value >= 0 else 0
+
+    return {"input": count("input_tokens") or count("prompt_tokens"),
+            "output": count("output_tokens") or count("completion_tokens"),
+            "cached": count("input_tokens_details", "cached_tokens") or count("prompt_tokens_details", "cached_tokens"),
+            "reasoning": (count("output_tokens_details", "reasoning_tokens")
+                          or count("completion_tokens_details", "reasoning_tokens"))}
+
+
+def batch_usage(totals: dict[str, int]) -> dict:
+    """The Batch object's ``usage`` from summed ``line_usage``s."""
+    inp, out = totals.get("input", 0), totals.get("output", 0)
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": totals.get("cached", 0)},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": totals.get("reasoning", 0)},
+            "total_tokens": inp + out}
+
+
+def render_files(lines: list[Line], done: dict[int, bytes], expired: bool) -> tuple[bytes, bytes, int, int, dict]:
+    """The output file, the error file (lines in input order), the (completed, failed) counts and
+    the token usage of a finished batch; lines without a result are left out, or, when the batch
+    ``expired``, written to the error file as ``batch_expired`` (or, never runnable, as what is
+    wrong with them)."""
     out, err = bytearray(), bytearray()
     completed = failed = 0
+    totals: dict[str, int] = {}
     for line in lines:
         raw = done.get(line.index)
         if raw is None:
@@ -152,4 +185,7 @@ def render_files(lines: list[Line], done: dict[int, bytes], expired: bool) -> tu
         completed += result.ok
         failed += not result.ok
         (out if result.ok else err).extend(output_line(result))
-    return bytes(out), bytes(err), completed, failed
+        if result.ok:
+            for key, n in line_usage(result).items():
+                totals[key] = totals.get(key, 0) + n
+    return bytes(out), bytes(err), completed, failed, batch_usage(totals)

@@ -305,13 +305,13 @@ class BatchRun:
         # the results _run_lines read last, when they cover every line; else (a cancel) read them now
         done = self.done if final == "completed" and self.done is not None else \
             await self.store.done_lines(self.batch_id)
-        out, err, completed, failed = await asyncio.to_thread(render_files, lines, done, final == "expired")
+        out, err, completed, failed, usage = await asyncio.to_thread(render_files, lines, done, final == "expired")
         output_id = await self._write(out, "output")
         error_id = await self._write(err, "error")
 
         def close(rec: BatchRecord) -> bool:
             rec.moved(final, int(time.time()))
-            rec.completed, rec.failed = completed, failed
+            rec.completed, rec.failed, rec.usage = completed, failed, usage
             rec.output_file_id, rec.error_file_id = output_id, error_id
             return True
 

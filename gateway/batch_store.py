@@ -137,6 +137,7 @@ class BatchRecord(msgspec.Struct):
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict] | None = None
+    usage: dict | None = None  # the lines' tokens, summed when the batch finished (the Batch object's shape)
     at: dict[str, int] = msgspec.field(default_factory=dict)  # status -> when it was entered
 
     @property
@@ -159,6 +160,7 @@ class BatchRecord(msgspec.Struct):
             "failed_at": at.get("failed"), "expired_at": at.get("expired"), "cancelling_at": at.get("cancelling"),
             "cancelled_at": at.get("cancelled"), "metadata": self.metadata,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "usage": self.usage,
         }
 
 

@@ -119,6 +119,9 @@ def test_a_mixed_batch_completes_with_every_custom_id_once(mesh):
         assert body["object"] == OBJECTS[route]
         generated = body["usage"]["output_tokens" if route == "/v1/responses" else "completion_tokens"]
         assert generated == 2
+    prompts = sum(r["response"]["body"]["usage"].get("prompt_tokens", r["response"]["body"]["usage"].get("input_tokens"))
+                  for r in out)
+    assert (b.usage.input_tokens, b.usage.output_tokens, b.usage.total_tokens) == (prompts, 400, prompts + 400)
     assert b.id in [x.id for x in c.batches.list(limit=100).data]
     # another tenant sees none of it
     other = client(url, KEYS[1])
