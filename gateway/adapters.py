@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from gateway import errors
+from gateway.bodies import parse_body
 from gateway.errors import APIError
 from mesh import metrics
 from mesh.adapters import broadcast
@@ -83,11 +83,7 @@ def install_adapter_routes(app: FastAPI, gateway) -> None:
 
 
 async def _body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as e:
-        raise errors.from_pydantic(e) from None
+    return (await parse_body(request, model, empty=b"{}"))[0]
 
 
 def _base(gateway, model: str | None, name: str) -> str:

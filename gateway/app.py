@@ -27,13 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gateway import errors
 from gateway import metrics as gateway_metrics
 from gateway.adapters import install_adapter_routes
 from gateway.auth import AuthConfig, guard, require_admin
 from gateway.batches import install_batch_routes
+from gateway.bodies import parse_body
 from gateway.embeddings import install_embedding_routes
 from gateway.errors import APIError
 from gateway.formats import ChatFormat, CompletionFormat, Format
@@ -60,7 +61,6 @@ from mesh.tracing import context_from
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; nobody reads it
-MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt as JSON ids is ~1 MB
 LONG_INPUT_CHARS = 16_384  # tokenize longer inputs in a thread
 TRACER = tracer("pdmesh.gateway")
 
@@ -211,37 +211,13 @@ async def _counted(gw: Gateway, endpoint: str, request: Request, handler: Awaita
     return response
 
 
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
 async def _parse(request: Request, model: type[BaseModel]):
     """The body as ``model``: any content type, JSON only, OpenAI-shaped 400s."""
-    return (await _parse_sized(request, model))[0]
-
-
-async def _parse_sized(request: Request, model: type[BaseModel]):
-    """``_parse``'s body and its size in bytes (what rendering and tokenizing it will cost)."""
-    raw = await _read_body(request)
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return model.model_validate_json(raw), len(raw)
-    except ValidationError as e:
-        raise errors.from_pydantic(e) from None
+    return (await parse_body(request, model))[0]
 
 
 async def _chat(gw: Gateway, request: Request) -> Response:
-    body, size = await _parse_sized(request, ChatCompletionRequest)
+    body, size = await parse_body(request, ChatCompletionRequest)
     return await _chat_body(gw, request, body, size, _chat_format)
 
 

@@ -21,12 +21,12 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from gateway import errors
 from gateway.batch_lines import BATCH_URLS
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import OPEN, BatchRecord
+from gateway.bodies import parse_body
 from gateway.errors import APIError
 from gateway.files import install_file_routes, owner_of, page, store_of
 from gateway.metrics import BATCHES
@@ -122,13 +122,7 @@ async def _create(runner: BatchRunner, request: Request) -> dict:
 
 
 async def _body(request: Request) -> BatchCreate:
-    raw = await request.body()
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return BatchCreate.model_validate_json(raw)
-    except ValidationError as e:
-        raise errors.from_pydantic(e) from None
+    return (await parse_body(request, BatchCreate))[0]
 
 
 def _install_lifespan(app: FastAPI, runner: BatchRunner) -> None:

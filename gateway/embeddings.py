@@ -28,9 +28,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import errors
+from gateway.bodies import parse_body
 from gateway.errors import APIError
 from gateway.schemas import TokenId, openapi_body
 from gateway.service import Gateway
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 TRACER = tracer("pdmesh.gateway")
 
 MAX_INPUTS = 2048  # OpenAI's bound on the array
-MAX_BODY_BYTES = 32 << 20
 LONG_INPUT_CHARS = 16_384  # tokenize longer inputs in a thread
 ENVELOPE_BYTES = 4096  # room for a message's other fields under max_payload
 TOKEN_BYTES = 5  # a token id in msgpack, at most
@@ -124,7 +124,7 @@ class Embeddings:
         return response
 
     async def _embed(self, request: Request) -> Response:
-        body = await _parse(request)
+        body, _ = await parse_body(request, EmbeddingRequest)
         model = body.model
         workers = self._workers(model)
         prompts = await self._tokenize(model, body.inputs())
@@ -279,22 +279,3 @@ def _encoded(vector: np.ndarray, encoding: str) -> np.ndarray | str:
     if encoding == "base64":
         return base64.b64encode(vector.tobytes()).decode("ascii")
     return vector
-
-
-async def _parse(request: Request) -> EmbeddingRequest:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        parts.append(part)
-    raw = b"".join(parts)
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return EmbeddingRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise errors.from_pydantic(e) from None

@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
-from gateway import errors
+from gateway.bodies import parse_json, read_body
 from gateway.conversations import Conversations, not_found, tenant_of
 from gateway.errors import APIError
 from gateway.formats import Format
@@ -78,7 +77,7 @@ def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunne
 
 async def _turn(gateway: Gateway, store: Conversations, request: Request) -> tuple[Turn, ChatCompletionRequest, int]:
     """The request's turn of its conversation, its chat request and what rendering it costs (bytes)."""
-    raw = await request.body()
+    raw = await read_body(request)
     body = parse_request(raw)
     tenant = _tenant(gateway, request)
     history: list[dict] = []
@@ -99,12 +98,7 @@ def _tenant(gateway: Gateway, request: Request) -> str:
 
 
 def parse_request(raw: bytes) -> ResponsesRequest:
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return ResponsesRequest.model_validate_json(raw)
-    except ValidationError as e:
-        raise errors.from_pydantic(e) from None
+    return parse_json(raw, ResponsesRequest)
 
 
 class Turn:
