@@ -50,6 +50,7 @@ from pathlib import Path
 import xxhash
 
 from kvstore.events import BlockRemoved, BlockStored, KvEventLog
+from kvstore.private import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class DiskTier:
             raise ValueError("the disk tier needs a positive capacity and block size")
         if checksum_key is not None and not 1 <= len(checksum_key) <= 64:
             raise ValueError("the disk tier's checksum key is 1 to 64 bytes (BLAKE2b)")
-        self.dir = private_dir(Path(root) / f"{fingerprint:016x}")
+        self.dir = private_dir(Path(root) / f"{fingerprint:016x}", "the disk KV tier's")
         self.checksum_key = checksum_key
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
@@ -304,19 +305,6 @@ class DiskTier:
             "disk_corrupt_blocks": self.corrupt, "disk_write_errors": self.write_errors,
             "disk_capacity_blocks": self.capacity_bytes // self.file_bytes,
         }
-
-
-def private_dir(d: Path) -> Path:
-    """``d``, created 0700 (and its missing parents) if absent; refused if it is not a directory of
-    this user that nobody else can enter (a link, someone else's, or open to others)."""
-    d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(d, 0o700)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"the disk KV tier's {d} must be a directory of this user that nobody else "
-                              "can enter (mode 0700): remove it, or chmod 700 it, and start again")
-    return d
 
 
 class PinCounts:

@@ -39,6 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
+from kvstore.private import private_dir
 from kvstore.transfer import (
     Refused,
     TransferResult,
@@ -57,14 +58,7 @@ _NAME = re.compile(r"kv-[A-Za-z0-9_.-]{1,200}")
 def shm_dir() -> Path:
     """The mesh's directory for KV files: created 0700 on first use; refused if it is not a
     private directory of this user (a link, someone else's, or open to others)."""
-    d = SHM_ROOT / f"pdmesh-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(d, 0o700)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{d} must be a directory of this user that nobody else can enter "
-                              "(mode 0700): remove it and start again")
-    return d
+    return private_dir(SHM_ROOT / f"pdmesh-{os.getuid()}", "the shm transport's")
 
 
 def shm_path(worker_id: str) -> str:
