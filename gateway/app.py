@@ -50,7 +50,7 @@ from gateway.streaming import (
     sse_events,
     unless_disconnected,
 )
-from gateway.tenancy import cache_scope, clamp_priority
+from gateway.tenancy import cache_scope, clamp_priority, header_priority
 from mesh.constraints.spec import Constraint
 from mesh.procutil import settle_heap
 from mesh.protocol import ConstraintSpec, SamplingOptions
@@ -314,25 +314,11 @@ def _check_limits(gw: Gateway, body, prompts: list[list[int]], model: str) -> in
     return max_out if max_out is not None else min(gw.config.default_max_tokens, limit - longest)
 
 
-PRIORITY_NAMES = {"interactive": 0, "batch": -1}
-
-
 def _priority(body, request: Request) -> int:
     """The body's ``priority`` if set, else the ``x-priority`` header (interactive, batch or an int)."""
     if "priority" in body.model_fields_set:
         return body.priority
-    header = request.headers.get("x-priority", "").strip().lower()
-    if not header:
-        return 0
-    if header in PRIORITY_NAMES:
-        return PRIORITY_NAMES[header]
-    try:
-        value = int(header)
-    except ValueError:
-        raise APIError(400, "x-priority must be interactive, batch or an integer", "x-priority") from None
-    if not -(1 << 31) <= value < (1 << 31):
-        raise APIError(400, "x-priority is out of range", "x-priority")
-    return value
+    return header_priority(request.headers.get("x-priority", ""))
 
 
 def _sampling(body, max_tokens: int, seed: int | None, constraint: Constraint | None) -> SamplingOptions:

@@ -35,7 +35,7 @@ from gateway.bodies import parse_body
 from gateway.errors import APIError
 from gateway.schemas import TokenId, openapi_body
 from gateway.service import Gateway
-from gateway.tenancy import clamp_priority
+from gateway.tenancy import clamp_priority, header_priority
 from mesh.protocol import DecodeError, EmbedReply, EmbedRequest, WorkerCard
 from mesh.router.embed import EmbedRouter
 from mesh.telemetry import tracer
@@ -251,21 +251,10 @@ def split_inputs(prompts: list[list[int]], dim: int, max_payload: int) -> list[l
     return parts
 
 
-PRIORITY_NAMES = {"": 0, "interactive": 0, "batch": -1}
-
-
 def _priority(request: Request) -> int:
     """The ``x-priority`` header (interactive, batch or an integer; the Batch API sends its lines'),
     as far as the request's API key may ask (``clamp_priority``)."""
-    header = request.headers.get("x-priority", "").strip().lower()
-    value = PRIORITY_NAMES.get(header)
-    if value is None:
-        try:
-            value = int(header)
-        except ValueError:
-            raise APIError(400, "x-priority must be interactive, batch or an integer", "x-priority") from None
-        if not -(1 << 31) <= value < (1 << 31):
-            raise APIError(400, "x-priority is out of range", "x-priority")
+    value = header_priority(request.headers.get("x-priority", ""))
     return clamp_priority(value, request.scope.get("state", {}).get("api_key"))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 
 from gateway.auth import ApiKey
+from gateway.errors import APIError
 from kvstore.hashing import HashKey
 from mesh import metrics
 
@@ -36,3 +37,22 @@ def clamp_priority(priority: int, key: ApiKey | None) -> int:
         return priority
     metrics.GATEWAY_PRIORITY_CLAMPED.inc()
     return key.max_priority
+
+
+PRIORITY_NAMES = {"interactive": 0, "batch": -1}  # x-priority's names (the Batch API sends an integer)
+
+
+def header_priority(header: str) -> int:
+    """An ``x-priority`` header's priority: interactive, batch or a 32-bit integer; empty: 0."""
+    header = header.strip().lower()
+    if not header:
+        return 0
+    if header in PRIORITY_NAMES:
+        return PRIORITY_NAMES[header]
+    try:
+        value = int(header)
+    except ValueError:
+        raise APIError(400, "x-priority must be interactive, batch or an integer", "x-priority") from None
+    if not -(1 << 31) <= value < (1 << 31):
+        raise APIError(400, "x-priority is out of range", "x-priority")
+    return value
