@@ -24,15 +24,16 @@ as their ``bus`` argument.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 @lru_cache(maxsize=1)
@@ -75,6 +76,23 @@ class TransferResult:
 class Refused(ValueError):
     """The params name a resource this process must not touch (a file outside its transport's own
     directory, blocks out of range): the job is refused, never passed to another worker."""
+
+
+T = TypeVar("T")
+
+
+async def run_to_end(work: Awaitable[T]) -> T:
+    """``work``'s result; if the caller is cancelled meanwhile (a timeout), ``work`` still runs to
+    its end before the cancellation goes on: a copy or write into another worker's blocks must be
+    over before anyone is told the job ended (a PrefillDone, a revoke), or it could land in blocks
+    handed to someone else."""
+    running = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await running
+        raise
 
 
 class KvSender(Protocol):

@@ -29,7 +29,6 @@ row: that is the work left for TP > 1; such workers use shm or nats.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -42,6 +41,7 @@ from kvstore.transfer import (
     host_id,
     register_receiver,
     register_sender,
+    run_to_end,
 )
 from kvstore.transfer.messenger import Messenger
 from kvstore.transfer.nixl_agent import Grants, NixlNode, Region, WriteJob, notif_key, refuse
@@ -202,14 +202,7 @@ class NixlSender:
         await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
         # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
         # so that the PrefillDone sent after it means nothing writes the blocks any more.
-        write = asyncio.ensure_future(self._write(peer, mine, local, dst, remote,
-                                                  notif_key("kv", target.request_id, p["gen"])))
-        try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await write
-            raise
+        await run_to_end(self._write(peer, mine, local, dst, remote, notif_key("kv", target.request_id, p["gen"])))
         nbytes = len(src_blocks) * src.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0, len(local))
 

@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 
 from prometheus_client import Counter
 
-from kvstore.transfer import Refused
+from kvstore.transfer import Refused, run_to_end
 from kvstore.transfer.messages import NixlBegin, NixlMetadata, NixlMetadataRequest, NixlReply
 from kvstore.transfer.messenger import Messenger
 
@@ -281,13 +281,7 @@ class NixlNode:
             handle = self._post(peer, src, local, dst, remote, notif)
         else:
             handle = await asyncio.to_thread(self._post, peer, src, local, dst, remote, notif)
-        waiting = asyncio.ensure_future(self._wait_done(peer, handle))
-        try:
-            await asyncio.shield(waiting)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await waiting
-            raise
+        await run_to_end(self._wait_done(peer, handle))
 
     def _post(self, peer: Peer, src: Region, local, dst: Region, remote, notif: bytes):
         src_descs = self.agent.get_xfer_descs([(a, n, src.device) for a, n in local], src.mem)

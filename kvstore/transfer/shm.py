@@ -47,6 +47,7 @@ from kvstore.transfer import (
     host_id,
     register_receiver,
     register_sender,
+    run_to_end,
 )
 from kvstore.transfer.fence import FenceFile, lease
 
@@ -257,12 +258,7 @@ class ShmSender:
         copy = asyncio.get_running_loop().run_in_executor(
             None, _fenced_copy, src, dst, src_blocks, target.dest_block_ids, fence_fd, params.get("gen"),
             self.copy_delay_s)
-        try:
-            await asyncio.shield(copy)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await copy
-            raise
+        await run_to_end(copy)
         nbytes = len(src_blocks) * dst.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0)
 
