@@ -72,8 +72,9 @@ class Watcher:
         self.loads: dict[str, LoadReport] = {}
 
     @classmethod
-    async def open(cls, url: str, ns: str = "mesh") -> Watcher:
-        bus = await Bus.connect(url, "test-watcher", ns=ns)
+    async def open(cls, url: str, ns: str = "mesh", config=None) -> Watcher:
+        """``config``: a ``NatsConfig`` (None: ``url`` with the environment's settings)."""
+        bus = await Bus.connect(url, "test-watcher", ns=ns, config=config)
         m = Membership(bus)
         await m.start(wait=1.0)
         w = cls(bus, m)

@@ -12,10 +12,8 @@ import openai
 
 from bench.chaos import Outcome
 from bench.chaos import checked_request as chaos_request
-from mesh.bus import Bus
 from mesh.natsauth import NatsConfig
-from mesh.protocol import LoadReport, WorkerCard
-from mesh.registry import Membership
+from mesh.protocol import WorkerCard
 from tests.helpers.cluster import Watcher
 
 SAME_HOST_ONLY = ("shm", "cuda_ipc")  # transports that need one /dev/shm or one GPU host
@@ -27,17 +25,7 @@ BUS_FLAGS = ("--js-replicas", "3", "--nats-connect-timeout", "30")
 async def open_watcher(url: str, ns: str = "mesh") -> Watcher:
     """A ``Watcher`` on ``url`` (one server of the bed's cluster). Like every process of a bed, it
     would create the registry bucket with three replicas (one replica would die with its host)."""
-    bus = await Bus.connect(url, "test-watcher", ns=ns, config=NatsConfig.build(url, js_replicas=3,
-                                                                                connect_timeout=30))
-    m = Membership(bus)
-    await m.start(wait=1.0)
-    w = Watcher(bus, m)
-
-    async def on_load(report: LoadReport, raw) -> None:
-        w.loads[report.worker_id] = report
-
-    await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
-    return w
+    return await Watcher.open(url, ns, config=NatsConfig.build(url, js_replicas=3, connect_timeout=30))
 
 
 async def wait_gateway(url: str, timeout: float = 120.0) -> None:
