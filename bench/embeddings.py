@@ -40,18 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.engine import default_model_dir  # the `small` model the engine bench writes
 from engine.config import EngineConfig
 from engine.pooling import Embedder, PoolingConfig
-
-
-def default_model_dir() -> Path:
-    from engine.tiny import write_tiny_model
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / "bench-small"
-    if not (cache / "model.safetensors").is_file():
-        print(f"writing the small model to {cache} ...", file=sys.stderr)
-        write_tiny_model(cache, size="small", seed=0)
-    return cache
 
 
 def timed_pair(ours, theirs, reps: int, warmup_s: float) -> tuple[list[float], list[float], object, object]:
