@@ -10,8 +10,6 @@ adapter until one is loaded at runtime), one gateway with the KV router.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -20,7 +18,13 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.cluster import (
+    Watcher,
+    completion_events,
+    kill_serving_worker,
+    router_choices,
+    wait_http_ok,
+)
 from tests.helpers.lora import ADAPTERS, peft_references
 from tests.helpers.references import prompts_of
 
@@ -222,6 +226,7 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
     prompt, n = ids(40, 11), 400
     w = await Watcher.open(nats_url)
     try:
+        chosen = await router_choices(w)  # 400 tokens can end before a load report says where they run
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": "mig", "lora_path": str(dirs["mlp"])})
             assert r.status_code == 200, r.text
@@ -234,12 +239,8 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
                 async for event in completion_events(r):
                     got += event["choices"][0].get("token_ids") or []
                     if killed is None and len(got) >= 20:
-                        busy = await w.wait_for(
-                            lambda: [x for x in (DEC, BASE) if (rep := w.loads.get(x)) and rep.running], 10,
-                            "the serving worker's load report")
-                        killed = busy[0]
-                        pid = next(p.pid for p in cluster.procs if killed in p.args)
-                        os.kill(pid, signal.SIGKILL)
+                        workers = {x: next(p for p in cluster.procs if x in p.args) for x in (DEC, BASE)}
+                        killed = await kill_serving_worker(w, workers, chosen=chosen)
         assert killed is not None
         engine = Engine(EngineConfig(tiny_model, num_kv_blocks=256, loras=(("mig", str(dirs["mlp"])),)))
         want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), lora="mig")
