@@ -140,6 +140,26 @@ async def kill_serving_worker(w: Watcher, workers: Mapping[str, subprocess.Popen
     return serving
 
 
+async def stream_killing_its_worker(url: str, model: str, prompt: list[int], max_tokens: int, w: Watcher,
+                                    workers: Mapping[str, subprocess.Popen], *, after: int,
+                                    chosen: list[str] | None = None) -> tuple[list[int], str]:
+    """A greedy streamed completion (``ignore_eos``) whose worker is killed (``kill_serving_worker``)
+    once ``after`` tokens came: every token id the client got, and the killed worker's id."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    got: list[int] = []
+    killed = None
+    async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
+                                                                       json=body) as r:
+        assert r.status_code == 200
+        async for event in completion_events(r):
+            got += event["choices"][0].get("token_ids") or []
+            if killed is None and len(got) >= after:
+                killed = await kill_serving_worker(w, workers, chosen=chosen)
+    assert killed is not None
+    return got, killed
+
+
 def wait_http_ok(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

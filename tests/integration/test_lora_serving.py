@@ -18,13 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.cluster import (
-    Watcher,
-    completion_events,
-    kill_serving_worker,
-    router_choices,
-    wait_http_ok,
-)
+from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
 from tests.helpers.lora import ADAPTERS, peft_references
 from tests.helpers.references import prompts_of
 
@@ -230,18 +224,8 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": "mig", "lora_path": str(dirs["mlp"])})
             assert r.status_code == 200, r.text
-            body = {"model": "mig", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_token_ids": True}
-            got: list[int] = []
-            killed = None
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for event in completion_events(r):
-                    got += event["choices"][0].get("token_ids") or []
-                    if killed is None and len(got) >= 20:
-                        workers = {x: next(p for p in cluster.procs if x in p.args) for x in (DEC, BASE)}
-                        killed = await kill_serving_worker(w, workers, chosen=chosen)
-        assert killed is not None
+        workers = {x: next(p for p in cluster.procs if x in p.args) for x in (DEC, BASE)}
+        got, _ = await stream_killing_its_worker(url, "mig", prompt, n, w, workers, after=20, chosen=chosen)
         engine = Engine(EngineConfig(tiny_model, num_kv_blocks=256, loras=(("mig", str(dirs["mlp"])),)))
         want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), lora="mig")
         assert got == want[0].output_token_ids  # no token lost, none repeated, the adapter kept
