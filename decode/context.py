@@ -18,7 +18,8 @@ from engine.core import EngineCore
 from engine.loop import EngineLoop
 from mesh import metrics
 from mesh.bus import Bus
-from worker.base import Counters, WorkerSettings
+from worker.core import Counters
+from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 

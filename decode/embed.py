@@ -33,13 +33,11 @@ import torch
 
 from engine.pooling import Embedder, PoolingConfig, truncate
 from mesh import metrics
-from mesh.bus import Bus
 from mesh.errors import RequestError
-from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import EmbedReply, EmbedRequest, LoadReport, WorkerCard
-from mesh.registry import CardPublisher
-from mesh.telemetry import serve_metrics, setup_tracing
-from worker.base import Counters, WorkerSettings, new_worker_id
+from worker.core import WorkerCore
+from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -130,59 +128,43 @@ class EmbedBatcher:
                         p.done.set_result(truncate(part, p.dimensions))
 
 
-class EmbedWorker:
-    """A worker of role ``embed``: the registry card, the ``embed`` subject, load reports, drain."""
+class EmbedWorker(WorkerCore):
+    """A worker of role ``embed``: the registry card, the ``embed`` subject, load reports, drain
+    (``WorkerCore``'s lifecycle, with the embedder for an engine)."""
 
     role = "embed"
 
     def __init__(self, settings: WorkerSettings):
-        self.settings = settings
-        self.worker_id = settings.worker_id or new_worker_id(self.role)
-        self.started = time.time()
-        self.status = "ready"
-        self.counters = Counters()
-        self.ready = asyncio.Event()
-        self.exit_code = 0
-        self.bus: Bus | None = None
+        super().__init__(settings)
         self.embedder: Embedder | None = None
         self.batcher: EmbedBatcher | None = None
-        self.cards: CardPublisher | None = None
-        self.metrics_port = 0
         self.inflight = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._requests: set[asyncio.Task] = set()
 
     def build(self) -> Embedder:
         config = self.settings.engine
         return Embedder(config, PoolingConfig.from_dir(config.model, self.settings.pooling))
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        stop = stop or stop_event_on_signals()
-        s = self.settings
-        setup_tracing(f"pdmesh-{self.role}")
-        async with AsyncExitStack() as stack:
-            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
-            stack.push_async_callback(self.bus.close)
-            self.embedder = await asyncio.to_thread(self.build)
-            await asyncio.to_thread(self.embedder.warm_up)
-            if s.metrics_port >= 0:
-                self.metrics_port = serve_metrics(s.metrics_port, s.metrics_host)
-            self.batcher = EmbedBatcher(self.embedder, self.embedder.budget)
-            self.batcher.start()
-            stack.push_async_callback(self.batcher.stop)
-            subject = self.bus.subjects.embed(self.embedder.model_name, self.worker_id)
-            sub = await self.bus.subscribe(subject, self._on_request_soon, EmbedRequest)
-            stack.push_async_callback(_unsubscribe, sub)
-            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
-            await self.cards.start()
-            stack.push_async_callback(self.cards.stop)
-            report = asyncio.create_task(self._report_load(), name="load")
-            stack.push_async_callback(cancel_and_wait, [report])
-            settle_heap()
-            self.ready.set()
-            log.info("embed worker %s serving %s (%s pooling)", self.worker_id, self.embedder.model_name,
-                     self.embedder.pooling.method)
-            await stop.wait()
-            await self.drain(stop)
+    # -- WorkerCore's hooks -----------------------------------------------------------
+    def open_engine(self) -> None:
+        self.embedder = self.build()
+
+    def warm_up(self) -> None:
+        self.embedder.warm_up()
+
+    def served_model(self) -> str:
+        return self.embedder.model_name
+
+    def serving_note(self) -> str:
+        return f" ({self.embedder.pooling.method} pooling)"
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        self.batcher = EmbedBatcher(self.embedder, self.embedder.budget)
+        self.batcher.start()
+        stack.push_async_callback(self.batcher.stop)
+        subject = self.bus.subjects.embed(self.embedder.model_name, self.worker_id)
+        sub = await self.bus.subscribe(subject, self._on_request_soon, EmbedRequest)
+        stack.push_async_callback(_unsubscribe, sub)
 
     def card(self) -> WorkerCard:
         e = self.embedder
@@ -198,8 +180,8 @@ class EmbedWorker:
         """A subscription runs its handler one message at a time: each request in a task of its
         own, so that requests arriving during a forward queue for the next one together."""
         task = asyncio.get_running_loop().create_task(self.on_request(req, raw))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
 
     async def on_request(self, req: EmbedRequest, raw) -> None:
         self.counters.requests += 1
@@ -235,7 +217,7 @@ class EmbedWorker:
         return EmbedReply(req.request_id, self.worker_id, error=message, error_status=status)
 
     # -- load and drain -------------------------------------------------------------
-    def load(self) -> LoadReport:
+    async def next_load(self) -> LoadReport:
         c = self.counters
         return LoadReport(
             worker_id=self.worker_id, model=self.embedder.model_name, role=self.role, timestamp=time.time(),
@@ -244,29 +226,16 @@ class EmbedWorker:
             counters={"requests": c.requests, "finished": c.finished, "errors": c.errors},
         )
 
-    async def _report_load(self) -> None:
-        subject = self.bus.subjects.load(self.embedder.model_name, self.worker_id)
-        while True:
-            try:
-                await self.bus.publish(subject, self.load(), traced=False)
-            except Exception as e:
-                log.warning("load report failed: %s", e)
-            await asyncio.sleep(self.settings.load_interval)
+    def in_flight(self) -> int:
+        return self.inflight
 
     async def drain(self, stop: asyncio.Event | None = None) -> None:
         """Take no new requests (503: the gateway sends them elsewhere), let those in flight
-        finish (bounded as a decode worker's drain), then return to deregister."""
-        self.status = "draining"
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.cards.put(), 2.0)
-        seconds = self.settings.drain_timeout
-        if isinstance(stop, StopEvent):
-            seconds = stop.drain_seconds(seconds)
-        deadline = time.monotonic() + seconds
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self._tasks:
-            await cancel_and_wait(list(self._tasks))
+        finish (bounded as a decode worker's drain), then drop the handlers left and return to
+        deregister."""
+        await super().drain(stop)
+        if self._requests:
+            await cancel_and_wait(list(self._requests))
 
 
 async def _unsubscribe(sub) -> None:

@@ -291,7 +291,7 @@ ASYNC_SCHEDULING_DEFAULT_CUDA = False  # CUDA: overlap scheduling with the devic
 class EngineConfig:
     """A model engine's configuration; its flags are ``engine.flags`` (which loads no torch)."""
 
-    simulated: ClassVar[bool] = False  # a model, not a timing model (``worker.base.SimulatedEngineConfig``)
+    simulated: ClassVar[bool] = False  # a model, not a timing model (``worker.settings.SimulatedEngineConfig``)
     model: str | Path
     served_name: str | None = None  # the model name on the bus; defaults to the directory name
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)

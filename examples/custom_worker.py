@@ -46,7 +46,8 @@ from engine.sequence import SampledToken, Sequence
 from mesh.config import settings
 from mesh.protocol import WorkerCard
 from mesh.tokenizer import Tokenizer
-from worker.base import WorkerSettings, new_worker_id
+from worker.core import new_worker_id
+from worker.settings import WorkerSettings
 
 ARITHMETIC = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)")
 

@@ -146,7 +146,7 @@ class TimingModel:
 @dataclass(frozen=True)
 class MockConfig:
     """The mocker's configuration. It owns its flags (``add_args``, ``from_args``) and builds its
-    engine (``build``): the worker base names no mocker (``worker.base.SimulatedEngineConfig``)."""
+    engine (``build``): the worker base names no mocker (``worker.settings.SimulatedEngineConfig``)."""
 
     simulated: ClassVar[bool] = True  # a timing model: no KV bytes (transport "mock"), nothing to warm up
     model_name: str = "mock"

@@ -64,7 +64,7 @@ VARIANTS: dict[str, dict] = {
                                                                        "hashKey": {"existingSecret": "hash-key"}},
     },
     "external-creds": {"nats": {"external": {"url": "tls://n1.infra:4222,tls://n2.infra:4222", "credsSecret": "creds"},
-                                "tls": {"secretName": "nats-ca"}}},
+                                "tls": {"secretName": "nats-ca"}}, "embed": {"replicas": 1}},
     "planner-off": {"planner": {"enabled": False}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
     "everything": {
         "workers": {"mock": True}, "nats": {"replicas": 3, "jetstream": {"fileStore": {"enabled": False}}},
@@ -75,6 +75,11 @@ VARIANTS: dict[str, dict] = {
     "aggregated-hostpath": {
         "prefill": {"enabled": False}, "planner": {"enabled": False},
         "model": {"source": "hostPath", "path": "qwen", "hostPath": {"path": "/data/models"}},
+    },
+    "embed": {
+        "embed": {"replicas": 2, "pooling": "mean", "gpus": 1, "extraArgs": ["--device=cuda"]},
+        "model": {"servedName": "qwen-embed"}, "nats": {"tls": {"secretName": "nats-tls"}},
+        "metrics": {"serviceMonitor": {"enabled": True}}, "otel": {"endpoint": "http://otel:4318"},
     },
 }
 
@@ -170,6 +175,8 @@ def test_selectors_match_and_names_are_unique(variant):
     ({"decode": {"resources": {"limits": {"memory": "lots"}}}}, "/decode/resources/limits/memory"),
     ({"workers": {"transports": "carrier-pigeon"}}, "/workers/transports"),
     ({"planner": {"minDecode": 0}}, "/planner/minDecode"),
+    ({"embed": {"pooling": "max"}}, "/embed/pooling"),
+    ({"embed": {"replicas": -1}}, "/embed/replicas"),
 ])
 def test_schema_rejects_bad_values(values, error):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as e:
@@ -196,11 +203,16 @@ def role_of(doc: dict) -> str:
     return doc["metadata"]["name"].removeprefix(f"{RELEASE}-pdmesh-")
 
 
+def nats_user(doc: dict) -> str:
+    """The NATS user a component joins as: its own, but an embed worker is a decode worker."""
+    return {"embed": "decode"}.get(role_of(doc), role_of(doc))
+
+
 def nats_values(variant: str) -> dict:
     return VARIANTS[variant].get("nats", {})
 
 
-@pytest.mark.parametrize("variant", ["default", "gpu", "planner-off", "everything", "nats-no-auth", "secured"])
+@pytest.mark.parametrize("variant", ["default", "gpu", "planner-off", "everything", "nats-no-auth", "secured", "embed"])
 def test_every_process_dials_the_charts_nats_service_as_its_role(variant):
     docs = render(variant)
     svc = one(docs, "Service", component("nats"))
@@ -212,8 +224,8 @@ def test_every_process_dials_the_charts_nats_service_as_its_role(variant):
     tls = bool(nats_values(variant).get("tls", {}).get("secretName"))
     roles = set()
     for d, c in pdmesh_containers(docs):
-        role = role_of(d)
-        roles.add(role)
+        role = nats_user(d)
+        roles.add(role_of(d))
         url = urlsplit(env(c)["MESH_NATS_URL"])
         assert (url.scheme, url.hostname, url.port) == ("tls" if tls else "nats", svc["metadata"]["name"], port)
         if auth:  # its role's user; the password from the Secret, expanded by Kubernetes
@@ -529,8 +541,9 @@ def test_worker_metrics_listen_on_the_pod_ip():
 def test_external_nats_with_a_creds_file_per_role():
     docs = render("external-creds")
     assert not find(docs, "StatefulSet") and not find(docs, "Secret")
+    assert find(docs, "Deployment", component("embed"))
     for d, c in pdmesh_containers(docs):
-        role = role_of(d)
+        role = nats_user(d)
         e = env(c)
         assert e["MESH_NATS_URL"] == "tls://n1.infra:4222,tls://n2.infra:4222" and "NATS_PASSWORD" not in e
         assert e["MESH_NATS_CREDS"] == f"/etc/pdmesh/nats-creds/{role}.creds"
@@ -543,7 +556,7 @@ def test_external_nats_with_a_creds_file_per_role():
 # -- the planner's permissions -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["default", "gpu", "external-nats", "everything"])
+@pytest.mark.parametrize("variant", ["default", "gpu", "external-nats", "everything", "embed"])
 def test_planner_may_get_and_patch_exactly_the_pool_scales(variant):
     docs = render(variant)
     pools = {component("prefill"), component("decode")}
@@ -624,6 +637,30 @@ def test_decode_flags_follow_the_values():
     args = containers(one(render("aggregated-hostpath"), "Deployment", component("decode")))[0]["args"]
     assert "--disagg-threshold=1000000000" in args
     assert not find(render("aggregated-hostpath"), "Deployment", component("prefill"))
+
+
+def test_an_embed_pool_is_a_fixed_pool_of_decode_workers_with_task_embed():
+    from cli.worker import role_of as cli_role
+
+    assert not [d for v in VARIANTS if v != "embed" and "embed" not in VARIANTS[v]
+                for d in find(render(v), "Deployment", component("embed"))]  # none unless asked
+    docs = render("embed")
+    d = one(docs, "Deployment", component("embed"))
+    assert d["spec"]["replicas"] == 2  # the planner is on, but sizes only prefill and decode
+    c = containers(d)[0]
+    args = [a.replace("$(POD_NAME)", "embed-0") for a in c["args"]]
+    assert cli_role(build_parser().parse_args(args)) == "embed"
+    assert args[:2] == ["worker", "decode"] and "--task=embed" in args and "--pooling=mean" in args
+    assert "--served-name=qwen-embed" in args and args[-1] == "--device=cuda"
+    assert not [a for a in args if a.startswith(("--transports", "--block-size", "--disagg", "--prefill"))]
+    assert "UCX_TLS" not in env(c)  # no KV moves between embed workers
+    assert env(c)["OTEL_SERVICE_NAME"] == "pdmesh-embed" and env(c)["MESH_MODEL"] == "/models/tiny"
+    assert c["readinessProbe"]["exec"]["command"][-1] == "decode"  # the probe joins NATS as the worker does
+    assert _limits(d)["nvidia.com/gpu"] == 1
+    (pm,) = find(docs, "PodMonitor")
+    assert "embed" in pm["spec"]["selector"]["matchExpressions"][0]["values"]
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError, match=r"embed workers do not run on the mocker"):
+        chart.render({"embed": {"replicas": 1}, "workers": {"mock": True}}, name=RELEASE, namespace=NAMESPACE)
 
 
 @pytest.mark.parametrize(("variant", "volume", "model_dir"), [

@@ -1,16 +1,18 @@
 """Real clusters for integration tests: worker and gateway processes started with the ``mesh``
-CLI, a bus client to watch them, HTTP readiness, one request streamed from a worker, and
-``mesh up`` as a user runs it."""
+CLI, a bus client to watch them, HTTP readiness, one request streamed from a worker, kill -9 of
+the worker serving a stream, and ``mesh up`` as a user runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -18,7 +20,7 @@ import httpx
 from mesh.bus import Bus
 from mesh.client import generate
 from mesh.natsserver import free_port
-from mesh.protocol import GenerateRequest, LoadReport, SamplingOptions
+from mesh.protocol import GenerateRequest, LoadReport, RouterDecision, SamplingOptions
 from mesh.registry import Membership
 from tests.helpers.procs import stop_processes
 
@@ -105,6 +107,57 @@ class Watcher:
     async def close(self) -> None:
         await self.membership.stop()
         await self.bus.close()
+
+
+async def router_choices(w: Watcher) -> list[str]:
+    """The workers the router sends requests to from now on, in order (the list fills as its
+    decisions come): where a stream runs before any load report says so."""
+    chosen: list[str] = []
+
+    async def on_decision(d: RouterDecision, raw) -> None:
+        chosen.append(d.worker_id)
+
+    await w.bus.subscribe(w.bus.subjects.router_decisions(), on_decision, RouterDecision)
+    await w.bus.flush(5.0)  # the server has the subscription before the test sends a request
+    return chosen
+
+
+async def kill_serving_worker(w: Watcher, workers: Mapping[str, subprocess.Popen], *,
+                              chosen: list[str] | None = None, since: float = 0.0) -> str:
+    """kill -9 of the worker of ``workers`` (id -> process) that serves the one stream running: the
+    router's last choice where the test follows them (``router_choices``: a short stream may end
+    before a load report shows it running), else the one worker whose load report, sent after
+    ``since``, has a request running. Its id."""
+    if chosen is not None:
+        serving = (await w.wait_for(lambda: chosen, 10, "the router's decision"))[-1]
+    else:
+        busy = await w.wait_for(
+            lambda: [wid for wid in workers if (r := w.loads.get(wid)) and r.timestamp > since and r.running], 10,
+            "the serving worker's load report")
+        assert len(busy) == 1, busy
+        serving = busy[0]
+    os.kill(workers[serving].pid, signal.SIGKILL)
+    return serving
+
+
+async def stream_killing_its_worker(url: str, model: str, prompt: list[int], max_tokens: int, w: Watcher,
+                                    workers: Mapping[str, subprocess.Popen], *, after: int,
+                                    chosen: list[str] | None = None) -> tuple[list[int], str]:
+    """A greedy streamed completion (``ignore_eos``) whose worker is killed (``kill_serving_worker``)
+    once ``after`` tokens came: every token id the client got, and the killed worker's id."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    got: list[int] = []
+    killed = None
+    async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
+                                                                       json=body) as r:
+        assert r.status_code == 200
+        async for event in completion_events(r):
+            got += event["choices"][0].get("token_ids") or []
+            if killed is None and len(got) >= after:
+                killed = await kill_serving_worker(w, workers, chosen=chosen)
+    assert killed is not None
+    return got, killed
 
 
 def wait_http_ok(url: str, timeout: float = 60.0) -> None:

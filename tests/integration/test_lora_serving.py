@@ -10,8 +10,6 @@ adapter until one is loaded at runtime), one gateway with the KV router.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -20,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
 from tests.helpers.lora import ADAPTERS, peft_references
 from tests.helpers.references import prompts_of
 
@@ -222,25 +220,12 @@ async def test_an_adapter_request_migrates_when_its_worker_dies(cluster, tiny_mo
     prompt, n = ids(40, 11), 400
     w = await Watcher.open(nats_url)
     try:
+        chosen = await router_choices(w)  # 400 tokens can end before a load report says where they run
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": "mig", "lora_path": str(dirs["mlp"])})
             assert r.status_code == 200, r.text
-            body = {"model": "mig", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_token_ids": True}
-            got: list[int] = []
-            killed = None
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for event in completion_events(r):
-                    got += event["choices"][0].get("token_ids") or []
-                    if killed is None and len(got) >= 20:
-                        busy = await w.wait_for(
-                            lambda: [x for x in (DEC, BASE) if (rep := w.loads.get(x)) and rep.running], 10,
-                            "the serving worker's load report")
-                        killed = busy[0]
-                        pid = next(p.pid for p in cluster.procs if killed in p.args)
-                        os.kill(pid, signal.SIGKILL)
-        assert killed is not None
+        workers = {x: next(p for p in cluster.procs if x in p.args) for x in (DEC, BASE)}
+        got, _ = await stream_killing_its_worker(url, "mig", prompt, n, w, workers, after=20, chosen=chosen)
         engine = Engine(EngineConfig(tiny_model, num_kv_blocks=256, loras=(("mig", str(dirs["mlp"])),)))
         want = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), lora="mig")
         assert got == want[0].output_token_ids  # no token lost, none repeated, the adapter kept

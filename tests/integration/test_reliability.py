@@ -5,7 +5,6 @@ request, block usage back to idle."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import time
@@ -17,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
-from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.cluster import Watcher, stream_killing_its_worker, wait_http_ok
 
 NS = "faults"
 
@@ -42,23 +41,7 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
     n = 1200  # long enough that the kill lands mid-stream (the busy worker is known within a load report)
     try:
         await w.wait_workers("decode", 2)
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
-        got: list[int] = []
-        killed = None
-        async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
-                                                                           json=body) as r:
-            assert r.status_code == 200
-            async for event in completion_events(r):
-                got += event["choices"][0].get("token_ids") or []
-                if killed is None and len(got) >= 50:
-                    busy = await w.wait_for(
-                        lambda: [wid for wid in workers if (rep := w.loads.get(wid)) and rep.running], 10,
-                        "the serving worker's load report")
-                    assert len(busy) == 1, busy
-                    killed = busy[0]
-                    os.kill(workers[killed].pid, signal.SIGKILL)
-        assert killed is not None
+        got, _ = await stream_killing_its_worker(url, "tiny", prompt, n, w, workers, after=50)
         reference = Engine(EngineConfig(tiny_model, num_kv_blocks=512)).generate(
             [prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
         assert got == reference.output_token_ids  # no token lost, none repeated

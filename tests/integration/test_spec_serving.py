@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from mesh.protocol import RouterDecision
-from tests.helpers.cluster import Watcher, completion_events, wait_http_ok
+from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
 from tests.helpers.lora import ADAPTERS, make_adapter
 from tests.helpers.references import hf_greedy, hf_model, prompts_of
 
@@ -206,26 +203,9 @@ async def test_a_decode_worker_killed_mid_stream(cluster, mesh, plain):
     prompt = repeating(8, 808)
     n = 300
     w = await Watcher.open(cluster.nats_url, ns=NS)
-    chosen: list[str] = []  # the router's decisions, in order: the stream's worker (a stream this short
-
-    async def on_decision(d: RouterDecision, raw) -> None:  # can end before a load report says where it runs)
-        chosen.append(d.worker_id)
-
-    await w.bus.subscribe(w.bus.subjects.router_decisions(), on_decision, RouterDecision)
+    chosen = await router_choices(w)  # a stream this short can end before a load report says where it runs
     try:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
-        got: list[int] = []
-        killed = None
-        async with httpx.AsyncClient(timeout=120) as client, client.stream("POST", f"{url}/v1/completions",
-                                                                           json=body) as r:
-            assert r.status_code == 200
-            async for event in completion_events(r):
-                got += event["choices"][0].get("token_ids") or []
-                if killed is None and len(got) >= 8:
-                    killed = chosen[-1]
-                    os.kill(workers[killed].pid, signal.SIGKILL)
-        assert killed is not None
+        got, killed = await stream_killing_its_worker(url, "tiny", prompt, n, w, workers, after=8, chosen=chosen)
         assert got == plain([prompt], n)[0]
         survivor = next(x for x in DECODE if x != killed)
         report = await w.fresh_load(survivor)

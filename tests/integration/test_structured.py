@@ -39,7 +39,7 @@ from mesh.bus import Bus
 from mesh.client import generate
 from mesh.protocol import ConstraintSpec, GenerateRequest, SamplingOptions
 from mesh.tokenizer import Tokenizer
-from tests.helpers.cluster import Watcher, wait_http_ok
+from tests.helpers.cluster import Watcher, kill_serving_worker, wait_http_ok
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 BY_NAME = {e["name"]: e["schema"] for e in CORPUS}
@@ -431,11 +431,7 @@ async def test_a_worker_killed_mid_stream_resumes_and_the_json_still_validates(a
                 reason = chunk.choices[0].finish_reason or reason
                 chunks += 1
                 if killed is None and chunks == 20:
-                    busy = await w.wait_for(lambda: [i for i in agg.workers if (r := w.loads.get(i))
-                                                     and r.timestamp > since and r.running], 10, "a load report")
-                    assert len(busy) == 1, busy
-                    killed = busy[0]
-                    os.kill(agg.workers[killed].pid, signal.SIGKILL)
+                    killed = await kill_serving_worker(w, agg.workers, since=since)
         finally:
             await w.close()
     assert killed is not None and reason == "stop"

@@ -131,9 +131,11 @@ mock
 {{- end -}}
 {{- end -}}
 
-{{/* Environment of every pdmesh container. Args: root, component. */}}
+{{/* Environment of every pdmesh container. Args: root, component, natsUser (default: the component;
+an embed worker joins NATS as a decode worker). */}}
 {{- define "pdmesh.env" -}}
 {{- $v := .root.Values -}}
+{{- $user := .natsUser | default .component -}}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -147,9 +149,9 @@ mock
   valueFrom:
     secretKeyRef:
       name: {{ include "pdmesh.natsAuthSecret" .root }}
-      key: {{ .component }}
+      key: {{ $user }}
 - name: MESH_NATS_URL
-  value: {{ include "pdmesh.natsUrl" (dict "root" .root "user" .component) | quote }}
+  value: {{ include "pdmesh.natsUrl" (dict "root" .root "user" $user) | quote }}
 {{- else }}
 - name: MESH_NATS_URL
   value: {{ include "pdmesh.natsUrl" (dict "root" .root "user" "") | quote }}
@@ -160,7 +162,7 @@ mock
 {{- end }}
 {{- if and $v.nats.external.url $v.nats.external.credsSecret }}
 - name: MESH_NATS_CREDS
-  value: {{ printf "/etc/pdmesh/nats-creds/%s.creds" .component | quote }}
+  value: {{ printf "/etc/pdmesh/nats-creds/%s.creds" $user | quote }}
 {{- end }}
 - name: MESH_JS_REPLICAS
   value: {{ include "pdmesh.jsReplicas" .root | quote }}

@@ -1,0 +1,160 @@
+"""The lifecycle every worker role shares, with a KV engine or without one: ``WorkerCore``.
+
+``WorkerBase`` (``worker.base``: an engine in its own thread, KV events, ordered step outputs)
+and the embed worker (``decode.embed``: a forward without a KV cache) subclass it and fill in
+the engine (``open_engine``, ``warm_up``, ``close_engine``), ``start()``, ``card()``,
+``next_load()`` and ``in_flight()``.
+
+Lifecycle (``run``): connect -> build the engine and warm it up (in a thread: the event loop
+never waits for torch) -> metrics server -> the role's ``start`` (its parts, subscriptions) ->
+register card -> load reports -> serve until stop -> drain (status "draining", finish in-flight
+work) -> stop load reports -> deregister -> the role's cleanups, last pushed first -> close
+the engine -> close bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+from mesh.bus import Bus
+from mesh.natsauth import retry_unavailable
+from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
+from mesh.protocol import LoadReport, WorkerCard, subject_token
+from mesh.registry import CardPublisher
+from mesh.telemetry import serve_metrics, setup_tracing
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+def new_worker_id(role: str) -> str:
+    return subject_token(f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}")
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    by_key: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self.by_key[key] = self.by_key.get(key, 0) + n
+
+
+class WorkerCore:
+    role = ""
+
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.worker_id = settings.worker_id or new_worker_id(self.role)
+        self.started = time.time()
+        self.status = "ready"
+        self.counters = Counters()
+        self.ready = asyncio.Event()
+        self.bus: Bus | None = None
+        self.cards: CardPublisher | None = None
+        self.last_load: LoadReport | None = None
+        self.metrics_port = 0
+        self.exit_code = 0
+
+    # -- for roles ----------------------------------------------------------------
+    def open_engine(self) -> None:
+        """In a thread, once connected: build what computes (and keep it)."""
+
+    def warm_up(self) -> None:
+        """In a thread, before the card goes up: the first forward faults in pages and picks
+        kernels, and no user request should wait for that."""
+
+    def close_engine(self) -> None:
+        """After the role's cleanups: free what ``open_engine`` built."""
+
+    def served_model(self) -> str:
+        """The model this worker serves (names its subjects)."""
+        raise NotImplementedError
+
+    def register_collectors(self) -> None:
+        """The role's collectors on the /metrics page, before it is served."""
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        """The role's parts and subscriptions, before the card goes up; cleanups onto ``stack``."""
+
+    def card(self) -> WorkerCard:
+        raise NotImplementedError
+
+    async def next_load(self) -> LoadReport:
+        raise NotImplementedError
+
+    def in_flight(self) -> int:
+        return 0
+
+    def serving_note(self) -> str:
+        """What the "serving" log line adds after the model's name."""
+        return ""
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or stop_event_on_signals()
+        s = self.settings
+        setup_tracing(f"pdmesh-{self.role}")
+        async with AsyncExitStack() as stack:
+            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
+            stack.push_async_callback(self.bus.close)
+            await asyncio.to_thread(self.open_engine)
+            stack.callback(self.close_engine)
+            await asyncio.to_thread(self.warm_up)
+            self._serve_metrics()
+            await self.start(stack, stop)
+            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
+            await retry_unavailable(self.cards.start, "the worker registry")
+            stack.push_async_callback(self.cards.stop)
+            load = asyncio.create_task(self._report_load(), name="load")
+            stack.push_async_callback(cancel_and_wait, [load])
+            settle_heap()  # start-up state built: out of the collector's way
+            self.ready.set()
+            log.info("%s worker %s serving %s%s", self.role, self.worker_id, self.served_model(),
+                     self.serving_note())
+            await stop.wait()
+            await self.drain(stop)
+
+    async def drain(self, stop: asyncio.Event | None = None) -> None:
+        """Stop taking work, let in-flight work finish (bounded: ``drain_timeout`` after SIGTERM,
+        a few seconds after SIGINT, none after a second signal), then return to deregister."""
+        self.status = "draining"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.cards.put(), 2.0)
+        seconds = self.settings.drain_timeout
+        if isinstance(stop, StopEvent):
+            seconds = stop.drain_seconds(seconds)
+        deadline = time.monotonic() + seconds
+        while self.in_flight() and time.monotonic() < deadline and not (
+                isinstance(stop, StopEvent) and stop.hurry.is_set()):
+            await asyncio.sleep(0.05)
+        if self.in_flight():
+            log.warning("%d requests still in flight after the drain timeout", self.in_flight())
+
+    def _serve_metrics(self) -> None:
+        if self.settings.metrics_port < 0:
+            return
+        self.register_collectors()
+        self.metrics_port = serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
+
+    async def _report_load(self) -> None:
+        subject = self.bus.subjects.load(self.served_model(), self.worker_id)
+        while True:
+            try:
+                report = await self.next_load()
+                self.last_load = report
+                await self.bus.publish(subject, report, traced=False)
+            except Exception as e:
+                log.warning("load report failed: %s", e)
+            await asyncio.sleep(self.settings.load_interval)
