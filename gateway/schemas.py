@@ -169,6 +169,10 @@ class SamplingFields(BaseModel):
         t = 1.0 if self.temperature is None else self.temperature
         return 0.0 if t < GREEDY_BELOW else t
 
+    @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 RESERVED_TEMPLATE_VARS = {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
@@ -246,10 +250,6 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
-    def wants_json(self) -> bool:
-        return self.response_format is not None and self.response_format.type != "text"
-
-    @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -283,10 +283,6 @@ class CompletionRequest(SamplingFields):
     @property
     def max_output(self) -> int | None:
         return self.max_tokens
-
-    @property
-    def wants_json(self) -> bool:
-        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def num_logprobs(self) -> int | None:
