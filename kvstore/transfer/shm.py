@@ -161,24 +161,24 @@ def _shard_files(params: dict) -> list[tuple[str, int, int]]:
         raise Refused(f"malformed shm params ({type(e).__name__})") from None
 
 
-def open_kv_file(name: str) -> tuple[int, os.stat_result]:
-    """Open the KV file ``name`` of the mesh's directory: a plain ``kv-*`` name, opened relative
-    to the directory, no symlink followed, a regular file of this user; ``Refused`` otherwise.
-    The caller closes the descriptor."""
+def open_kv_file(name: str, kind: str = "KV", min_size: int = 0) -> tuple[int, os.stat_result]:
+    """Open the ``kind`` file ``name`` of the mesh's directory: a plain ``kv-*`` name, opened
+    relative to the directory, no symlink followed, a regular file of this user of at least
+    ``min_size`` bytes; ``Refused`` otherwise. The caller closes the descriptor."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise Refused("not a KV file name")
+        raise Refused(f"not a {kind} file name")
     dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
-            raise Refused(f"cannot open KV file {name}: {e.strerror}") from None
+            raise Refused(f"cannot open {kind} file {name}: {e.strerror}") from None
     finally:
         os.close(dir_fd)
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < min_size:
         os.close(fd)
-        raise Refused(f"{name} is not a KV file of this user")
+        raise Refused(f"{name} is not a {kind} file of this user")
     return fd, st
 
 
@@ -271,18 +271,7 @@ def _open_fence(params: dict, num_blocks: int) -> int | None:
     name = params["fence"]
     if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(params.get("gen"), int):
         raise Refused("malformed fence params")
-    dir_fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        raise Refused(f"cannot open fence file {name}: {e.strerror}") from None
-    finally:
-        os.close(dir_fd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < 4 * num_blocks:
-        os.close(fd)
-        raise Refused(f"{name} is not a fence file of this user")
-    return fd
+    return open_kv_file(name, "fence", 4 * num_blocks)[0]
 
 
 def _fenced_copy(src, dst, src_ids: list[int], dst_ids: list[int], fence_fd: int | None, gen,
