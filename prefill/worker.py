@@ -195,8 +195,20 @@ class PrefillWorker(WorkerBase):
             return
         seq.hold_blocks = True
         self.jobs[job.request_id] = Job(job, seq, time.monotonic(), span)
+        self._prepare(job)
         self.counters.requests += 1
         await self.loop.call(lambda e: e.add(seq))
+
+    def _prepare(self, job: PrefillJob) -> None:
+        """Start what the transfer will wait for (nixl: the write grant) while the prefill computes."""
+        name, params = next(((n, p) for n, p in job.transports.items() if self._usable(n, p)), ("", {}))
+        prepare = getattr(self.senders.get(name), "prepare", None)
+        if prepare is not None:
+            target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
+            try:
+                prepare(target, params, self.engine.kv_cache)
+            except Exception as e:  # send meets it again, and reports it
+                log.info("prefill %s: nothing prepared for %s: %s", job.request_id, name, e)
 
     def _refused(self, job: PrefillJob) -> str | None:
         """Why nobody may serve this job: its transport params name something that is not the
