@@ -14,7 +14,9 @@ This thread sleeps with ``time.sleep`` (microseconds) between polls:
                  about 1000 cheap polls a second; its first bytes wait in the socket until then)
     POLL_SLOW    once the newest is SLOW_AFTER old (its writer is likely gone)
 
-It runs only while something is in flight and ends when nothing is: an idle worker costs no CPU.
+It polls only while something is in flight and waits on a condition otherwise (started once, on
+the first transfer: a new thread per transfer cost its start on a busy machine): an idle worker
+costs no CPU.
 Every agent call it makes is a quick one (no waiting), serialized with the event loop's
 (``NIXL_THREAD_SYNC_STRICT``). What it finds goes to the loop with ``call_soon_threadsafe``;
 all other state stays on the loop.
@@ -49,6 +51,7 @@ class Progress:
         self.agent = agent
         self.deliver = deliver
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # notified when something is in flight
         self._xfers: dict[int, tuple[object, asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._expected: dict[bytes, float] = {}  # notification -> monotonic time it was first awaited
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,25 +83,21 @@ class Progress:
         with self._lock:
             self._newest = time.monotonic()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Under the lock: a new thing in flight; start the thread unless it runs."""
+        """Under the lock: a new thing in flight; wake the thread (start it the first time)."""
         self._loop, self._newest = loop, time.monotonic()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
             self._thread.start()
+        self._work.notify()
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 self._give_up(time.monotonic())
+                while not self._xfers and not self._expected:
+                    self._work.wait()  # idle: no CPU until something is in flight
                 xfers, expected, loop = list(self._xfers.values()), bool(self._expected), self._loop
-                if not xfers and not expected:
-                    self._thread = None  # a later watch/expect starts a new one
-                    return
             try:
                 self._poll(xfers, expected, loop)
             except Exception:  # never leave a waiter hanging on a dead thread
