@@ -6,7 +6,8 @@ agent runs without UCX's progress thread (it spins a core, idle or not). Polling
 loop cannot be fine enough: ``asyncio.sleep`` waits in ``epoll_wait``, whose timeout is whole
 milliseconds (0.1 ms sleeps take 1.1 ms), so every poll of a 1 MB write cost a millisecond
 (measured: a 1 MB write 1.5-2.1 ms, 0.5 ms with the same agents polled every 0.05-0.1 ms).
-This thread sleeps with ``time.sleep`` (microseconds) between polls:
+This thread waits on a condition between polls (a futex: microseconds; a new transfer, grant or
+``kick`` ends the wait at once):
 
     POLL_FAST    for FAST_FOR seconds after the newest transfer, expected notification or
                  arrival (a write in flight moves at the link's pace)
@@ -82,6 +83,7 @@ class Progress:
     def kick(self) -> None:
         with self._lock:
             self._newest = time.monotonic()
+            self._work.notify()  # cut its pause short
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Under the lock: a new thing in flight; wake the thread (start it the first time)."""
@@ -102,7 +104,8 @@ class Progress:
                 self._poll(xfers, expected, loop)
             except Exception:  # never leave a waiter hanging on a dead thread
                 log.exception("nixl: progress failed")
-            time.sleep(self._pause())
+            with self._lock:  # a futex wait: microseconds, and a kick or a new transfer ends it
+                self._work.wait(self._pause())
 
     def _give_up(self, now: float) -> None:
         for key in [k for k, since in self._expected.items() if now - since > AWAIT_MAX]:
