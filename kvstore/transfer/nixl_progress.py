@@ -4,8 +4,9 @@ and tells the event loop when a transfer is done or a notification came.
 UCX over TCP moves bytes only while each side's worker is progressed (the target's too), and the
 agent runs without UCX's progress thread (it spins a core, idle or not). Polling from the event
 loop cannot be fine enough: ``asyncio.sleep`` waits in ``epoll_wait``, whose timeout is whole
-milliseconds (0.1 ms sleeps take 1.1 ms), so every poll of a 1 MB write cost a millisecond
-(measured: a 1 MB write 1.5-2.1 ms, 0.5 ms with the same agents polled every 0.05-0.1 ms).
+milliseconds (0.1 ms sleeps took 1.1 ms), so every poll of a 1 MB write cost a millisecond
+(in the mesh a 1 MB write took 1.5-2.1 ms; NIXL alone between the same two namespaces, polled
+every 0.05-0.1 ms from a plain loop on a quiet machine, 0.43-0.74 ms: ``bench/nixl_bound.py``).
 This thread waits on a condition between polls (a futex: microseconds; a new transfer, grant or
 ``kick`` ends the wait at once):
 
@@ -15,9 +16,8 @@ This thread waits on a condition between polls (a futex: microseconds; a new tra
                  about 1000 cheap polls a second; its first bytes wait in the socket until then)
     POLL_SLOW    once the newest is SLOW_AFTER old (its writer is likely gone)
 
-It polls only while something is in flight and waits on a condition otherwise (started once, on
-the first transfer: a new thread per transfer cost its start on a busy machine): an idle worker
-costs no CPU.
+It polls only while something is in flight and waits on the condition otherwise (it is started
+once, on the agent's first transfer, not per transfer): an idle worker costs no CPU.
 Every agent call it makes is a quick one (no waiting), serialized with the event loop's
 (``NIXL_THREAD_SYNC_STRICT``). What it finds goes to the loop with ``call_soon_threadsafe``;
 all other state stays on the loop.
