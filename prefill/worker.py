@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # Do not start writing a decode worker's blocks this close to the job's deadline.
 DEADLINE_MARGIN = 0.5
+# Nor when our card is this old, as a share of the registry's TTL: at the TTL the decode worker
+# counts us gone and lets go of the blocks our grants held (nixl's ``writer_left``). Cards are
+# refreshed every third of the TTL; a write started before this share has a third of it to end.
+CARD_FRESH = 2 / 3
 # A job no worker of the pool can serve is failed (the decode worker prefills locally) after this many tries.
 MAX_DELIVERIES = 20
 TRACER = tracer("pdmesh.prefill")
@@ -282,6 +286,7 @@ class PrefillWorker(WorkerBase):
             remaining = job.deadline - time.time() - DEADLINE_MARGIN
             if remaining <= 0:
                 raise TimeoutError("past the deadline before the transfer")
+            self._check_registered()
             first = job.num_cached_tokens // job.block_size
             src = j.seq.block_table[first : first + len(job.dest_block_ids)]
             target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
@@ -315,6 +320,13 @@ class PrefillWorker(WorkerBase):
             self.jobs.pop(job.request_id, None)
             self._room.set()
             await self.loop.call(lambda e: e.release(job.request_id))
+
+    def _check_registered(self) -> None:
+        """Write only while the registry surely counts us in (else ``TimeoutError``)."""
+        ttl = self.settings.registry_ttl
+        if self.cards is not None and self.cards.age() > ttl * CARD_FRESH:
+            raise TimeoutError(f"our registry card is {self.cards.age():.1f}s old (TTL {ttl:g}s): the decode "
+                               "worker may count us gone and reuse the blocks")
 
     async def _done(self, job: PrefillJob, ok: bool, span: trace.Span | None = None, **fields) -> None:
         if ok:

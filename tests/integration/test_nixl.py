@@ -16,6 +16,7 @@ nats-server, real decode and prefill worker processes, ``--transports nixl,nats`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -279,3 +280,36 @@ async def test_a_prefill_worker_killed_holding_a_grant_frees_the_blocks_when_it_
         assert report.kv_blocks_used == 0
     finally:
         await w.close()
+
+
+async def test_a_workers_card_ages_once_the_registry_is_out_of_reach():
+    """The writer's half of ``writer_left``: a prefill worker writes only while its card is fresh
+    (``CARD_FRESH`` of the TTL), since at the TTL decode workers count it gone and free the blocks
+    of its grants. The card's age stays under a refresh period while the registry answers, and
+    grows past that share once the server is gone (a partition looks the same from inside)."""
+    from mesh.bus import Bus
+    from mesh.natsserver import EmbeddedNats
+    from mesh.protocol import WorkerCard
+    from mesh.registry import CardPublisher
+    from prefill.worker import CARD_FRESH
+
+    ttl = 0.9
+    nats = EmbeddedNats().start()
+    bus = await Bus.connect(nats.url, "test-card-age")
+    card = WorkerCard(worker_id="aging", role="prefill", model="tiny", block_size=16, kv_blocks=64,
+                      max_model_len=512, host="h", pid=1, started=time.time(), updated=time.time())
+    cards = CardPublisher(bus, lambda: card, ttl=ttl)
+    try:
+        await cards.start()
+        for _ in range(4):
+            await asyncio.sleep(ttl / 3)
+            assert cards.age() < ttl * CARD_FRESH  # refreshed every third of the TTL
+        nats.stop()
+        await asyncio.sleep(ttl)
+        assert cards.age() > ttl * CARD_FRESH
+    finally:
+        with contextlib.suppress(Exception):  # the server is gone: nothing to delete the card from
+            await cards.stop()
+        with contextlib.suppress(Exception):
+            await bus.close()
+        nats.stop()
