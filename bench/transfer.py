@@ -150,6 +150,8 @@ def main() -> None:
                    help="2: between two network namespaces (root), against a TCP socket and nats")
     p.add_argument("--transport", default="nixl", help="with --hosts 2: the transport to compare (nixl)")
     p.add_argument("--mb", type=int, nargs="+", default=[1, 16, 256], help="with --hosts 2: MB per transfer")
+    p.add_argument("--compute-ms", type=float, default=50.0,
+                   help="with --hosts 2: ms between taking a job (nixl asks its grant) and sending (the prefill)")
     args = p.parse_args()
     if args.hosts == 2:
         # bench/transfer_hosts.py: this script's directory is first on sys.path
@@ -159,7 +161,7 @@ def main() -> None:
         # any UCX_* variable given replaces these
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
             "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
-        report(run_hosts(args.mb, args.repeat, args.transport, env), args.repeat, env)
+        report(run_hosts(args.mb, args.repeat, args.transport, env, args.compute_ms), args.repeat, env)
         return
     asyncio.run(run(args))
 

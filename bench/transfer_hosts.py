@@ -5,8 +5,13 @@ Host A (a network namespace) runs the nats-server and the receiver (the decode w
 KV pool with the real ``NatsReceiver`` and ``NixlReceiver``, and a TCP server that ``recv_into``s
 a buffer); host B runs the sender (the real senders; ``sendall`` for the socket). One transfer
 moves N MB of consecutive blocks (256 KB each: 8 layers x 4 KV heads x 64 dims x 16 tokens,
-fp32) and ends when the receiver holds the bytes in its blocks (nats, nixl: the receiver's
-``finish`` answered) or in its buffer (socket: its one-byte ack). Root only (namespaces).
+fp32). Each is timed as the mesh pays it: from the sender starting until the receiver knows the
+bytes are in its blocks (nats, nixl: the receiver's ``finish`` returned, after a one-way message
+like the PrefillDone the real path sends) or in its buffer (socket: its last ``recv_into``). The
+receiver reads the clock there (CLOCK_MONOTONIC: one kernel, so one clock for both namespaces)
+and says when in its untimed answer. nixl's write grant is asked before, as the prefill worker
+asks it when it takes a job, and ``--compute-ms`` pass before the send as the prefill's compute
+would (the receiver's progress thread is then past its fast polls, as in the mesh). Root only.
 
     sudo python bench/transfer.py --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
 """
@@ -18,6 +23,7 @@ import hashlib
 import json
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -58,7 +64,7 @@ def tcp_server(addr: str, max_bytes: int) -> None:
                     if not k:
                         return
                     got += k
-                conn.sendall(b"k")
+                conn.sendall(struct.pack("<d", time.perf_counter()))  # when the bytes were all in
 
 
 async def receiver(url: str, addr: str, num_blocks: int) -> None:
@@ -77,17 +83,29 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
         q = json.loads(msg.data)
         await msg.respond(json.dumps(rxs[q["transport"]].params(q["rid"], q["blocks"])).encode())
 
-    async def on_finish(msg):
+    async def on_finish(msg):  # the PrefillDone's part: the sender says it is done, one way
         q = json.loads(msg.data)
         ok = await rxs[q["transport"]].finish(q["rid"])
+        landed = time.perf_counter()
         rxs[q["transport"]].forget(q["rid"])
-        await msg.respond(b"ok" if ok else b"fail")
+        finished[q["rid"]] = landed if ok else -1.0
+
+    async def on_when(msg):  # untimed: when the finish above returned
+        rid = json.loads(msg.data)["rid"]
+        for _ in range(1000):
+            if rid in finished:
+                break
+            await asyncio.sleep(0.01)
+        await msg.respond(json.dumps(finished.pop(rid, -1.0)).encode())
+
+    finished: dict[str, float] = {}
 
     async def on_digest(msg):  # untimed: what the receiver's blocks hold
         await msg.respond(digest(kv, json.loads(msg.data)["blocks"]).encode())
 
     await bus.nc.subscribe("bench.expect", cb=on_expect)
     await bus.nc.subscribe("bench.finish", cb=on_finish)
+    await bus.nc.subscribe("bench.when", cb=on_when)
     await bus.nc.subscribe("bench.digest", cb=on_digest)
     await bus.nc.flush()
     print("ready", flush=True)
@@ -95,7 +113,7 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
 
 
 # -- host B: the sender --------------------------------------------------------------------
-async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str]) -> None:
+async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str], compute_s: float) -> None:
     from kvstore.cache import KVCache
     from kvstore.transfer import TransferTarget, make_sender
     from mesh.bus import Bus
@@ -114,16 +132,21 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
         if name == "socket":
             payload = memoryview(src.read_block_major(ids).view(-1).view(torch.uint8).numpy())
             t0 = time.perf_counter()
-            await asyncio.to_thread(_socket_send, sock, payload)
-            return time.perf_counter() - t0, 0.0
+            landed = await asyncio.to_thread(_socket_send, sock, payload)
+            return landed - t0, time.perf_counter() - t0
         q = {"transport": name, "rid": rid, "blocks": ids}
         params = json.loads((await bus.nc.request("bench.expect", json.dumps(q).encode(), 10)).data)
+        target = TransferTarget(rid, WORKER, ids, BS)
+        if hasattr(senders[name], "prepare"):  # as the prefill worker does when it takes the job
+            senders[name].prepare(target, params, src)
+        await asyncio.sleep(compute_s)  # the prefill computes
         t0 = time.perf_counter()
-        await senders[name].send(TransferTarget(rid, WORKER, ids, BS), params, src, ids)
+        await senders[name].send(target, params, src, ids)
         sent = time.perf_counter() - t0
-        reply = await bus.nc.request("bench.finish", json.dumps(q).encode(), 60)
-        seconds = time.perf_counter() - t0
-        assert reply.data == b"ok", name
+        await bus.nc.publish("bench.finish", json.dumps(q).encode())
+        landed = json.loads((await bus.nc.request("bench.when", json.dumps(q).encode(), 60)).data)
+        assert landed > 0, f"{name}: the receiver's finish failed"
+        seconds = landed - t0
         if check:  # the receiver's blocks hold exactly our bytes
             theirs = await bus.nc.request("bench.digest", json.dumps(q).encode(), 60)
             assert theirs.data.decode() == digest(src, ids), f"{name}: the bytes differ"
@@ -142,15 +165,18 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
     await bus.close()
 
 
-def _socket_send(sock: socket.socket, payload: memoryview) -> None:
+def _socket_send(sock: socket.socket, payload: memoryview) -> float:
+    """When the receiver had every byte (its clock)."""
     sock.sendall(len(payload).to_bytes(8, "little"))
     sock.sendall(payload)
-    if sock.recv(1) != b"k":
+    ack = sock.recv(8, socket.MSG_WAITALL)
+    if len(ack) != 8:
         raise RuntimeError("the socket receiver did not ack")
+    return struct.unpack("<d", ack)[0]
 
 
 # -- the driver (root namespace) -----------------------------------------------------------
-def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str]) -> list[dict]:
+def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0) -> list[dict]:
     # bench/netns_pair.py: this script's directory is first on sys.path
     from netns_pair import HostPair
 
@@ -176,7 +202,7 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str]) 
             else:
                 raise SystemExit("the receiver did not start")
             tx = pair.run(pair.ns_b, [sys.executable, str(HERE), "sender", url, pair.addr_a, json.dumps(mbs),
-                                      str(repeat), ",".join(transports)], env=env, stdout=subprocess.PIPE, text=True)
+                                      str(repeat), ",".join(transports), str(compute_ms / 1000)], env=env, stdout=subprocess.PIPE, text=True)
             procs.append(tx)
             out, _ = tx.communicate(timeout=1200)
             lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -204,7 +230,7 @@ def report(rows: list[dict], repeat: int, env: dict[str, str]) -> None:
         print(line)
     for r in rows:
         print(f"  {r['mb']:>4} MB {r['transport']:>6}: " + " ".join(f"{s * 1000:.1f}" for s in r["seconds"])
-              + " ms (send: " + " ".join(f"{s * 1000:.1f}" for s in r["send"]) + ")")
+              + " ms (sender side: " + " ".join(f"{s * 1000:.1f}" for s in r["send"]) + ")")
 
 
 if __name__ == "__main__":
@@ -213,4 +239,4 @@ if __name__ == "__main__":
     if role == "receiver":
         asyncio.run(receiver(rest[0], rest[1], int(rest[2])))
     elif role == "sender":
-        asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(",")))
+        asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(","), float(rest[5])))

@@ -105,6 +105,7 @@ class DecodeWorker(WorkerBase):
                                    accepting=lambda: self.status == "ready")
         self.emission = Emission(ctx, self.active, self.admission.admitted_locally)
         await self.admission.start(stack)
+        self.admission.membership.on_change(self._on_member)
         s = bus.subjects
         await ctx.subscribe(stack, s.generate(model, self.worker_id), self._admit_soon, GenerateRequest)
         await ctx.subscribe(stack, s.cancel(model, self.worker_id), self._on_cancel, Cancel)
@@ -112,6 +113,13 @@ class DecodeWorker(WorkerBase):
         await ctx.subscribe(stack, s.load_model(model), self.admission.on_load, LoadReport)
         if self.peer_fetch is not None:
             await self.peer_fetch.start(stack, self.admission.membership)
+
+    def _on_member(self, worker_id: str, card) -> None:
+        """A worker left the registry: a transport fenced on its word stops waiting for it."""
+        if card is None:
+            for rx in self.receivers.values():
+                if hasattr(rx, "writer_left"):
+                    rx.writer_left(worker_id)
 
     def card(self):
         card = super().card()

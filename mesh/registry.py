@@ -54,6 +54,7 @@ class CardPublisher:
         self._kv: KeyValue | None = None
         self._task: asyncio.Task | None = None
         self._key = ""
+        self._put_at = time.monotonic()  # when the last put that succeeded began (its card's ``updated``)
 
     async def start(self) -> None:
         self._kv = await open_bucket(self.bus, self.ttl)
@@ -62,9 +63,15 @@ class CardPublisher:
 
     async def put(self) -> None:
         card = self.card_fn()
-        card.updated = time.time()
+        began, card.updated = time.monotonic(), time.time()
         self._key = subject_token(card.worker_id)
         await asyncio.wait_for(self._kv.put(self._key, encode(card)), 5.0)
+        self._put_at = began
+
+    def age(self) -> float:
+        """Seconds since the newest card that reached the registry was made: a watcher counts this
+        worker gone once that is its TTL (a partition, or a registry it cannot reach)."""
+        return time.monotonic() - self._put_at
 
     async def _refresh(self) -> None:
         while True:

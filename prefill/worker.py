@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # Do not start writing a decode worker's blocks this close to the job's deadline.
 DEADLINE_MARGIN = 0.5
+# Nor when our card is this old, as a share of the registry's TTL: at the TTL the decode worker
+# counts us gone and lets go of the blocks our grants held (nixl's ``writer_left``). Cards are
+# refreshed every third of the TTL; a write started before this share has a third of it to end.
+CARD_FRESH = 2 / 3
 # A job no worker of the pool can serve is failed (the decode worker prefills locally) after this many tries.
 MAX_DELIVERIES = 20
 TRACER = tracer("pdmesh.prefill")
@@ -195,8 +199,20 @@ class PrefillWorker(WorkerBase):
             return
         seq.hold_blocks = True
         self.jobs[job.request_id] = Job(job, seq, time.monotonic(), span)
+        self._prepare(job)
         self.counters.requests += 1
         await self.loop.call(lambda e: e.add(seq))
+
+    def _prepare(self, job: PrefillJob) -> None:
+        """Start what the transfer will wait for (nixl: the write grant) while the prefill computes."""
+        name, params = next(((n, p) for n, p in job.transports.items() if self._usable(n, p)), ("", {}))
+        prepare = getattr(self.senders.get(name), "prepare", None)
+        if prepare is not None:
+            target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
+            try:
+                prepare(target, params, self.engine.kv_cache)
+            except Exception as e:  # send meets it again, and reports it
+                log.info("prefill %s: nothing prepared for %s: %s", job.request_id, name, e)
 
     def _refused(self, job: PrefillJob) -> str | None:
         """Why nobody may serve this job: its transport params name something that is not the
@@ -270,6 +286,7 @@ class PrefillWorker(WorkerBase):
             remaining = job.deadline - time.time() - DEADLINE_MARGIN
             if remaining <= 0:
                 raise TimeoutError("past the deadline before the transfer")
+            self._check_registered()
             first = job.num_cached_tokens // job.block_size
             src = j.seq.block_table[first : first + len(job.dest_block_ids)]
             target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
@@ -303,6 +320,13 @@ class PrefillWorker(WorkerBase):
             self.jobs.pop(job.request_id, None)
             self._room.set()
             await self.loop.call(lambda e: e.release(job.request_id))
+
+    def _check_registered(self) -> None:
+        """Write only while the registry surely counts us in (else ``TimeoutError``)."""
+        ttl = self.settings.registry_ttl
+        if self.cards is not None and self.cards.age() > ttl * CARD_FRESH:
+            raise TimeoutError(f"our registry card is {self.cards.age():.1f}s old (TTL {ttl:g}s): the decode "
+                               "worker may count us gone and reuse the blocks")
 
     async def _done(self, job: PrefillJob, ok: bool, span: trace.Span | None = None, **fields) -> None:
         if ok:

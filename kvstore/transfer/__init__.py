@@ -97,7 +97,11 @@ async def run_to_end(work: Awaitable[T]) -> T:
 
 class KvSender(Protocol):
     """``usable(params)``: can this process reach the destination (False: another worker of the
-    pool might); raises ``Refused`` when the params are not to be trusted."""
+    pool might); raises ``Refused`` when the params are not to be trusted.
+
+    Optional: ``prepare(target, params, src)``, called (not awaited) when the prefill worker
+    takes the job, before it computes: a transport starts there what its ``send`` would wait for
+    (nixl: the write grant)."""
 
     name: str
 
@@ -120,6 +124,9 @@ class KvReceiver(Protocol):
         start, so they may be reused; False while a sender may still be writing them (ask again
         later, or wait for its PrefillDone)."""
         ...
+
+    # Optional: ``writer_left(worker_id)``, the registry's "worker left" (its card deleted or
+    # expired): a transport whose fence waits for a writer's word (nixl) lets that writer's jobs go.
 
 
 SENDERS: dict[str, Callable[..., KvSender]] = {}

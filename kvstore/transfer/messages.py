@@ -76,12 +76,15 @@ class NixlMetadata(TransportMessage):
 
 class NixlBegin(TransportMessage):
     """Sender -> receiver, request on ``nixl.begin``: may I write job ``job_id`` (a request id, or a
-    fetch id) now? Granted only for a job armed with ``gen`` and not revoked."""
+    fetch id)? Granted only for a job armed with ``gen`` and not revoked. With ``writing`` it is
+    published instead, once the grant was given (ahead), as the write starts: the receiver polls
+    its agent fast from then on."""
 
     kind: str  # "kv" | "fetch"
     job_id: str
     gen: int
     agent: str  # the writer's agent: its completion notification must come from it
+    writing: bool = False  # published (no reply) by a writer granted earlier: its bytes start now
 
 
 class NixlReply(TransportMessage):

@@ -20,6 +20,11 @@ Fence (the shm contract, ``fence.py``): a job is armed by ``params``; a grant mo
 writing; ``revoke`` is True for a job never granted (no write will start: the grant is refused
 from now on) or one whose notification came, False while a granted write may still land.
 
+The grant is asked ahead (``prepare``: when the prefill worker takes the job, while it
+computes), so the write pays no round trip for it. A live writer ends every granted job with
+its PrefillDone (ok or not), which frees the blocks; a writer that dies holding a grant is
+seen by the registry (``writer_left``: its card gone or expired), which orphans its jobs.
+
 Tensor parallelism: TP 1 pools only (one tensor per side). A TP > 1 worker registers one region
 per rank (``head_shards``), and a head-range overlap of two shards is strided inside a block
 (heads are the second-last dim), so each (plane, run, overlap) needs a descriptor per token
@@ -32,6 +37,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvstore.cache import KVCache, ShardedKVCache, block_runs
@@ -48,6 +54,7 @@ from kvstore.transfer.nixl_agent import Grants, NixlNode, Region, WriteJob, noti
 
 log = logging.getLogger(__name__)
 
+GRANTS_KEPT = 1024  # grants asked ahead and not yet sent, at most
 FINISH_TIMEOUT = 5.0  # seconds the receiver waits for a notification once the sender says it is done
 
 
@@ -138,6 +145,10 @@ class NixlReceiver:
     def revoke(self, request_id: str) -> bool:
         return self.grants.revoke(request_id)
 
+    def writer_left(self, worker_id: str) -> int:
+        """The registry's "left" for worker ``worker_id``: its granted jobs write nothing more."""
+        return self.grants.writer_left(worker_id)
+
     def forget(self, request_id: str) -> None:
         self.grants.jobs.pop(request_id, None)
 
@@ -153,6 +164,7 @@ class NixlSender:
         self.bus = bus
         self.node = NixlNode.for_worker(worker_id or f"sender-{os.getpid()}")
         self.copy_delay_s = copy_delay_s
+        self.grants: OrderedDict[tuple[str, int], asyncio.Future] = OrderedDict()  # asked ahead, by (job, gen)
 
     def usable(self, params: dict) -> bool:
         check_params(params)
@@ -169,18 +181,25 @@ class NixlSender:
         raise refuse("unregistered_memory", f"params name memory agent {params['agent']!r} never registered "
                                             f"({params['size']} bytes at {params['addr']:#x})")
 
-    def _plan(self, target: TransferTarget, p: dict, src, src_blocks: list[int], mine: Region, dst: Region):
-        """The local and remote (addr, len) pieces of this job's blocks, every remote one inside ``dst``."""
-        spec = src.spec
+    @staticmethod
+    def _check(target: TransferTarget, p: dict, spec, dst: Region) -> None:
+        """The job's destination is the decode worker's registered pool, of our layout, in range."""
         if (p["layers"], p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
                 spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
                 str(spec.dtype).removeprefix("torch.")):
             raise ValueError("the decode worker's KV layout or dtype differs from ours")
         nb = p["num_blocks"]
-        if len(target.dest_block_ids) != len(src_blocks) or nb * spec.block_bytes != dst.size:
+        if nb * spec.block_bytes != dst.size:
             raise refuse("malformed", "blocks do not match the registered pool")
         if any(not 0 <= b < nb for b in target.dest_block_ids):
             raise refuse("block_range", "destination block out of range")
+
+    def _plan(self, target: TransferTarget, p: dict, src, src_blocks: list[int], mine: Region, dst: Region):
+        """The local and remote (addr, len) pieces of this job's blocks, every remote one inside ``dst``."""
+        spec, nb = src.spec, p["num_blocks"]
+        self._check(target, p, spec, dst)
+        if len(target.dest_block_ids) != len(src_blocks):
+            raise refuse("malformed", "blocks do not match the registered pool")
         planes, plane_block = 2 * spec.num_layers, spec.block_bytes // (2 * spec.num_layers)
         runs = block_runs(src_blocks, target.dest_block_ids)
         local = pieces(mine.addr, spec.num_blocks, planes, plane_block, [(s, n) for s, _, n in runs])
@@ -188,6 +207,21 @@ class NixlSender:
         if not all(dst.holds(a, n) for a, n in remote):
             raise refuse("unregistered_memory", "a descriptor outside the registered pool")
         return local, remote
+
+    def prepare(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache) -> None:
+        """The job is taken: ask its write grant now, while the prefill computes (``send`` awaits
+        it). The same checks as ``send`` come first: nothing is granted to a job it would refuse."""
+        key = (target.request_id, check_params(params)["gen"])
+        if key not in self.grants:
+            self.grants[key] = grant = asyncio.ensure_future(self._grant(target, params, src.spec))
+            grant.add_done_callback(lambda f: f.cancelled() or f.exception())  # send raises it
+            while len(self.grants) > GRANTS_KEPT:  # asked for jobs that never sent (failed first)
+                self.grants.popitem(last=False)[1].cancel()
+
+    async def _grant(self, target: TransferTarget, p: dict, spec) -> None:
+        peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
+        self._check(target, p, spec, self._region(peer.regions, p))
+        await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
 
     async def send(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache,
                    src_blocks: list[int]) -> TransferResult:
@@ -199,7 +233,13 @@ class NixlSender:
         peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
         dst = self._region(peer.regions, p)
         local, remote = self._plan(target, p, src, src_blocks, mine, dst)
-        await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
+        grant = self.grants.pop((target.request_id, p["gen"]), None)
+        if grant is None or grant.cancelled():  # not asked ahead (or dropped unsent)
+            await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
+        else:
+            await grant
+            # the receiver polls its agent gently while the prefill computes: poll fast now
+            await self.node.writing(self.bus, p["begin"], "kv", target.request_id, p["gen"])
         # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
         # so that the PrefillDone sent after it means nothing writes the blocks any more.
         await run_to_end(self._write(peer, mine, local, dst, remote, notif_key("kv", target.request_id, p["gen"])))

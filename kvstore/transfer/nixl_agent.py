@@ -7,21 +7,22 @@ notifications, and the handshake that grants a peer one write into its memory.
                                                     peer(): NixlMetadataRequest (once per agent and
     <--------------- nixl.md ---------------------  rev) -> add_remote_agent; the params' region must
                                                     be one the reply lists (else ``Refused``)
-    grant(kind, job, gen, agent): armed, not <----  NixlBegin on nixl.begin
-    revoked -> writing
+    grant(kind, job, gen, agent): armed, not <----  NixlBegin on nixl.begin (a kv job's when the
+    revoked -> writing                              prefill worker takes it: ``NixlSender.prepare``)
+    progress fast <-------------------------------  NixlBegin(writing=True), published: the write
+                                                    of a grant asked ahead starts
                                                     one-sided WRITE of the descriptors, with the
                                                     notification "{kind}:{job}:{gen}"
     notification from the granted agent -> done <-  (UCX delivers it after the bytes)
 
 Progress: the agent has no progress thread (UCX's busy-polls a core per worker, idle or not).
 UCX over TCP moves bytes and notifications only while each side's worker is progressed, the
-target's too: the writer drives its side by polling its transfer's state (``_wait_done``), the
-receiver from each grant until that write's notification (``_progress``, an asyncio task that
-runs only while a granted write may still land). An idle worker costs no CPU.
+target's too: ``nixl_progress.Progress`` polls the writer's transfers until they are done and
+the receiver's notifications from each grant until that write's notification came, in a thread
+that runs only while one is in flight. An idle worker costs no CPU.
 
 Nothing here blocks the event loop: registration and posting run in a thread (the agent
-serializes its calls: ``NIXL_THREAD_SYNC_STRICT``); a transfer's state is polled with short
-asyncio sleeps.
+serializes its calls: ``NIXL_THREAD_SYNC_STRICT``); completions come from the progress thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import contextlib
 import logging
 import secrets
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from prometheus_client import Counter
 from kvstore.transfer import Refused, run_to_end
 from kvstore.transfer.messages import NixlBegin, NixlMetadata, NixlMetadataRequest, NixlReply
 from kvstore.transfer.messenger import Messenger
+from kvstore.transfer.nixl_progress import Notifs, Progress
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,7 @@ REFUSED = Counter("pdmesh_nixl_refused", "nixl transport messages refused (logge
 PEERS_KEPT = 64  # remote agents a sender keeps added (least recently used dropped first)
 NOTIFS_KEPT = 4096
 MD_TIMEOUT = 5.0  # seconds for a peer's metadata or grant
-POLL_MIN, POLL_MAX = 0.0001, 0.001  # seconds between polls of a transfer's state (a late look costs a 1 MB write a third)
 POST_INLINE = 256  # descriptors posted on the event loop; more are built in a thread
-SLOW_AFTER, POLL_SLOW = 10.0, 0.02  # a granted write this old (its writer likely gone): polled gently
-AWAIT_MAX = 300.0  # seconds after which an awaited notification is given up (the fence still holds)
 
 
 def available() -> bool:
@@ -70,6 +68,16 @@ def refuse(reason: str, detail: str) -> Refused:
     log.warning("nixl: refused (%s): %s", reason, detail)
     REFUSED.labels(reason).inc()
     return Refused(detail)
+
+
+def agent_name(worker_id: str) -> str:
+    """A worker's agent: its id and a fresh suffix (a restarted worker is a new agent)."""
+    return f"{worker_id}-{secrets.token_hex(4)}"
+
+
+def agent_worker(agent: str) -> str:
+    """The worker id in an agent's name (``agent_name``'s inverse)."""
+    return agent.rpartition("-")[0]
 
 
 @dataclass(frozen=True)
@@ -99,14 +107,6 @@ def notif_key(kind: str, job_id: str, gen: int) -> bytes:
     return f"{kind}:{job_id}:{gen}".encode()
 
 
-async def pause(polls: int, since: float) -> None:
-    """The wait between two polls of a transfer in flight: ``POLL_MIN`` growing to ``POLL_MAX``
-    (never none: a spinning poll takes the CPU the other side needs to move the bytes: measured,
-    a 1 MB write 3-5x slower on two busy cores), ``POLL_SLOW`` once it is old."""
-    await asyncio.sleep(POLL_SLOW if time.monotonic() - since > SLOW_AFTER else
-                        min(POLL_MAX, POLL_MIN * 1.5 ** min(polls, 8)))
-
-
 class NixlNode:
     """A worker's agent. ``for_worker`` gives every part of one worker (its receiver, its fetch
     channel, its sender) the same node."""
@@ -116,7 +116,7 @@ class NixlNode:
     def __init__(self, worker_id: str):
         if not available():
             raise RuntimeError("NIXL is not installed (pip install 'pdmesh[nixl]')")
-        self.name = f"{worker_id}-{secrets.token_hex(4)}"  # a restarted worker is a new agent
+        self.name = agent_name(worker_id)
         # no progress thread (it spins a core); calls from threads and the loop serialized
         self.agent = nixl_agent(self.name, nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
@@ -127,8 +127,8 @@ class NixlNode:
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.grants: dict[str, Grant] = {}  # kind -> the part that arms its jobs
         self.notifs: dict[bytes, str] = {}  # notification -> the agent it came from, until taken
-        self.awaited: dict[bytes, float] = {}  # notifications of granted writes -> when granted
-        self._progressing: asyncio.Task | None = None
+        self._arrived: dict[bytes, asyncio.Event] = {}  # notifications someone waits for
+        self.progress = Progress(self.agent, self._deliver)
         self._served = False
         self.bus: Messenger | None = None  # the one that serves our handshake
 
@@ -180,6 +180,10 @@ class NixlNode:
         await self.bus.respond(raw, self.metadata())
 
     async def _on_begin(self, msg: NixlBegin, raw) -> None:
+        if msg.writing:  # a granted writer starts its bytes: poll for them fast (no answer)
+            if self.progress.expected(notif_key(msg.kind, msg.job_id, msg.gen)):
+                self.progress.kick()
+            return
         grant = self.grants.get(msg.kind)
         why = "no such kind of job" if grant is None else grant(msg.job_id, msg.gen, msg.agent)
         if why is not None:
@@ -188,38 +192,45 @@ class NixlNode:
             self.expect(notif_key(msg.kind, msg.job_id, msg.gen))
         await self.bus.respond(raw, NixlReply(why is None, why or ""))
 
-    # -- progress ------------------------------------------------------------------
+    # -- notifications -------------------------------------------------------------
     def expect(self, key: bytes) -> None:
         """A write was granted: progress the agent until its notification ``key`` comes."""
-        self.awaited[key] = time.monotonic()
-        if self._progressing is None or self._progressing.done():
-            self._progressing = asyncio.get_running_loop().create_task(self._progress())
+        self.progress.expect(key)
 
-    async def _progress(self) -> None:
-        polls, newest = 0, 0.0
-        while self.awaited:
-            self.poll_notifs()
-            now = time.monotonic()
-            for key, at in list(self.awaited.items()):
-                if now - at > AWAIT_MAX:  # its writer is long gone; its blocks stay fenced
-                    log.warning("nixl: no notification %r in %.0f s: no longer awaited", key, AWAIT_MAX)
-                    del self.awaited[key]
-            latest = max(self.awaited.values(), default=now)
-            if latest > newest:  # a new grant: poll it promptly, whatever older ones wait for
-                polls, newest = 0, latest
-            await pause(polls, newest)
-            polls += 1
+    def unexpect(self, key: bytes) -> None:
+        """The write of ``key`` will not land (its writer is gone): stop progressing for it."""
+        self.progress.unexpect(key)
 
-    # -- notifications -------------------------------------------------------------
     def poll_notifs(self) -> None:
         """Move the agent's new notifications into ``notifs`` (a quick call: no waiting)."""
-        for agent, msgs in self.agent.get_new_notifs().items():
+        self._deliver(self.agent.get_new_notifs())
+
+    def _deliver(self, got: Notifs) -> None:
+        for agent, msgs in got.items():
             who = agent.decode() if isinstance(agent, bytes) else str(agent)
             for m in msgs:
-                self.notifs[bytes(m)] = who
-                self.awaited.pop(bytes(m), None)
+                key = bytes(m)
+                self.notifs[key] = who
+                self.progress.unexpect(key)
+                if (event := self._arrived.pop(key, None)) is not None:
+                    event.set()
         while len(self.notifs) > NOTIFS_KEPT:  # late ones of jobs long forgotten
             self.notifs.pop(next(iter(self.notifs)))
+
+    async def arrival(self, key: bytes, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until notification ``key`` has come; it stays in ``notifs``."""
+        if key in self.notifs:
+            return True
+        event = self._arrived.setdefault(key, asyncio.Event())
+        self.expect(key)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return key in self.notifs
+        finally:
+            if self._arrived.get(key) is event and not event.is_set():
+                del self._arrived[key]
 
     def take_notif(self, key: bytes) -> str | None:
         """The agent that sent notification ``key`` (and forget it), or None if it has not come."""
@@ -271,13 +282,22 @@ class NixlNode:
         if not reply.ok:
             raise RuntimeError(f"the receiver gave no write grant: {reply.error}")
 
+    async def writing(self, bus: Messenger, begin_subject: str, kind: str, job_id: str, gen: int) -> None:
+        """Tell the receiver (one way) that the granted write starts now."""
+        await bus.publish(begin_subject, NixlBegin(kind, job_id, gen, self.name, writing=True), traced=False)
+        # one turn of the loop: the client's flusher sends it now, before posting holds the loop
+        # (a 1 MB post pushes its bytes into the socket: 0.4-1.3 ms on a busy machine)
+        await asyncio.sleep(0)
+
     # -- writing -------------------------------------------------------------------
     async def write(self, peer: Peer, src: Region, local: list[tuple[int, int]], dst: Region,
                     remote: list[tuple[int, int]], notif: bytes) -> None:
         """One-sided WRITE of ``local`` (addr, len) pieces into ``remote``'s, then ``notif`` to the
         peer. Returns once the transfer is done; the wait outlives a cancellation (the bytes may
         still be landing: the receiver's fence holds the memory until the notification)."""
-        if len(local) <= POST_INLINE:  # a few descriptors post in microseconds: no thread hop
+        # posting pushes what the socket takes at once (a 1 MB write: 0.4-1.3 ms measured on a
+        # busy machine), as long as a thread hop would cost there; many descriptors: in a thread
+        if len(local) <= POST_INLINE:
             handle = self._post(peer, src, local, dst, remote, notif)
         else:
             handle = await asyncio.to_thread(self._post, peer, src, local, dst, remote, notif)
@@ -294,17 +314,11 @@ class NixlNode:
         return handle
 
     async def _wait_done(self, peer: Peer, handle) -> None:
-        polls, since = 0, time.monotonic()
         try:
-            while True:
-                state = self.agent.check_xfer_state(handle)  # progresses our side of it
-                if state == "DONE":
-                    return
-                if state == "ERR":
-                    self.drop_peer(peer.agent)
-                    raise RuntimeError(f"the NIXL transfer to {peer.agent} failed")
-                await pause(polls, since)
-                polls += 1
+            await self.progress.watch(handle)  # the progress thread drives it to DONE or ERR
+        except RuntimeError:
+            self.drop_peer(peer.agent)
+            raise RuntimeError(f"the NIXL transfer to {peer.agent} failed") from None
         finally:
             with contextlib.suppress(Exception):
                 self.agent.release_xfer_handle(handle)
@@ -316,6 +330,7 @@ class JobState(Enum):
     WRITING = 2  # a writer has its grant: bytes may land until its notification
     DONE = 3  # the notification came
     REVOKED = 4  # given up before any grant: none will be given
+    ORPHANED = 5  # granted, and its writer's worker left the registry: nothing of it lands any more
 
 
 @dataclass
@@ -367,13 +382,32 @@ class Grants(Generic[J]):
     async def wait(self, job_id: str, job: J, timeout: float) -> bool:
         """Wait (up to ``timeout``) for a granted job's notification; False if it was never
         granted or did not come in time."""
-        end, polls, since = time.monotonic() + timeout, 0, time.monotonic()
-        while not self.landed(job_id, job):
-            if job.state is not JobState.WRITING or time.monotonic() > end:
-                return False
-            await pause(polls, since)
-            polls += 1
-        return True
+        if self.landed(job_id, job):
+            return True
+        if job.state is not JobState.WRITING:
+            return False
+        await self.node.arrival(notif_key(self.kind, job_id, job.gen), timeout)
+        return self.landed(job_id, job)
+
+    def writer_left(self, worker_id: str) -> int:
+        """The registry says worker ``worker_id`` left (its card was deleted, or expired: it has
+        not refreshed it for the registry's TTL, seconds). Its granted jobs are ORPHANED: their
+        blocks can be reused. Before that the agent is progressed once more, so that bytes of
+        its write still in our socket land now, not in reused blocks (a dead process's last
+        bytes arrive within milliseconds; the progress thread drained them long before the TTL).
+        Returns how many jobs were orphaned."""
+        self.node.poll_notifs()
+        orphaned = 0
+        for job_id, job in self.jobs.items():
+            if job.state is JobState.WRITING and agent_worker(job.writer) == worker_id \
+                    and not self.landed(job_id, job):
+                job.state = JobState.ORPHANED
+                self.node.unexpect(notif_key(self.kind, job_id, job.gen))
+                orphaned += 1
+        if orphaned:
+            log.warning("nixl: writer %s left with %d %s write(s) granted: their memory is free again",
+                        worker_id, orphaned, self.kind)
+        return orphaned
 
     def revoke(self, job_id: str) -> bool:
         """No write will land any more: True for a job never granted (its grant is refused from

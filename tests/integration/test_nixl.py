@@ -16,6 +16,7 @@ nats-server, real decode and prefill worker processes, ``--transports nixl,nats`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -203,3 +204,112 @@ async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(
             tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
     finally:
         await bus.close()
+
+
+async def test_a_grant_asked_ahead_holds_the_blocks_until_its_write_or_its_writer_leaving(nats_server):
+    """Grant ahead (``prepare``, as the prefill worker asks it when it takes a job): the bytes land
+    as before, and the job's blocks are held from the grant on, not from the write; a writer that
+    leaves the registry (``writer_left``) lets its granted jobs go, another worker leaving does
+    not, and an orphaned job is granted to nobody again. A job ``prepare`` refuses is never granted."""
+    import torch
+
+    from kvstore.cache import KVCache, KVCacheSpec
+    from kvstore.transfer import Refused, TransferTarget, make_receiver, make_sender
+    from mesh.bus import Bus
+
+    bus = await Bus.connect(nats_server.url, "test-nixl-ahead", ns="nxahead")
+    try:
+        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
+        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
+        src.tensor.normal_()
+        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id="ahead-dec")
+        await rx.start()
+        tx = make_sender("nixl", bus=bus, worker_id="ahead-pre")
+
+        target = TransferTarget("a1", "ahead-dec", [3, 4], 4)
+        params = rx.params("a1", [3, 4])
+        tx.prepare(target, params, src)
+        await asyncio.wait_for(asyncio.shield(tx.grants[("a1", params["gen"])]), 5)  # granted
+        assert not rx.revoke("a1")  # the blocks are held from the grant on, before any byte
+        await tx.send(target, params, src, [7, 8])
+        assert await rx.finish("a1") and rx.revoke("a1")
+        assert torch.equal(dst.tensor[:, :, [3, 4]], src.tensor[:, :, [7, 8]])
+
+        target = TransferTarget("a2", "ahead-dec", [9], 4)
+        params = rx.params("a2", [9])
+        tx.prepare(target, params, src)
+        await asyncio.wait_for(asyncio.shield(tx.grants[("a2", params["gen"])]), 5)
+        assert not rx.revoke("a2")
+        assert rx.writer_left("someone-else") == 0 and not rx.revoke("a2")
+        assert rx.writer_left("ahead-pre") == 1 and rx.revoke("a2")  # its writer left: the blocks are free
+        with pytest.raises(RuntimeError, match="orphaned"):  # and nobody gets the job granted again
+            await tx.node.ask_grant(bus, params["begin"], "kv", "a2", params["gen"])
+
+        target = TransferTarget("a3", "ahead-dec", [16], 4)  # a block past the pool
+        params = rx.params("a3", [16])
+        tx.prepare(target, params, src)
+        with pytest.raises(Refused):
+            await tx.send(target, params, src, [1])
+        assert rx.revoke("a3")  # never granted
+    finally:
+        await bus.close()
+
+
+async def test_a_prefill_worker_killed_holding_a_grant_frees_the_blocks_when_it_leaves(cluster, tiny_model, engine):
+    """The prefill worker takes the job (its write grant asked at once), then hangs before writing
+    (``MESH_FAULT_PREFILL_DELAY_S``) and is killed: the request prefills locally at its deadline,
+    its blocks stay fenced (a granted write may land) until the registry says the worker left,
+    then come back."""
+    import signal
+
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", "64", "--transports", "nixl,nats", "--ns", "nxk"]
+    cluster.worker("decode", *flags, "--worker-id", "dec-nxk", "--disagg-threshold", str(THRESHOLD),
+                   "--prefill-timeout", str(TIMEOUT), env={"MESH_HOST_ID": "host-a-nxk"})
+    pre = cluster.worker("prefill", *flags, "--worker-id", "pre-nxk", "--prefill-capacity", "8",
+                         env={"MESH_HOST_ID": "host-b-nxk", "MESH_FAULT_PREFILL_DELAY_S": "120"})
+    w = await ready(cluster, "nxk")
+    try:
+        p = prompt(150, 11)
+        ((toks, _),) = await run_all(w.bus, "dec-nxk", [p], max_tokens=MAX_TOKENS)
+        assert toks == expected(engine, p)  # prefilled locally at the deadline
+        c = (await w.fresh_load("dec-nxk")).counters
+        assert c.get("fenced_jobs") == 1 and not c.get("unfenced_jobs"), c
+        pre.send_signal(signal.SIGKILL)
+        report = await w.wait_for(lambda: (r := w.loads.get("dec-nxk")) and r.counters.get("unfenced_jobs") and r,
+                                  30, "the fenced blocks back once the prefill worker left")
+        assert report.kv_blocks_used == 0
+    finally:
+        await w.close()
+
+
+async def test_a_workers_card_ages_once_the_registry_is_out_of_reach():
+    """The writer's half of ``writer_left``: a prefill worker writes only while its card is fresh
+    (``CARD_FRESH`` of the TTL), since at the TTL decode workers count it gone and free the blocks
+    of its grants. The card's age stays under a refresh period while the registry answers, and
+    grows past that share once the server is gone (a partition looks the same from inside)."""
+    from mesh.bus import Bus
+    from mesh.natsserver import EmbeddedNats
+    from mesh.protocol import WorkerCard
+    from mesh.registry import CardPublisher
+    from prefill.worker import CARD_FRESH
+
+    ttl = 0.9
+    nats = EmbeddedNats().start()
+    bus = await Bus.connect(nats.url, "test-card-age")
+    card = WorkerCard(worker_id="aging", role="prefill", model="tiny", block_size=16, kv_blocks=64,
+                      max_model_len=512, host="h", pid=1, started=time.time(), updated=time.time())
+    cards = CardPublisher(bus, lambda: card, ttl=ttl)
+    try:
+        await cards.start()
+        for _ in range(4):
+            await asyncio.sleep(ttl / 3)
+            assert cards.age() < ttl * CARD_FRESH  # refreshed every third of the TTL
+        nats.stop()
+        await asyncio.sleep(ttl)
+        assert cards.age() > ttl * CARD_FRESH
+    finally:
+        with contextlib.suppress(Exception):  # the server is gone: nothing to delete the card from
+            await cards.stop()
+        with contextlib.suppress(Exception):
+            await bus.close()
+        nats.stop()
