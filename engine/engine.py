@@ -209,6 +209,14 @@ class Engine(EngineCore):
         if async_scheduling is not None:
             self.overlap = OverlappedSteps(self) if async_scheduling else None
 
+    def set_drafter(self, drafter) -> None:
+        """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
+        drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
+        Only an EAGLE-3 drafter has the target keep its auxiliary states."""
+        self.scheduler.drafter = drafter
+        self._eagle = drafter if isinstance(drafter, Eagle3Drafter) else None
+        self.model.aux_layers = self._eagle.config.aux_layers if self._eagle is not None else ()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
         if self.tp is not None:
