@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle3", nargs="?", const="", default=None, metavar="DIR",
                    help="also draft with this EAGLE-3 head (eagle3:DIR); no DIR: a random head for `small`")
     p.add_argument("--rebuild-len", type=int, default=512, metavar="N",
-                   help="with --eagle3: time rebuilding the head's states for cached prompts of N tokens (0: skip)")
+                   help="with --eagle3: time rebuilding the head's states for cached prompts of N tokens, batch 1 and 4 (0: skip)")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram + bool(args.draft) + bool(args.eagle3)):])
         sys.stdout.flush()
     if args.eagle3 and args.rebuild_len:
-        for batch in args.batch or [1, 32]:
-            r = run_rebuild(model_dir, batch, args)
+        for batch in (1, 4):  # rows start drafting at once up to 4 (engine.spec.adaptive); in larger
+            r = run_rebuild(model_dir, batch, args)  # batches at their first probe, rebuilding then
             print(f"eagle3 rebuild, batch {batch}, prompts of {r['prompt_len']}: {r['rebuilt']} target states "
                   f"rebuilt in {r['rebuild_ms']:.1f} ms; the cold prefill of the same prompts took "
                   f"{r['prefill_ms']:.1f} ms; the cached run (rebuild, 1 prefill token, {1 + args.k} more tokens) "

@@ -37,7 +37,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig, RopeConfig
 from engine.kernels import PLAIN
-from engine.model import MLP, RMSNorm, Rotary
+from engine.model import MLP, RMSNorm, Rotary, pack_cpu_linears
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -203,7 +203,9 @@ def load_head(cfg: Eagle3Config, target_embed: nn.Embedding, device: torch.devic
     targets = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
     if int(targets.min()) < 0 or int(targets.max()) >= cfg.vocab_size:
         raise ValueError(f"EAGLE-3 checkpoint {cfg.path}: d2t maps draft tokens outside the target's vocabulary")
-    return head.to(dtype=dtype).eval()  # d2t, an integer buffer, keeps its dtype
+    head = head.to(dtype=dtype).eval()  # d2t, an integer buffer, keeps its dtype
+    pack_cpu_linears(head)  # on CPU, as the target's and a draft model's are
+    return head
 
 
 def _checkpoint_names(head: Eagle3Head, own_embed: bool) -> dict[str, tuple[torch.Tensor, slice]]:

@@ -65,7 +65,7 @@ class Eagle3Drafter:
         self.block_size = block_size
         self.backend = backend
         spec = KVCacheSpec(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.attention = create_backend(backend, KVCache(spec, device), cfg.head_dim**-0.5)
+        self.attention = _backend(backend, KVCache(spec, device), cfg.head_dim, cfg.num_heads, dtype)
         self.kv = DraftBlocks(num_blocks, block_size, _EagleRow)
         self.head = None  # load(): the head, once the target's weights are in place
         self.target: CausalLM | None = None
@@ -79,7 +79,8 @@ class Eagle3Drafter:
         self.head = load_head(self.config, target.embed_tokens, self.device, self.dtype,
                               target.rotary.cos.shape[0])
         target.aux_layers = self.config.aux_layers
-        self.target_attention = create_backend(self.backend, target_kv, self.target_config.head_dim**-0.5)
+        tc = self.target_config
+        self.target_attention = _backend(self.backend, target_kv, tc.head_dim, tc.num_heads, self.dtype)
         self.scratch_block = scratch_block
 
     @torch.inference_mode()
@@ -89,12 +90,14 @@ class Eagle3Drafter:
         picks, spans, row = [], [], 0
         for c in chunks:
             if can_draft(c.seq):
-                picks.append(torch.arange(row, row + c.num_tokens))
+                picks.extend(range(row, row + c.num_tokens))
                 spans.append((c.seq, c.start, c.num_tokens))
             row += c.num_tokens
         if not picks:
             return
-        fused = self.head.fc(aux.index_select(0, torch.cat(picks).to(aux.device)))
+        if len(picks) < row:
+            aux = aux.index_select(0, torch.tensor(picks, dtype=torch.long, device=aux.device))
+        fused = self.head.fc(aux)
         at = 0
         for seq, start, n in spans:
             self.kv.row(seq).keep(start, fused[at:at + n])
@@ -154,6 +157,14 @@ class Eagle3Drafter:
         _, aux = self.target.forward_aux(ids, pos, self.target_attention, whole=False)
         self.rebuilt_tokens += count
         return self.head.fc(aux)
+
+
+def _backend(name: str, kv: KVCache, head_dim: int, num_heads: int, dtype: torch.dtype):
+    attention = create_backend(name, kv, head_dim**-0.5)
+    configure = getattr(attention, "configure", None)
+    if configure is not None:  # as the runner does: whole steps planned in plan()
+        configure(num_heads, dtype)
+    return attention
 
 
 def eagle3_drafter(method: str | None, target: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype,
