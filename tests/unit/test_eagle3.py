@@ -59,12 +59,16 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def reference_states(tiny_model, ckpt, tokens: list[int]) -> torch.Tensor:
-    """``fc`` of the inputs of layers AUX, from transformers' ``hidden_states`` (entry j is layer
-    j's input): the head's hidden state of every position of ``tokens``."""
+@pytest.fixture(scope="module")
+def hf(tiny_model):
     import transformers as tf
 
-    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    return tf.AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+
+
+def reference_states(hf, ckpt, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fc`` of the inputs of layers AUX, from transformers' ``hidden_states`` (entry j is layer
+    j's input): the head's hidden state of every position of ``tokens``; and the embeddings."""
     with torch.no_grad():
         hs = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     fc = load_file(str(ckpt / "model.safetensors"))["fc.weight"]
@@ -109,13 +113,13 @@ def reference_drafts(ckpt, states: torch.Tensor, embed: torch.Tensor, tokens: li
     return drafts
 
 
-def test_the_head_matches_a_reference_of_the_published_architecture(tiny_model, head):
+def test_the_head_matches_a_reference_of_the_published_architecture(tiny_model, head, hf):
     e = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=4)
     seq = e.new_sequence(prompts(1, seed=9)[0] * 2, greedy(8))
     e.add(seq)
     e.step()  # the prompt: its states are captured
     tokens = seq.token_ids
-    states, embed = reference_states(tiny_model, head, tokens)
+    states, embed = reference_states(hf, head, tokens)
     drafter = e._eagle
     row = drafter.kv.row(seq)
     assert row.start == 0 and len(row.states) == len(tokens) - 1
@@ -126,6 +130,29 @@ def test_the_head_matches_a_reference_of_the_published_architecture(tiny_model, 
     assert len(set(want)) > 1 and all(t % 4 == 0 for t in want)  # through d2t: every 4th target id
     assert drafter.propose(seq, 4) == want
     assert drafter.propose(seq, 4) == want  # again, from the head KV it kept
+
+
+def test_states_after_verification_are_those_of_the_accepted_tokens(tiny_model, head, hf):
+    """Drafts some accepted, some rejected (the oracle drafter proposes the target's own tokens,
+    30% corrupted) while the target keeps the head's states: the states kept for every position
+    of the output are the reference ones of the tokens finally there (a rejected draft's state
+    is replaced when the target computes that position again)."""
+    from engine.spec.oracle import OracleDrafter
+
+    ps = prompts(2, seed=11)
+    ref = outputs(engine(tiny_model), ps, 20)
+    e = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=3)
+    e.scheduler.drafter = OracleDrafter({tuple(p): r for p, r in zip(ps, ref, strict=True)}, 0.7, e.vocab_size)
+    seqs = e.generate(ps, [greedy(20 - i) for i in range(len(ps))])  # the head still captures (e._eagle)
+    assert [s.output_token_ids for s in seqs] == ref
+    c = e.scheduler.spec
+    assert 0 < c.accepted < c.drafted, c
+    for seq in seqs:
+        tokens = seq.token_ids
+        row = e._eagle.kv.row(seq)
+        assert row.start == 0 and len(row.states) >= len(tokens) - 1
+        states, _ = reference_states(hf, head, tokens)
+        torch.testing.assert_close(row.states[: len(tokens) - 1], states[: len(tokens) - 1], rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_outputs_are_token_identical(tiny_model, head):
