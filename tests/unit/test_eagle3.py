@@ -170,6 +170,10 @@ def test_greedy_outputs_are_token_identical(tiny_model, head):
     assert outputs(e, ps) == ref
     assert c.drafted > drafted
     assert e._eagle.rebuilt_tokens > 0
+    # overlapped scheduling: a step launches before the last one's tokens reach the host
+    overlapped = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=3, async_scheduling=True)
+    assert outputs(overlapped, ps) == ref
+    assert overlapped.scheduler.spec.drafted > 0
 
 
 def test_under_preemption(tiny_model, head):
