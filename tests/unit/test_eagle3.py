@@ -211,6 +211,10 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tiny_model, tmp_
 def test_a_missing_tensor_or_directory_is_refused_in_one_line(tiny_model, tmp_path, head):
     with pytest.raises(ValueError, match=r"EAGLE-3 checkpoint directory .*nowhere does not exist"):
         engine(tiny_model, speculative=f"eagle3:{tmp_path / 'nowhere'}")
+    with pytest.raises(ValueError, match=r"needs the EAGLE-3 checkpoint's directory"):
+        engine(tiny_model, speculative="eagle3")
+    with pytest.raises(ValueError, match=r"eagle3 runs with --tp 1 \(got --tp 2\)"):
+        engine(tiny_model, speculative=f"eagle3:{head}", tp=2)
     weights = load_file(str(head / "model.safetensors"))
     del weights["midlayer.hidden_norm.weight"]
     (tmp_path / "partial").mkdir()
