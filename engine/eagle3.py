@@ -102,10 +102,13 @@ def _read_config(path: Path) -> dict:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"EAGLE-3 checkpoint {path} has no readable config.json: {e}") from None
-    archs = cfg.get("architectures") or [] if isinstance(cfg, dict) else []
+    archs = (cfg.get("architectures") or []) if isinstance(cfg, dict) else []
     if not any(a in ARCHITECTURES for a in archs):
         raise ValueError(f"{path} is not an EAGLE-3 checkpoint (architectures {archs}, expected one of "
                          f"{', '.join(ARCHITECTURES)})")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"EAGLE-3 checkpoint {path} has {cfg['num_hidden_layers']} layers; the published "
+                         "format (one midlayer) is the one supported")
     return cfg
 
 

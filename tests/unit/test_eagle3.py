@@ -200,6 +200,7 @@ def test_capture_costs_nothing_without_eagle3(tiny_model, head):
     ({"vocab_size": 1000}, r"has a vocabulary of 1000 tokens, the target 4096"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}}, r"reads layers \[5\] of a target with 2"),
     ({"architectures": ["LlamaForCausalLM"]}, r"is not an EAGLE-3 checkpoint"),
+    ({"num_hidden_layers": 2}, r"has 2 layers; the published format \(one midlayer\)"),
 ])
 def test_a_checkpoint_for_another_target_is_refused_in_one_line(tiny_model, tmp_path, fields, message):
     ckpt = make_eagle3_checkpoint(tiny_model, tmp_path / "bad", aux_layers=AUX, **fields)
