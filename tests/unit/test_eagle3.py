@@ -170,10 +170,26 @@ def test_greedy_outputs_are_token_identical(tiny_model, head):
     assert outputs(e, ps) == ref
     assert c.drafted > drafted
     assert e._eagle.rebuilt_tokens > 0
+    assert_reported(e)
     # overlapped scheduling: a step launches before the last one's tokens reach the host
     overlapped = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=3, async_scheduling=True)
     assert outputs(overlapped, ps) == ref
     assert overlapped.scheduler.spec.drafted > 0
+
+
+def assert_reported(e) -> None:
+    """The worker's load report and the gateway's metrics carry the rebuilt states."""
+    from mesh.metrics import LoadCollector
+    from mesh.protocol import LoadReport
+    from worker.base import speculative_counters
+
+    counters = speculative_counters(e)
+    assert counters["spec_rebuilt:eagle3"] == e._eagle.rebuilt_tokens
+    assert counters["spec_drafted:eagle3"] == e.scheduler.spec.drafted
+    report = LoadReport(worker_id="w", model="tiny", role="decode", timestamp=0.0, counters=counters)
+    got = {(m.name, tuple(s.labels.get(k, "") for k in ("method", "kind"))): s.value
+           for m in LoadCollector(lambda: report).collect() for s in m.samples}
+    assert got[("pdmesh_spec_tokens", ("eagle3", "rebuilt"))] == e._eagle.rebuilt_tokens
 
 
 def test_under_preemption(tiny_model, head):
