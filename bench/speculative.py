@@ -138,7 +138,7 @@ def run_rebuild(model_dir: Path, batch: int, args) -> dict:
     engine = Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=blocks,
                                  max_num_batched_tokens=max(2048, batch * args.rebuild_len), max_num_seqs=max(batch, 8),
                                  speculative=f"eagle3:{args.eagle3}", num_speculative_tokens=args.k))
-    eagle, spent = engine._eagle, [0.0]
+    eagle, spent = engine.eagle3, [0.0]
     rebuild = eagle._rebuild
 
     def timed(*a):

@@ -85,9 +85,9 @@ class Engine(EngineCore):
                           spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
-        self._eagle = drafter if isinstance(drafter, Eagle3Drafter) else None
-        if self._eagle is not None:  # its rebuilt states' own keys and values go to a block never freed
-            self._eagle.load(self.model, self._own_kv, self.pool.allocate(1)[0])
+        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
+        if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
+            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0])
         self._graphs = self._decode_graphs() if want_graphs else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
@@ -162,9 +162,9 @@ class Engine(EngineCore):
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
         if self.tiers is not None:
             self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
-        if self._eagle is not None:
+        if self.eagle3 is not None:
             pending = self.runner.launch(out, prev)
-            self._eagle.capture(out.chunks, self.model.aux_hidden)
+            self.eagle3.capture(out.chunks, self.model.aux_hidden)
             return pending
         if self.tp is None:
             return self.runner.launch(out, prev)
@@ -214,8 +214,8 @@ class Engine(EngineCore):
         drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
         Only an EAGLE-3 drafter has the target keep its auxiliary states."""
         self.scheduler.drafter = drafter
-        self._eagle = drafter if isinstance(drafter, Eagle3Drafter) else None
-        self.model.aux_layers = self._eagle.config.aux_layers if self._eagle is not None else ()
+        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None
+        self.model.aux_layers = self.eagle3.config.aux_layers if self.eagle3 is not None else ()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""

@@ -120,7 +120,7 @@ def test_the_head_matches_a_reference_of_the_published_architecture(tiny_model, 
     e.step()  # the prompt: its states are captured
     tokens = seq.token_ids
     states, embed = reference_states(hf, head, tokens)
-    drafter = e._eagle
+    drafter = e.eagle3
     row = drafter.kv.row(seq)
     assert row.start == 0 and len(row.states) == len(tokens) - 1
     torch.testing.assert_close(row.states, states[: len(tokens) - 1], rtol=1e-4, atol=1e-4)
@@ -143,13 +143,13 @@ def test_states_after_verification_are_those_of_the_accepted_tokens(tiny_model, 
     ref = outputs(engine(tiny_model), ps, 20)
     e = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=3)
     e.scheduler.drafter = OracleDrafter({tuple(p): r for p, r in zip(ps, ref, strict=True)}, 0.7, e.vocab_size)
-    seqs = e.generate(ps, [greedy(20 - i) for i in range(len(ps))])  # the head still captures (e._eagle)
+    seqs = e.generate(ps, [greedy(20 - i) for i in range(len(ps))])  # the head still captures (e.eagle3)
     assert [s.output_token_ids for s in seqs] == ref
     c = e.scheduler.spec
     assert 0 < c.accepted < c.drafted, c
     for seq in seqs:
         tokens = seq.token_ids
-        row = e._eagle.kv.row(seq)
+        row = e.eagle3.kv.row(seq)
         assert row.start == 0 and len(row.states) >= len(tokens) - 1
         states, _ = reference_states(hf, head, tokens)
         torch.testing.assert_close(row.states[: len(tokens) - 1], states[: len(tokens) - 1], rtol=1e-4, atol=1e-4)
@@ -162,14 +162,14 @@ def test_greedy_outputs_are_token_identical(tiny_model, head):
     assert outputs(e, ps) == ref
     c = e.scheduler.spec
     assert c.drafted > 0 and c.steps > 0, c
-    assert e._eagle.rebuilt_tokens == 0  # every token was computed here
+    assert e.eagle3.rebuilt_tokens == 0  # every token was computed here
     # the same prompts again: their blocks are cached, the target computes only the last token of
     # each prompt, and the head's states for the cached ones are rebuilt
     drafted = c.drafted
     e.scheduler.spec_prior = AcceptancePrior()  # forget the random head's acceptance (0): new rows draft
     assert outputs(e, ps) == ref
     assert c.drafted > drafted
-    assert e._eagle.rebuilt_tokens > 0
+    assert e.eagle3.rebuilt_tokens > 0
     assert_reported(e)
     # overlapped scheduling: a step launches before the last one's tokens reach the host
     overlapped = engine(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=3, async_scheduling=True)
@@ -184,12 +184,12 @@ def assert_reported(e) -> None:
     from worker.base import speculative_counters
 
     counters = speculative_counters(e)
-    assert counters["spec_rebuilt:eagle3"] == e._eagle.rebuilt_tokens
+    assert counters["spec_rebuilt:eagle3"] == e.eagle3.rebuilt_tokens
     assert counters["spec_drafted:eagle3"] == e.scheduler.spec.drafted
     report = LoadReport(worker_id="w", model="tiny", role="decode", timestamp=0.0, counters=counters)
     got = {(m.name, tuple(s.labels.get(k, "") for k in ("method", "kind"))): s.value
            for m in LoadCollector(lambda: report).collect() for s in m.samples}
-    assert got[("pdmesh_spec_tokens", ("eagle3", "rebuilt"))] == e._eagle.rebuilt_tokens
+    assert got[("pdmesh_spec_tokens", ("eagle3", "rebuilt"))] == e.eagle3.rebuilt_tokens
 
 
 def test_under_preemption(tiny_model, head):
@@ -203,7 +203,7 @@ def test_under_preemption(tiny_model, head):
 
 def test_capture_costs_nothing_without_eagle3(tiny_model, head):
     plain = engine(tiny_model)
-    assert plain.model.aux_layers == () and plain._eagle is None
+    assert plain.model.aux_layers == () and plain.eagle3 is None
     ngram = engine(tiny_model, speculative="ngram")
     outputs(ngram, prompts(2))
     assert ngram.model.aux_hidden is None
