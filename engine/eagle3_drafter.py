@@ -15,7 +15,9 @@ Tokens the target did not compute here have no states: a prefix-cache hit, the p
 disaggregated request (its KV came from a prefill worker), a migrated sequence. ``propose``
 rebuilds them (``_rebuild``): the target's layers up to the last auxiliary one run over those
 tokens, reading the target's KV (their own keys and values are written to a scratch block, so
-the cached blocks are never written). ``rebuilt_tokens`` counts them.
+the cached blocks are never written). ``rebuilt_tokens`` counts them. A sequence on a LoRA
+adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once the target
+has computed its states here, so with a prefix-cache hit or a remote prefill, not at all.
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ class Eagle3Drafter:
         self.kv = DraftBlocks(num_blocks, block_size, _EagleRow)
         self.head = None  # load(): the head, once the target's weights are in place
         self.target: CausalLM | None = None
+        self.lora = None
         self.rebuilt_tokens = 0  # target states recomputed for tokens the target did not compute here
 
-    def load(self, target: CausalLM, target_kv: KVCache, scratch_block: int) -> None:
+    def load(self, target: CausalLM, target_kv: KVCache, scratch_block: int, lora=None) -> None:
         """Start on ``target``: the head (with its embeddings where the checkpoint has none), the
         target keeping the auxiliary states, and what rebuilding states needs (the target's KV,
-        read through an attention backend of its own, and a block its writes go to)."""
+        read through an attention backend of its own, a block its writes go to, and the engine's
+        ``LoraManager`` if it has one: a rebuild runs base-model rows)."""
         self.target = target
+        self.lora = lora
         self.head = load_head(self.config, target.embed_tokens, self.device, self.dtype,
                               target.rotary.cos.shape[0])
         target.aux_layers = self.config.aux_layers
@@ -112,6 +117,8 @@ class Eagle3Drafter:
         first = min(row.done, n - 2)  # the last computed position is computed again: it proposes
         with torch.inference_mode():
             hidden = self._states(seq, row, first, n - 1)
+            if hidden is None:
+                return []
             normed, prenorm = self._step(row, tokens[first + 1:n], hidden, first)
             draft = self.head.draft(normed[-1:])
             drafts = [draft]
@@ -134,7 +141,7 @@ class Eagle3Drafter:
         self.attention.plan(AttentionBatch([count], [start + count], [row.blocks], slots))
         return self.head(ids, hidden, pos, self.attention)
 
-    def _states(self, seq, row: _EagleRow, first: int, end: int) -> torch.Tensor:
+    def _states(self, seq, row: _EagleRow, first: int, end: int) -> torch.Tensor | None:
         """The target's fused states of positions ``first`` to ``end`` (excluded): those kept,
         the ones missing before them rebuilt."""
         have = row.states
@@ -143,11 +150,18 @@ class Eagle3Drafter:
         kept = have[max(first - row.start, 0): end - row.start]
         if row.start <= first:
             return kept
-        return torch.cat([self._rebuild(seq, first, row.start), kept])
+        rebuilt = self._rebuild(seq, first, row.start)
+        return None if rebuilt is None else torch.cat([rebuilt, kept])
 
-    def _rebuild(self, seq, first: int, end: int) -> torch.Tensor:
+    def _rebuild(self, seq, first: int, end: int) -> torch.Tensor | None:
         """The target's fused states of positions ``first`` to ``end``, recomputed: its layers up
-        to the last auxiliary one over those tokens, attending to the KV in the sequence's blocks."""
+        to the last auxiliary one over those tokens, attending to the KV in the sequence's blocks.
+        None for a sequence on a LoRA adapter (its rows would need the adapter's plan): it does
+        not draft until the target has computed its states here."""
+        if seq.lora is not None:
+            return None
+        if self.lora is not None:
+            self.lora.plan([end - first], None)  # base-model rows (the runner plans each step again)
         bs, count = self.block_size, end - first
         table = seq.block_table[: -(-end // bs)]
         slots = self.scratch_block * bs + torch.arange(count, device=self.device) % bs

@@ -87,7 +87,7 @@ class Engine(EngineCore):
         )
         self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
         if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
-            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0])
+            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora)
         self._graphs = self._decode_graphs() if want_graphs else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
@@ -165,6 +165,7 @@ class Engine(EngineCore):
         if self.eagle3 is not None:
             pending = self.runner.launch(out, prev)
             self.eagle3.capture(out.chunks, self.model.aux_hidden)
+            self.model.aux_hidden = None  # a long prefill's states are not kept past the step
             return pending
         if self.tp is None:
             return self.runner.launch(out, prev)

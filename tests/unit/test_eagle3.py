@@ -201,6 +201,26 @@ def test_under_preemption(tiny_model, head):
     assert e.scheduler.spec.drafted > 0
 
 
+def test_a_batch_mixing_adapters(tiny_model, head, tmp_path):
+    """Base-model and adapter rows in one batch, twice (the second time their prompts are cached):
+    token-identical; a base row's states are rebuilt, an adapter row's are not (it does not draft
+    until the target has computed them here)."""
+    from tests.helpers.lora import ADAPTERS, make_adapter
+
+    adapter = make_adapter(tiny_model, tmp_path / "all", 1, **ADAPTERS["all"])
+    ps = prompts(4, seed=12)
+    loras = [None, "all", None, "all"]
+    gen = [greedy(8)] * len(ps)
+    plain = engine(tiny_model, loras=(("all", str(adapter)),))
+    ref = [s.output_token_ids for s in plain.generate(ps, gen, lora=loras)]
+    e = engine(tiny_model, loras=(("all", str(adapter)),), speculative=f"eagle3:{head}", num_speculative_tokens=3)
+    assert [s.output_token_ids for s in e.generate(ps, gen, lora=loras)] == ref
+    assert e.eagle3.rebuilt_tokens == 0
+    e.scheduler.spec_prior = AcceptancePrior()
+    assert [s.output_token_ids for s in e.generate(ps, gen, lora=loras)] == ref
+    assert e.eagle3.rebuilt_tokens > 0 and e.scheduler.spec.drafted > 0
+
+
 def test_capture_costs_nothing_without_eagle3(tiny_model, head):
     plain = engine(tiny_model)
     assert plain.model.aux_layers == () and plain.eagle3 is None
