@@ -4,10 +4,16 @@
     python bench/speculative.py --oracle 0.7 --batch 1 --k 4
     python bench/speculative.py --oracle 0 0.5 1 --batch 1 4 --json out.json
     python bench/speculative.py --batch 1 --oracle 0.7 --draft DIR   # + draft:DIR, as its acceptance comes
+    python bench/speculative.py --eagle3 [DIR]        # + eagle3:DIR (default: a random head for `small`)
 
 ``--oracle ALPHA``: the drafter proposes the target's own greedy continuation (known from a run
 without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
 acceptance rate. ``ngram`` (prompt lookup) runs on the same prompts, as its acceptance comes.
+``--eagle3 DIR``: an EAGLE-3 head (``eagle3:DIR``), as its acceptance comes; with no DIR, a head
+with random weights written for ``small`` (``tests/helpers/eagle3.py``): its acceptance is ~0, so
+the row measures the machinery (hidden-state capture, the head's steps, K adapting down to 0),
+not EAGLE-3's speedup. "rebuilt" is how many target states the head had to recompute (none here:
+prefix caching is off, every token is computed by the target in this engine).
 
 Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, greedy. Decode
 tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
@@ -31,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine packa
 
 from engine.config import EngineConfig
 from engine.draft_model import DraftModelDrafter
+from engine.eagle3_drafter import Eagle3Drafter
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.spec.adaptive import AcceptancePrior, DraftLength
@@ -52,7 +59,7 @@ def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) ->
 def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple[float, int, list[list[int]]]:
     """Wall time of ``generate`` for ``n`` new tokens, its step count and outputs."""
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    engine.scheduler.drafter = drafter
+    engine.set_drafter(drafter)
     if isinstance(drafter, OracleDrafter):
         drafter.rng = random.Random(0)  # the same corruptions every time
     s0 = engine.num_steps
@@ -98,7 +105,13 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     if args.draft:
         modes["draft"] = DraftModelDrafter(args.draft, engine.model_config, engine.device, engine.dtype,
                                            engine.pool.num_blocks, BLOCK_SIZE, "torch")
+    if args.eagle3:
+        modes["eagle3"] = eagle = Eagle3Drafter(args.eagle3, engine.model_config, engine.device, engine.dtype,
+                                                engine.pool.num_blocks, BLOCK_SIZE, "torch")
+        eagle.load(engine.model, engine.kv_cache, engine.pool.allocate(1)[0])
     stats = measure(engine, prompts, args.new_tokens, modes, args.reps)
+    if args.eagle3:
+        stats["eagle3"]["rebuilt"] = eagle.rebuilt_tokens
     engine.close()
     plain = stats["plain"]
     rows = []
@@ -114,6 +127,52 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     return rows
 
 
+def run_rebuild(model_dir: Path, batch: int, args) -> dict:
+    """eagle3 on prompts whose KV is cached (a second run of the same prompts, prefix caching on):
+    the head's target states for the cached tokens are rebuilt (``Eagle3Drafter._rebuild``, timed
+    here) where the target computes only each prompt's last token. Against the prefill of the same
+    prompts (the first run's ``t(1)``), which the rebuild partly repeats (layers up to the last
+    auxiliary one, no logits)."""
+    rng = random.Random(args.seed + 1)
+    blocks = batch * -(-(args.rebuild_len + 8 + args.k + 1) // BLOCK_SIZE) * 2 + 16
+    engine = Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=blocks,
+                                 max_num_batched_tokens=max(2048, batch * args.rebuild_len), max_num_seqs=max(batch, 8),
+                                 speculative=f"eagle3:{args.eagle3}", num_speculative_tokens=args.k))
+    eagle, spent = engine.eagle3, [0.0]
+    rebuild = eagle._rebuild
+
+    def timed(*a):
+        t0 = CLOCK[0]()
+        try:
+            return rebuild(*a)
+        finally:
+            spent[0] += CLOCK[0]() - t0
+
+    eagle._rebuild = timed
+    prompts = [[rng.randrange(8, engine.vocab_size) for _ in range(args.rebuild_len)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = CLOCK[0]()
+    engine.generate(prompts, params)  # cold: the prefill, nothing drafted
+    prefill = CLOCK[0]() - t0
+    engine.scheduler.spec_prior = AcceptancePrior()  # new rows draft at their first decode step
+    t0 = CLOCK[0]()
+    engine.generate(prompts, SamplingParams(max_tokens=2 + args.k, temperature=0.0, ignore_eos=True))
+    warm = CLOCK[0]() - t0
+    engine.close()
+    return {"batch": batch, "prompt_len": args.rebuild_len, "rebuilt": eagle.rebuilt_tokens,
+            "rebuild_ms": spent[0] * 1000, "prefill_ms": prefill * 1000, "cached_run_ms": warm * 1000}
+
+
+def random_head(model_dir: Path) -> Path:
+    """An EAGLE-3 head with random weights for ``model_dir``, in the published format (written once)."""
+    from tests.helpers.eagle3 import make_eagle3_checkpoint
+
+    out = model_dir.parent / f"{model_dir.name}-eagle3-random"
+    if not (out / "model.safetensors").is_file():
+        make_eagle3_checkpoint(model_dir, out, seed=0)
+    return out
+
+
 def print_rows(rows: list[dict]) -> None:
     print(f"{'batch':>5} {'method':<12} {'K':>2} {'tok/s':>8} {'ms/step':>8} {'steps':>6} {'accept':>7} "
           f"{'tok/row/step':>12} {'speedup':>8} {'step cost':>9} identical")
@@ -124,7 +183,8 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['method']:<12} {r['k']:>2} {r['decode_tok_s']:>8.1f} {r['decode_step_ms']:>8.2f} "
               f"{r['steps']:>6} {f(r, 'acceptance', '.2f'):>7} {f(r, 'mean_emitted_per_row_step', '.2f'):>12} "
-              f"{f(r, 'speedup', '.2f'):>8} {f(r, 'step_cost', '.2f'):>9} {r['identical']}")
+              f"{f(r, 'speedup', '.2f'):>8} {f(r, 'step_cost', '.2f'):>9} {r['identical']}"
+              + (f"  rebuilt {r['rebuilt']}" if "rebuilt" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="acceptance rates of the oracle drafter (default: 0.7 at batch 1, 0 at batch 32)")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", help="skip the ngram drafter")
     p.add_argument("--draft", metavar="DIR", help="also draft with this model (draft:DIR; the same tokenizer)")
+    p.add_argument("--eagle3", nargs="?", const="", default=None, metavar="DIR",
+                   help="also draft with this EAGLE-3 head (eagle3:DIR); no DIR: a random head for `small`")
+    p.add_argument("--rebuild-len", type=int, default=512, metavar="N",
+                   help="with --eagle3: time rebuilding the head's states for cached prompts of N tokens, batch 1 and 4 (0: skip)")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -159,17 +223,27 @@ def main(argv: list[str] | None = None) -> int:
     from bench.engine import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.eagle3 == "":
+        args.eagle3 = str(random_head(model_dir))
     rows = []
     defaults = {1: [0.7], 32: [0.0]}
     for batch in args.batch or [1, 32]:
         batch_args = argparse.Namespace(**{**vars(args), "oracle": args.oracle if args.oracle is not None
                                            else defaults.get(batch, [0.0])})
         rows += run_batch(model_dir, batch, batch_args)
-        print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram + bool(args.draft)):])
+        print_rows(rows[-(1 + len(batch_args.oracle) + args.ngram + bool(args.draft) + bool(args.eagle3)):])
         sys.stdout.flush()
+    if args.eagle3 and args.rebuild_len:
+        for batch in (1, 4):  # rows start drafting at once up to 4 (engine.spec.adaptive); in larger
+            r = run_rebuild(model_dir, batch, args)  # batches at their first probe, rebuilding then
+            print(f"eagle3 rebuild, batch {batch}, prompts of {r['prompt_len']}: {r['rebuilt']} target states "
+                  f"rebuilt in {r['rebuild_ms']:.1f} ms; the cold prefill of the same prompts took "
+                  f"{r['prefill_ms']:.1f} ms; the cached run (rebuild, 1 prefill token, {1 + args.k} more tokens) "
+                  f"{r['cached_run_ms']:.1f} ms")
+            rows.append({"method": "eagle3 rebuild", **r})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r.get("identical", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

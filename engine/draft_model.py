@@ -34,6 +34,43 @@ class _DraftRow:
         self.fed: list[int] = []  # the tokens whose draft KV is in them, position by position
 
 
+class DraftBlocks:
+    """A drafter's own paged KV pool: its free blocks, and per sequence a row (``new_row()``; any
+    object with a ``blocks`` list) holding some. Who frees: a finished sequence's row is dropped
+    when the pool runs short, a sequence gone (garbage) gives its blocks back by a finalizer."""
+
+    def __init__(self, num_blocks: int, block_size: int, new_row):
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> row
+        self._new_row = new_row
+
+    def row(self, seq):
+        row = self.rows.get(seq)
+        if row is None:
+            row = self.rows[seq] = self._new_row()
+            weakref.finalize(seq, self.free.extend, row.blocks)  # a sequence gone: its blocks back
+        return row
+
+    def grow(self, row, positions: int) -> bool:
+        """Blocks for ``positions`` positions; False (nothing taken) when the pool has too few."""
+        need = -(-positions // self.block_size) - len(row.blocks)
+        if need > len(self.free):
+            self._release_finished()
+        if need > len(self.free):
+            return False
+        for _ in range(max(0, need)):
+            row.blocks.append(self.free.pop())
+        return True
+
+    def _release_finished(self) -> None:
+        for seq, row in list(self.rows.items()):
+            if seq.is_finished:
+                self.free.extend(row.blocks)
+                row.blocks.clear()  # the finalizer then gives back nothing
+                del self.rows[seq]
+
+
 class DraftModelDrafter:
     name = "draft"
 
@@ -48,17 +85,13 @@ class DraftModelDrafter:
         spec = KVCacheSpec(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.attention = create_backend(backend, KVCache(spec, device), mc.head_dim**-0.5)
         self.device = device
-        self.free = list(range(num_blocks))
-        self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> _DraftRow
+        self.kv = DraftBlocks(num_blocks, block_size, _DraftRow)
 
     def propose(self, seq, k: int) -> list[int]:
-        row = self.rows.get(seq)
-        if row is None:
-            row = self.rows[seq] = _DraftRow()
-            weakref.finalize(seq, self.free.extend, row.blocks)  # a sequence gone: its blocks back
+        row = self.kv.row(seq)
         tokens = seq.token_ids
         n = len(tokens)
-        if not self._grow(row, n + k - 1):
+        if not self.kv.grow(row, n + k - 1):
             return []
         valid = 0  # positions whose draft KV was computed from the tokens the sequence has now
         for a, b in zip(row.fed, tokens, strict=False):
@@ -84,25 +117,6 @@ class DraftModelDrafter:
         self.attention.plan(AttentionBatch([len(ids)], [start + len(ids)], [row.blocks], slots))
         hidden = self.model(torch.as_tensor(ids, dtype=torch.long, device=self.device), pos, self.attention)
         return int(self.model.logits(hidden[-1:]).argmax(dim=-1)[0])
-
-    def _grow(self, row: _DraftRow, positions: int) -> bool:
-        """Blocks for ``positions`` positions; False (nothing taken) when the pool has too few."""
-        need = -(-positions // self.block_size) - len(row.blocks)
-        if need > len(self.free):
-            self._release_finished()
-        if need > len(self.free):
-            return False
-        for _ in range(max(0, need)):
-            row.blocks.append(self.free.pop())
-        return True
-
-    def _release_finished(self) -> None:
-        for seq, row in list(self.rows.items()):
-            if seq.is_finished:
-                self.free.extend(row.blocks)
-                row.blocks.clear()  # the finalizer then gives back nothing
-                row.fed = []
-                del self.rows[seq]
 
 
 def model_drafter(method: str | None, target: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -25,6 +25,7 @@ from engine.constraints.manager import GrammarConfig, GrammarManager
 from engine.core import CoreConfig, EngineCore
 from engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
 from engine.draft_model import model_drafter
+from engine.eagle3_drafter import Eagle3Drafter, eagle3_drafter
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.lora import start_lora
@@ -56,7 +57,9 @@ class Engine(EngineCore):
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
-        want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1
+        # EAGLE-3 reads each step's auxiliary hidden states, which decode graphs do not hand out
+        eagle = (config.speculative or "").startswith("eagle3:")
+        want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1 and not eagle
         # One rank: load the weights first, so the automatic KV size sees what they took. Several:
         # rank 0 starts the other ranks first (they load their shards while it loads its own),
         # and they need the pool size to start.
@@ -64,8 +67,9 @@ class Engine(EngineCore):
         if config.tp == 1:
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
-        drafter = model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size,
-                                backend)
+        drafter = (model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
+                   or eagle3_drafter(config.speculative, mc, config.tp, self.device, self.dtype, num_blocks,
+                                     config.block_size, backend))
         super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
@@ -81,6 +85,9 @@ class Engine(EngineCore):
                           spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
+        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
+        if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
+            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora)
         self._graphs = self._decode_graphs() if want_graphs else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
@@ -155,6 +162,11 @@ class Engine(EngineCore):
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
         if self.tiers is not None:
             self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
+        if self.eagle3 is not None:
+            pending = self.runner.launch(out, prev)
+            self.eagle3.capture(out.chunks, self.model.aux_hidden)
+            self.model.aux_hidden = None  # a long prefill's states are not kept past the step
+            return pending
         if self.tp is None:
             return self.runner.launch(out, prev)
         try:
@@ -197,6 +209,14 @@ class Engine(EngineCore):
             self.runner.graphs = graphs if cuda_graphs else None
         if async_scheduling is not None:
             self.overlap = OverlappedSteps(self) if async_scheduling else None
+
+    def set_drafter(self, drafter) -> None:
+        """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
+        drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
+        Only an EAGLE-3 drafter has the target keep its auxiliary states."""
+        self.scheduler.drafter = drafter
+        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None
+        self.model.aux_layers = self.eagle3.config.aux_layers if self.eagle3 is not None else ()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""

@@ -101,7 +101,8 @@ def check_loras(config: EngineConfig, mc: ModelConfig) -> None:
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup; ngram:N matches up to N tokens), "
-                        "or draft:DIR (a smaller model with the same tokenizer)")
+                        "draft:DIR (a smaller model with the same tokenizer), or eagle3:DIR (an EAGLE-3 "
+                        "head, its published checkpoint format, fed the target's hidden states)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="tokens a decoding row drafts per step (with --speculative)")
 

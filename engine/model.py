@@ -133,6 +133,10 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     kernels: Kernels = PLAIN
+    # EAGLE-3 (engine.eagle3): the layers whose input (the residual stream; 0 is the embeddings)
+    # each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None):
         super().__init__()
@@ -148,12 +152,33 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` before the final norm."""
+        if self.aux_layers:
+            hidden, self.aux_hidden = self.forward_aux(input_ids, positions, attn)
+            return hidden
         x = self.embed_tokens(input_ids)
         rope = self.kernels.rope(self.rotary, positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, attn)
         return residual + x
+
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                    whole: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``forward``'s hidden states, and the inputs of the ``aux_layers`` concatenated; with
+        ``whole`` False, only the layers up to the last of them run (no hidden states: None)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.kernels.rope(self.rotary, positions, x.dtype)
+        residual = None
+        kept = {}
+        last = max(self.aux_layers)
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                kept[i] = x if residual is None else x + residual
+            if i == last and not whole:
+                break
+            x, residual = layer(x, residual, rope, attn)
+        aux = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
+        return (residual + x if whole else None), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

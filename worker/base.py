@@ -135,7 +135,11 @@ def speculative_counters(engine: EngineCore) -> dict[str, int]:
     if drafter is None:
         return {}
     c = engine.scheduler.spec
-    return {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
+    out = {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
+    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3: target states recomputed for it
+    if rebuilt is not None:
+        out[f"spec_rebuilt:{drafter.name}"] = rebuilt
+    return out
 
 
 def wire_logprob(lp: TokenLogprob | None) -> TokenLogprobs | None:

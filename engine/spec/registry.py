@@ -40,10 +40,14 @@ def create_drafter(method: str) -> Drafter:
     return factory(arg)
 
 
-def _runs_a_model(arg: str) -> Drafter:
-    raise ValueError("--speculative draft:DIR runs a model: a model worker's engine makes it "
-                     "(engine.draft_model), not a torch-free core")
+def _runs_a_model(name: str) -> Callable[[str], Drafter]:
+    def refuse(arg: str) -> Drafter:
+        raise ValueError(f"--speculative {name}:DIR runs a model: a model worker's engine makes it "
+                         "(engine.draft_model, engine.eagle3_drafter), not a torch-free core")
+    return refuse
 
 
 register("ngram", NgramDrafter.from_arg)
-register("draft", _runs_a_model)  # named here so that flags are checked in one place
+# named here so that flags are checked in one place
+register("draft", _runs_a_model("draft"))
+register("eagle3", _runs_a_model("eagle3"))

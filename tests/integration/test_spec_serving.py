@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
+from tests.helpers.eagle3 import make_eagle3_checkpoint
 from tests.helpers.lora import ADAPTERS, make_adapter
 from tests.helpers.references import hf_greedy, hf_model, prompts_of
 
@@ -31,6 +32,8 @@ THRESHOLD = 48  # prompts this long are prefilled by the prefill worker
 BLOCKS = 48  # each decode worker's KV pool (blocks of 16): 16 requests of 144 tokens preempt
 MAX_TOKENS = 24
 LORAS = ("all", "mlp")
+NS_EAGLE = "spec-e3"
+EAGLE = ("spec-e3-dec", "spec-e3-pre")  # its decode worker, its prefill worker
 
 
 def repeating(n: int, seed: int, times: int = 3) -> list[int]:
@@ -93,12 +96,35 @@ def mesh(cluster, tiny_model, adapters):
     return url, workers
 
 
+@pytest.fixture(scope="module")
+def eagle_mesh(cluster, tiny_model, tmp_path_factory):
+    """A mesh of its own for ``eagle3:DIR`` (a random head: its drafts are verified, almost never
+    accepted): one decode worker, one prefill worker, a gateway."""
+    head = make_eagle3_checkpoint(tiny_model, tmp_path_factory.mktemp("spec-eagle3") / "head", aux_layers=[1, 0, 1])
+    common = ["--ns", NS_EAGLE, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
+    cluster.worker("decode", *common, "--device-kv-blocks", "128", "--speculative", f"eagle3:{head}",
+                   "--num-speculative-tokens", "3", "--disagg-threshold", str(THRESHOLD), "--worker-id", EAGLE[0])
+    cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", EAGLE[1])
+    url = cluster.gateway(tiny_model, None, "--ns", NS_EAGLE)
+
+    async def ready():
+        w = await Watcher.open(cluster.nats_url, ns=NS_EAGLE)
+        try:
+            await w.wait_for(lambda: all(w.membership.get(x) for x in EAGLE), 180, "workers")
+            await w.fresh_load(EAGLE[1])
+        finally:
+            await w.close()
+
+    asyncio.run(ready())
+    wait_http_ok(url + "/health", 60)
+    return url
+
+
 @asynccontextmanager
-async def counters(cluster):
-    """The decode and prefill workers' counters added up, after the block minus before."""
-    w = await Watcher.open(cluster.nats_url, ns=NS)
+async def counters(cluster, ns: str = NS, names: tuple[str, ...] = (*DECODE, PREFILL)):
+    """The workers' counters added up, after the block minus before."""
+    w = await Watcher.open(cluster.nats_url, ns=ns)
     delta: dict[str, int] = {}
-    names = (*DECODE, PREFILL)
     try:
         before = [r.counters for r in await asyncio.gather(*(w.fresh_load(x) for x in names))]
         yield delta
@@ -129,6 +155,19 @@ async def test_aggregated_and_disaggregated_outputs_are_transformers(cluster, me
         assert tokens == want, f"prompt of {len(p)} tokens"
     assert delta.get("spec_accepted:ngram", 0) > 0, delta  # drafts were verified and accepted
     assert delta.get("remote_prefill_done", 0) >= len(LONG), delta  # the long ones were disaggregated
+
+
+async def test_eagle3_aggregated_and_disaggregated_outputs_are_transformers(cluster, eagle_mesh, hf):
+    """``eagle3:DIR`` drafts from the target's hidden states; the disaggregated prompts' states
+    (their KV came from the prefill worker) are rebuilt by the decode worker."""
+    prompts = SHORT + LONG
+    async with counters(cluster, NS_EAGLE, EAGLE) as delta:
+        got = await asyncio.gather(*(complete(eagle_mesh, p) for p in prompts))
+    for p, (tokens, _), want in zip(prompts, got, hf, strict=True):
+        assert tokens == want, f"prompt of {len(p)} tokens"
+    assert delta.get("spec_drafted:eagle3", 0) > 0, delta
+    assert delta.get("remote_prefill_done", 0) >= len(LONG), delta
+    assert delta.get("spec_rebuilt:eagle3", 0) >= sum(len(p) for p in LONG), delta
 
 
 async def test_a_request_that_opts_out_drafts_nothing(cluster, mesh, plain):
