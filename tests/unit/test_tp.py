@@ -68,6 +68,26 @@ def test_tp2_is_token_identical_to_tp1_with_chunked_prefill_and_a_prefix_hit(tin
     assert two.pool.num_used == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_with_speculation_is_token_identical_to_tp1_without(tiny_pair, tiny_model, method):
+    """Speculative decoding under TP: drafts (prompt lookup, or the tiny model drafting for itself)
+    are verified by both ranks' forward, and the output is plain TP 1 decoding's."""
+    one, _ = tiny_pair
+    prompts = [p * 3 for p in prompts_of([6, 9, 12, 7], 4000, 5, low=3)]  # repeats for lookup to find
+    want = [s.output_token_ids for s in one.generate(prompts, GREEDY)]
+    spec = "ngram" if method == "ngram" else f"draft:{tiny_model}"
+    two = Engine(EngineConfig(tiny_model, tp=2, num_kv_blocks=256, block_size=8, max_num_batched_tokens=64,
+                              speculative=spec, num_speculative_tokens=4))
+    try:
+        assert [s.output_token_ids for s in two.generate(prompts, GREEDY)] == want
+        counters = two.scheduler.spec
+        assert counters.drafted > 0 and counters.accepted > 0
+    finally:
+        pids = two.tp.pids
+        two.close()
+        assert_gone(pids)
+
+
 def test_rank0_kv_is_the_full_head_set_over_both_ranks(tiny_pair):
     one, two = tiny_pair
     assert isinstance(two.kv_cache, ShardedKVCache)
