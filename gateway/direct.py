@@ -9,8 +9,8 @@ choice's detokenizer and counters, as ``stream_choice`` would), its SSE event, o
 It takes only an ordinary chunk in the middle of a stream, while the choice's task waits
 for chunks with nothing queued (so every earlier event has been written), and while the
 client's socket takes writes without waiting. Everything else (the first chunk, the last, an
-error, a stop string to look for, a backed-up or closed socket) goes the indirect way, which
-sees the choice's state as the sink left it.
+error, a backed-up or closed socket, every chunk of a choice with stop strings) goes the indirect
+way, which sees the choice's state as the sink left it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class DeltaWriter(Protocol):
 
 
 class DirectSink:
-    """One choice's sink (``ReplyStream.sink``); ``text`` is its ``_ChoiceText``."""
+    """One choice's sink (``ReplyStream.sink``); ``text`` is its ``_ChoiceText``, which has no stop
+    strings (a choice with some has no sink: a token may end it)."""
 
     __slots__ = ("figures", "out", "run", "text")
 
@@ -47,7 +48,7 @@ class DirectSink:
         """Write the chunk's delta and return True, or return False, having changed nothing."""
         out = self.out
         if (self.run.state is not ChoiceState.STREAMING or chunk.finish_reason is not None or chunk.error
-                or self.text.stop.stops or not out.ready()):
+                or not out.ready()):
             return False
         delta = self.text.delta([chunk])
         self.run.streamed(delta.token_ids, False)

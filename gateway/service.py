@@ -269,7 +269,7 @@ class Gateway:
                 if run.state is ChoiceState.ROUTING:
                     stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter,
                                              cache_scope)
-                    if direct is not None:
+                    if direct is not None and not text.stop.stops:  # a stop string may end it: the task looks
                         stream.sink = DirectSink(direct, run, text, figures)
                 try:
                     chunks = await stream.next_batch(run.timeout)

@@ -47,22 +47,27 @@ async def first_deltas(streams) -> list[ChoiceDelta | None]:
         raise
 
 
-async def unless_disconnected(receive, work: Awaitable):
-    """``await work``, unless the client disconnects first: then cancel it and return None."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    # asyncio.wait would do: it costs an ABC isinstance check per awaitable per call (a few % of the
-    # gateway's CPU, once per request), where two done-callbacks on one future cost nothing
+async def _first_of(a: asyncio.Future, b: asyncio.Future) -> None:
+    """Returns when either is done. asyncio.wait would do: it costs an ABC isinstance check per
+    awaitable per call (a few % of the gateway's CPU, once per request), where two done-callbacks
+    on one future cost nothing."""
     either = asyncio.get_running_loop().create_future()
 
     def done(_: asyncio.Future) -> None:
         if not either.done():
             either.set_result(None)
 
-    task.add_done_callback(done)
-    watch.add_done_callback(done)
+    a.add_done_callback(done)
+    b.add_done_callback(done)
+    await either
+
+
+async def unless_disconnected(receive, work: Awaitable):
+    """``await work``, unless the client disconnects first: then cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
     try:
-        await either
+        await _first_of(task, watch)
     finally:
         watch.cancel()
         if not task.done():
@@ -186,7 +191,7 @@ class SSEResponse(Response):
         body = asyncio.ensure_future(self._send_events(send))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await asyncio.wait((body, watch), return_when=asyncio.FIRST_COMPLETED)
+            await _first_of(body, watch)
         finally:
             if self.direct is not None:
                 self.direct.detach()
