@@ -216,8 +216,9 @@ class SSEWriter:
     Only behind uvicorn's httptools protocol, whose ``send`` is a method of the connection's
     request-response cycle: ``attach`` takes the cycle's transport, and ``write`` frames each event
     as that ``send`` does (a chunk of the chunked body). Behind any other server ``ready`` stays
-    False, and every event goes through ``send``. ``ready`` is what makes ``send`` wait or drop the
-    write: a paused transport (the client reads slower than we write), a disconnect, an ended body.
+    False, and every event goes through ``send``. ``ready`` is False wherever ``send`` would wait
+    or drop the write: a paused transport (the client reads slower than we write), a disconnect,
+    an ended body, a closing transport.
     """
 
     __slots__ = ("cycle", "fmt", "has_tok")
@@ -238,7 +239,8 @@ class SSEWriter:
 
     def ready(self) -> bool:
         c = self.cycle
-        return c is not None and not (c.flow.write_paused or c.disconnected or c.response_complete)
+        return c is not None and not (c.flow.write_paused or c.disconnected or c.response_complete
+                                      or c.transport.is_closing())
 
     def write(self, delta: ChoiceDelta) -> None:
         if text := self.fmt.chunks(delta, self.has_tok):
