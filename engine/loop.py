@@ -94,11 +94,6 @@ class EngineLoop:
             if pending:
                 break
             await self._ready.wait()
-        return self.take()
-
-    def take(self) -> list:
-        """On the event loop: every output emitted since the last call, without waiting (maybe none)."""
-        pending = self._pending
         outs: list = []
         while pending:
             outs.extend(pending.popleft())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import secrets
 import socket
@@ -423,20 +422,15 @@ class WorkerBase:
         """Steps' outputs to ``handle_outputs``: every step that ended while the last ones were being
         sent goes in one call; with ``stream_interval`` at most one call per interval."""
         interval = self.settings.stream_interval_ms / 1000.0
-        sent = -math.inf
         while True:
             outs = await self.loop.outputs()
-            # Too soon after the last call: wait out the interval, and what ends meanwhile joins.
-            # (Not a sleep after every call: at GPU pace, steps slower than the interval, that was
-            # a timer and a wake-up per step for nothing.)
-            if interval and (wait := interval - (time.monotonic() - sent)) > 0:
-                await asyncio.sleep(wait)
-                outs += self.loop.take()
             sent = time.monotonic()
             try:
                 await self.handle_outputs(outs)
             except Exception:
                 log.exception("delivering step outputs failed")
+            if interval:
+                await asyncio.sleep(interval - (time.monotonic() - sent))
 
     async def _report_load(self) -> None:
         subject = self.bus.subjects.load(self.engine.model_name, self.worker_id)
