@@ -44,6 +44,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, openapi_bo
 from gateway.service import Gateway, Target
 from gateway.streaming import (
     SSEResponse,
+    SSEWriter,
     close_all,
     collect_all,
     first_deltas,
@@ -366,10 +367,13 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
     priority = clamp_priority(_priority(body, request), key)
     scope = cache_scope(gw.config.router.hash_key, key, body.cache_salt)
     admission = _Admission(gw, len(prompts) * body.n)
+    has_tok = gw.tokenizer(target.model) is not None
+    # one streamed choice: its mid-stream tokens are written from the reply handler (gateway/direct.py)
+    direct = SSEWriter(fmt, has_tok) if body.stream and len(prompts) * body.n == 1 else None
     streams = [
         gw.stream_choice(i, f"{fmt.rid}-{i}", target.model, prompts[i // body.n],
                          _sampling(body, max_out, body.choice_seed(i % body.n), plan.constraint), body.stop_list,
-                         priority, plan, target.adapter, cache_scope=scope)
+                         priority, plan, target.adapter, cache_scope=scope, direct=direct)
         for i in range(len(prompts) * body.n)
     ]
     headers = {"x-request-id": fmt.rid}
@@ -392,10 +396,9 @@ async def _complete(gw: Gateway, body, request: Request, prompts: list[list[int]
         await close_all(streams)
         admission.release()
         return Response(status_code=CLIENT_CLOSED)
-    has_tok = gw.tokenizer(target.model) is not None
 
     def done() -> None:
         admission.release()
         server_span.end()
 
-    return SSEResponse(sse_events(fmt, streams, first, body.include_usage, has_tok, done), headers)
+    return SSEResponse(sse_events(fmt, streams, first, body.include_usage, has_tok, done), headers, direct)

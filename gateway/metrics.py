@@ -38,6 +38,8 @@ BATCHED_CHUNKS = Counter("pdmesh_gateway_batched_chunks", "Token chunks that arr
                          registry=REGISTRY)
 LIVE_CHOICES = Gauge("pdmesh_gateway_live_choices", "Choices routing, waiting or streaming (not final)",
                      registry=REGISTRY, multiprocess_mode="livesum")
+DIRECT_DELTAS = Counter("pdmesh_gateway_direct_deltas", "Mid-stream deltas written to the client from the reply "
+                        "handler (gateway/direct.py), not through the choice's task", registry=REGISTRY)
 INFLIGHT = Gauge("pdmesh_gateway_inflight_requests", "Choices admitted and not finished",
                  registry=REGISTRY, multiprocess_mode="livesum")
 
@@ -65,7 +67,7 @@ class ChoiceFigures:
     ends: at GPU pace every token is its own batch, and ``Histogram.observe`` walks the buckets in
     Python under a lock (with the token counter's lock, a few us per token)."""
 
-    __slots__ = ("bounds", "buckets", "gap_sum", "itl", "tokens")
+    __slots__ = ("bounds", "buckets", "direct", "gap_sum", "itl", "last_at", "tokens")
 
     def __init__(self, itl):
         self.itl = itl
@@ -73,6 +75,8 @@ class ChoiceFigures:
         self.buckets = [0] * len(self.bounds)
         self.gap_sum = 0.0
         self.tokens = 0
+        self.direct = 0  # deltas written by the choice's DirectSink
+        self.last_at = 0.0  # when the last batch of tokens arrived (time.monotonic())
 
     def gap(self, seconds: float) -> None:
         """One observation of the ITL histogram (the time per token of a batch after the first)."""
@@ -84,6 +88,9 @@ class ChoiceFigures:
         if self.tokens:
             COMPLETION_TOKENS.inc(self.tokens)
             self.tokens = 0
+        if self.direct:
+            DIRECT_DELTAS.inc(self.direct)
+            self.direct = 0
         if self.gap_sum or any(self.buckets):
             self.itl._sum.inc(self.gap_sum)
             for i, n in enumerate(self.buckets):

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from gateway.batch_store import BatchConfig
 from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
+from gateway.direct import DeltaWriter, DirectSink
 from gateway.errors import APIError
 from gateway.metrics import ChoiceFigures, GatewayStats, workers_registry
 from gateway.outputs import OutputPlan
@@ -243,7 +244,7 @@ class Gateway:
     async def stream_choice(
         self, index: int, request_id: str, model: str, prompt_ids: list[int],
         sampling: SamplingOptions, stops: list[str], priority: int = 0, plan: OutputPlan | None = None,
-        adapter: str = "", cache_scope: str = "",
+        adapter: str = "", cache_scope: str = "", direct: DeltaWriter | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
         ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
@@ -251,13 +252,14 @@ class Gateway:
         Who cancels on the worker: this generator's ``finally`` (``_ended``), whenever it ends
         before the worker's last chunk (client gone, stop string, error), whether it is closed or
         cancelled; and a migration (``_lost``), on the worker it leaves.
+        ``direct``: where a ``DirectSink`` writes the mid-stream deltas (gateway/direct.py); they
+        are then not yielded here.
         """
         text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens, plan)
         run = ChoiceRun(self.retry_policy)
         span = TRACER.start_span("generate", attributes={"pdmesh.request_id": request_id, "pdmesh.choice": index,
                                                          "pdmesh.prompt_tokens": len(prompt_ids)})
-        stream, last_at = None, run.started
-        latency = self.stats.latency(model)
+        stream, latency = None, self.stats.latency(model)
         figures = self.stats.choice_figures(latency)  # tokens and ITL: into Prometheus once, at the end
         self.stats.choice_started()
         try:
@@ -267,6 +269,8 @@ class Gateway:
                 if run.state is ChoiceState.ROUTING:
                     stream = await self._send(run, request_id, model, prompt_ids, sampling, priority, span, adapter,
                                              cache_scope)
+                    if direct is not None and not text.stop.stops:  # a stop string may end it: the task looks
+                        stream.sink = DirectSink(direct, run, text, figures)
                 try:
                     chunks = await stream.next_batch(run.timeout)
                 except StreamError as e:
@@ -281,16 +285,7 @@ class Gateway:
                     continue
                 if run.state is ChoiceState.WAITING:  # this worker's first chunk: its prefill is done
                     self.router.first_token(run.worker_id, request_id)
-                first = not run.generated
-                delta = text.delta(chunks)
-                run.streamed(delta.token_ids, delta.finish_reason is not None)
-                figures.tokens += len(delta.token_ids)
-                now = time.monotonic()
-                if first:
-                    latency.ttft.observe(now - run.started)
-                elif delta.token_ids:
-                    figures.gap((now - last_at) / len(delta.token_ids))
-                last_at = now
+                now, delta = self._took(run, text, chunks, figures, latency)
                 if run.state is ChoiceState.FINISHED:
                     if last.finish_reason is not None:  # else a stop string ended it: the worker goes on
                         stream = self._close(stream, request_id)
@@ -300,6 +295,22 @@ class Gateway:
                 yield delta
         finally:
             self._ended(run, span, stream, model, request_id, figures)
+
+    @staticmethod
+    def _took(run: ChoiceRun, text: _ChoiceText, chunks: list[TokenChunk], figures: ChoiceFigures,
+              latency) -> tuple[float, ChoiceDelta]:
+        """The delta of chunks the choice's task reads (what ``DirectSink`` does for the ones it takes)."""
+        first = not run.generated
+        delta = text.delta(chunks)
+        run.streamed(delta.token_ids, delta.finish_reason is not None)
+        figures.tokens += len(delta.token_ids)
+        now = time.monotonic()
+        if first:
+            latency.ttft.observe(now - run.started)
+        elif delta.token_ids:
+            figures.gap((now - figures.last_at) / len(delta.token_ids))
+        figures.last_at = now
+        return now, delta
 
     async def _back_off(self, run: ChoiceRun) -> None:
         """Every worker tried is unreachable: wait, then try them all again."""

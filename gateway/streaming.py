@@ -47,22 +47,27 @@ async def first_deltas(streams) -> list[ChoiceDelta | None]:
         raise
 
 
-async def unless_disconnected(receive, work: Awaitable):
-    """``await work``, unless the client disconnects first: then cancel it and return None."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    # asyncio.wait would do: it costs an ABC isinstance check per awaitable per call (a few % of the
-    # gateway's CPU, once per request), where two done-callbacks on one future cost nothing
+async def _first_of(a: asyncio.Future, b: asyncio.Future) -> None:
+    """Returns when either is done. asyncio.wait would do: it costs an ABC isinstance check per
+    awaitable per call (a few % of the gateway's CPU, once per request), where two done-callbacks
+    on one future cost nothing."""
     either = asyncio.get_running_loop().create_future()
 
     def done(_: asyncio.Future) -> None:
         if not either.done():
             either.set_result(None)
 
-    task.add_done_callback(done)
-    watch.add_done_callback(done)
+    a.add_done_callback(done)
+    b.add_done_callback(done)
+    await either
+
+
+async def unless_disconnected(receive, work: Awaitable):
+    """``await work``, unless the client disconnects first: then cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
     try:
-        await either
+        await _first_of(task, watch)
     finally:
         watch.cancel()
         if not task.done():
@@ -170,21 +175,26 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]):
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str], direct: SSEWriter | None = None):
         # not Response.__init__: it would add "content-length: 0"
         self.status_code = 200
         self.background = None
         self.events = events
+        self.direct = direct  # the choice's DirectSink writes through it while the body is sent
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                             *((k.lower().encode(), v.encode()) for k, v in headers.items())]
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if self.direct is not None:
+            self.direct.attach(send)
         body = asyncio.ensure_future(self._send_events(send))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await asyncio.wait((body, watch), return_when=asyncio.FIRST_COMPLETED)
+            await _first_of(body, watch)
         finally:
+            if self.direct is not None:
+                self.direct.detach()
             for t in (body, watch):
                 t.cancel()
             await asyncio.gather(body, watch, return_exceptions=True)
@@ -197,6 +207,48 @@ class SSEResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away mid-write
             pass
+
+
+class SSEWriter:
+    """One choice's deltas as SSE events, written straight to the client's socket by its
+    ``DirectSink`` (gateway/direct.py) rather than through the response's ASGI ``send``.
+
+    Only behind uvicorn's httptools protocol, whose ``send`` is a method of the connection's
+    request-response cycle: ``attach`` takes the cycle's transport, and ``write`` frames each event
+    as that ``send`` does (a chunk of the chunked body). Behind any other server ``ready`` stays
+    False, and every event goes through ``send``. ``ready`` is False wherever ``send`` would wait
+    or drop the write: a paused transport (the client reads slower than we write), a disconnect,
+    an ended body, a closing transport.
+    """
+
+    __slots__ = ("cycle", "fmt", "has_tok")
+
+    def __init__(self, fmt, has_tok: bool):
+        self.fmt = fmt
+        self.has_tok = has_tok
+        self.cycle = None
+
+    def attach(self, send) -> None:
+        """After the response's start: write through ``send``'s connection if it is uvicorn's."""
+        cycle = getattr(send, "__self__", None)
+        if type(cycle).__module__ == _UVICORN_HTTPTOOLS and getattr(cycle, "chunked_encoding", None) is True:
+            self.cycle = cycle
+
+    def detach(self) -> None:
+        self.cycle = None
+
+    def ready(self) -> bool:
+        c = self.cycle
+        return c is not None and not (c.flow.write_paused or c.disconnected or c.response_complete
+                                      or c.transport.is_closing())
+
+    def write(self, delta: ChoiceDelta) -> None:
+        if text := self.fmt.chunks(delta, self.has_tok):
+            body = text.encode()
+            self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+_UVICORN_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
 
 
 async def _wait_disconnect(receive) -> None:

@@ -145,6 +145,10 @@ async def token_events(http: httpx.AsyncClient, url: str, model: str, prompt: li
     return events
 
 
+def direct_deltas(metrics: str) -> float:
+    return float(re.search(r"^pdmesh_gateway_direct_deltas_total (\S+)$", metrics, re.M).group(1))
+
+
 async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
     """Issue 33: when the worker's steps are slower than the stream interval (a GPU's decode step
     against a gateway that writes in microseconds), nothing is merged: every token of every
@@ -155,9 +159,14 @@ async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
         wait_http_ok(gateway + "/health", 60)
         prompts = [[(29 * i + j) % 900 + 3 for j in range(16 + i)] for i in range(8)]
         async with httpx.AsyncClient(timeout=60) as http:
+            before = direct_deltas((await http.get(gateway + "/metrics")).text)
             results = await asyncio.gather(*(token_events(http, gateway, "paced", p, 16) for p in prompts))
+            direct = direct_deltas((await http.get(gateway + "/metrics")).text) - before
         for p, events in zip(prompts, results, strict=True):
             assert [len(e) for e in events] == [1] * 16, events  # one token per chunk, none merged
             assert [t for e in events for t in e] == mocker_tokens(p, 16)
+        # behind uvicorn the mid-stream tokens (not the first, not the last) are written from the
+        # reply handler (gateway/direct.py); a 25 ms step leaves the reader waiting for nearly all
+        assert 8 * 14 // 2 <= direct <= 8 * 14, direct
     finally:
         await w.close()
