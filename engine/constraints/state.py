@@ -67,6 +67,37 @@ class GrammarState:
         self._settle()
         return True
 
+    # Speculative decoding: drafts are walked through the matcher and rolled back at once, so the
+    # matcher is always at the tokens the sequence took; the accepted ones are taken as usual.
+
+    def draft_prefix(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` (tokens proposed after the sequence's) the grammar takes in order;
+        the matcher is left where it was. Before the grammar starts: the drafts before the token
+        that starts it (free positions, no masks)."""
+        if not self.started:
+            return drafts.index(self.start_after) if self.start_after in drafts else len(drafts)
+        if self.error or self.verdict or not self.needs_mask:
+            return 0
+        n = self.matcher.try_consume(drafts)
+        self.matcher.rollback(n)
+        return n
+
+    def fill_drafted(self, fill, drafts: list[int], bitmask, row: int) -> None:
+        """The masks of a drafting row's positions into ``bitmask[row:row + len(drafts) + 1]``: the
+        state after its tokens, then after each draft (``draft_prefix`` kept only drafts it takes).
+        ``fill``: the backend's. The matcher is left where it was."""
+        m = self.matcher
+        fill([(m, row)], bitmask)
+        taken = 0
+        try:
+            for t in drafts:
+                if m.try_consume([t]) != 1:
+                    raise RuntimeError(f"draft token {t} does not match the grammar (not cut by draft_prefix)")
+                taken += 1
+                fill([(m, row + taken)], bitmask)
+        finally:
+            m.rollback(taken)
+
     def replay(self, token_ids: list[int]) -> bool:
         return all(self.advance(t) for t in token_ids)
 
