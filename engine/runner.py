@@ -110,8 +110,9 @@ class ModelRunner:
         rows = to_device(sample_rows + draft_rows, torch.long, self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
         n = len(sample_rows)
-        # before the sampler masks the sampled rows in place
-        verification = Verification.launch(self.sampler, self.grammar, logits, n, drafting, seqs) if draft_rows else None
+        verification = None
+        if draft_rows:  # before the sampler masks the sampled rows in place
+            verification = Verification.launch(self.sampler, self.grammar, logits, n, drafting, seqs, masks)
         samples = self.sampler.sample(logits[:n] if draft_rows else logits, seqs, masks)
         return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, verification)
 

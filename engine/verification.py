@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from engine.constraints.manager import GrammarManager
-from engine.constraints.masks import apply_bitmask
+from engine.constraints.masks import StepMasks, apply_bitmask
 from engine.hostcopy import to_device
 from engine.sampler import Sampler
 from engine.sequence import SampledToken, Sequence, TokenLogprob
@@ -51,9 +51,12 @@ class Verification:
 
     @classmethod
     def launch(cls, sampler: Sampler, grammar: GrammarManager | None, logits: torch.Tensor, n: int,
-               drafting: Drafting, seqs: list[Sequence]) -> Verification:
+               drafting: Drafting, seqs: list[Sequence], masks: StepMasks | None = None) -> Verification:
         """``logits``: the step's sampled rows (``n``), then its drafted positions in order; read
-        before the sampler masks the sampled rows in place."""
+        before the sampler masks the sampled rows in place. ``masks``: the step's (their fill, in a
+        thread, walks the matchers the drafted positions' masks walk: it must be done first)."""
+        if masks is not None:
+            masks.wait()
         index, at = [], n
         for i, drafts in drafting:
             index.append(i)

@@ -117,6 +117,26 @@ def test_each_row_kind_drafts_and_is_token_identical(make_engine, tok, chat, kin
                 assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-4)
 
 
+def test_a_constrained_row_drafts_with_the_mask_thread(make_engine, tok, chat):
+    """Masks filled in a thread of the engine (not the grammar process): the step's fill walks the
+    same matchers as the drafted positions' masks, which wait for it."""
+    import dataclasses
+
+    from engine.constraints.manager import GrammarManager
+
+    params, _ = ROWS["json_schema"]
+    plain, _ = run(make_engine(), chat, params)
+    engine = speculative(make_engine, "oracle", chat, plain)
+    g = engine.grammar
+    g.close()
+    engine.grammar = engine.runner.grammar = GrammarManager(
+        g.tokenizer_file, g.vocab_size, g.eos_token_ids, dataclasses.replace(g.config, process=False))
+    out, seqs = run(engine, chat, params)
+    assert out == plain and engine.grammar.process_pid is None
+    assert engine.scheduler.spec.accepted > 0
+    check_valid("json_schema", tok, seqs)
+
+
 def test_min_tokens_holds_back_stops_at_every_drafted_position(make_engine):
     """The oracle drafts the stop token early (it ends the unconstrained reference there): below
     min_tokens the target never takes it, so the draft is rejected and the output goes on."""
