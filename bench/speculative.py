@@ -10,8 +10,8 @@
 without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
 acceptance rate. ``ngram`` (prompt lookup) runs on the same prompts, as its acceptance comes.
 
-``--row`` sets what every row is: ``free`` (greedy), ``json`` (greedy under a JSON-object grammar,
-which the random model never completes: its drafts are cut and masked by the grammar), ``penalty``
+``--row`` sets what every row is: ``free`` (greedy), ``json`` (greedy under a JSON schema whose one
+string is longer than the run: its drafts are cut and masked by the grammar), ``penalty``
 (greedy with repetition, presence and frequency penalties) or ``logprobs`` (greedy, top-5 logprobs).
 Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, greedy. Decode
 tok/s = ``B * (N - 1) / (t(N) - t(1))`` (the tokens emitted after the first, where a row ends early) with the best of ``--reps`` wall times of ``generate`` for
@@ -46,7 +46,9 @@ BLOCK_SIZE = 16
 CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
 ROWS = {  # --row: the sampling parameters of every row, but max_tokens
     "free": {},
-    "json": {"constraint": Constraint.json_object()},
+    # one JSON string that must be long: the grammar never completes within --new-tokens
+    "json": {"constraint": Constraint.json_schema({"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "minLength": 4096}}})},
     "penalty": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
     "logprobs": {"logprobs": 5},
 }
