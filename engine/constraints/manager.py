@@ -8,6 +8,8 @@
     begin_step(seqs)      engine thread, before the forward pass: starts the mask fill, in the grammar
                           process (replica.py; ``GrammarConfig.process``, llguidance) or in a thread
     the sampler           applies the masks (StepMasks.apply); the scheduler advances the states
+    draft_masks(rows)     speculative decoding, engine thread: the masks of drafting rows' positions
+                          (each drafted position under the state after the drafts before it)
 
 The grammar process is the default where the backend allows it: a fill thread in this process
 costs the engine thread GIL hand-overs that slowed the 0.2M-parameter model's batch-32 decoding by
