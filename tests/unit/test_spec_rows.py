@@ -137,6 +137,27 @@ def test_a_constrained_row_drafts_with_the_mask_thread(make_engine, tok, chat):
     check_valid("json_schema", tok, seqs)
 
 
+def test_seeded_sampled_rows_of_every_kind_reproduce_with_speculation(make_engine, tok, chat):
+    """Sampled rows (a grammar, penalties, logprobs) draft and verify by rejection sampling; with a
+    seed, a second run gives the same tokens, and the constrained output stays valid."""
+    kinds = ["json_schema", "presence_frequency", "logprobs"]
+    ps = [chat[0], *repetitive(2)]
+    params = [SamplingParams(**{f: getattr(ROWS[k][0], f) for f in ("max_tokens", "constraint", "ignore_eos",
+                                                                     "presence_penalty", "frequency_penalty",
+                                                                     "logprobs")}, temperature=0.7, seed=i)
+              for i, k in enumerate(kinds)]
+    plain = [s.output_token_ids for s in make_engine().generate(ps, params)]
+    runs = []
+    for _ in range(2):
+        engine = speculative(make_engine, "oracle", ps, plain)
+        seqs = engine.generate(ps, params)
+        runs.append([(s.output_token_ids, s.output_logprobs) for s in seqs])
+        assert engine.scheduler.spec.accepted > 0
+        check_valid("json_schema", tok, seqs[:1])
+        assert len(seqs[2].output_logprobs) == len(seqs[2].output_token_ids)
+    assert runs[0] == runs[1]
+
+
 def test_min_tokens_holds_back_stops_at_every_drafted_position(make_engine):
     """The oracle drafts the stop token early (it ends the unconstrained reference there): below
     min_tokens the target never takes it, so the draft is rejected and the output goes on."""
