@@ -80,14 +80,22 @@ class GrammarState:
             return drafts.index(self.start_after) if self.start_after in drafts else len(drafts)
         if self.error or self.verdict or not self.needs_mask:
             return 0
-        n = self.matcher.try_consume(drafts)
-        self.matcher.rollback(n)
+        m, n = self.matcher, 0
+        for t in drafts:  # up to the one that completes the grammar: the sequence ends there
+            if m.try_consume([t]) != 1:
+                break
+            n += 1
+            if m.is_done:
+                break
+        m.rollback(n)
         return n
 
     def fill_drafted(self, fill, drafts: list[int], bitmask, row: int) -> None:
         """The masks of a drafting row's positions into ``bitmask[row:row + len(drafts) + 1]``: the
         state after its tokens, then after each draft (``draft_prefix`` kept only drafts it takes).
-        ``fill``: the backend's. The matcher is left where it was."""
+        ``fill``: the backend's. The matcher is left where it was. A draft that completes the grammar
+        ends the sequence, so the position after it allows every token (its target is never taken;
+        a terminated matcher has no mask to give)."""
         m = self.matcher
         fill([(m, row)], bitmask)
         taken = 0
@@ -96,7 +104,10 @@ class GrammarState:
                 if m.try_consume([t]) != 1:
                     raise RuntimeError(f"draft token {t} does not match the grammar (not cut by draft_prefix)")
                 taken += 1
-                fill([(m, row + taken)], bitmask)
+                if m.is_done:
+                    bitmask[row + taken] = -1
+                else:
+                    fill([(m, row + taken)], bitmask)
         finally:
             m.rollback(taken)
 
