@@ -170,6 +170,20 @@ def test_seeded_sampled_rows_of_every_kind_reproduce_with_speculation(make_engin
     assert runs[0] == runs[1]
 
 
+def test_a_grammar_that_starts_after_a_thinking_token_drafts_through_it(make_engine, tok, chat):
+    """Free positions before the token that starts the grammar (drafts cut before it), masked ones
+    after; the output is the one without speculation."""
+    free, _ = run(make_engine(), chat[:1], greedy(max_tokens=8))
+    marker = free[0][4]  # inside the first drafts
+    params = greedy(max_tokens=60, ignore_eos=False, constraint=Constraint.json_schema(SCHEMA, start_after=marker))
+    plain, _ = run(make_engine(), chat[:1], params)
+    engine = speculative(make_engine, "oracle", chat[:1], plain, alpha=1.0)
+    out, _ = run(engine, chat[:1], params)
+    assert out == plain and engine.scheduler.spec.accepted > 0
+    cut = out[0].index(marker) + 1
+    jsonschema.validate(json.loads(tok.decode(out[0][cut:])), SCHEMA)
+
+
 def test_min_tokens_holds_back_stops_at_every_drafted_position(make_engine):
     """The oracle drafts the stop token early (it ends the unconstrained reference there): below
     min_tokens the target never takes it, so the draft is rejected and the output goes on."""
