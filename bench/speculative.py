@@ -5,6 +5,7 @@
     python bench/speculative.py --oracle 0 0.5 1 --batch 1 4 --json out.json
     python bench/speculative.py --batch 1 --oracle 0.7 --draft DIR   # + draft:DIR, as its acceptance comes
     python bench/speculative.py --eagle3 [DIR]        # + eagle3:DIR (default: a random head for `small`)
+    python bench/speculative.py --batch 1 --oracle 0.7 --no-ngram --row json   # constrained rows
 
 ``--oracle ALPHA``: the drafter proposes the target's own greedy continuation (known from a run
 without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
@@ -15,8 +16,11 @@ the row measures the machinery (hidden-state capture, the head's steps, K adapti
 not EAGLE-3's speedup. "rebuilt" is how many target states the head had to recompute (none here:
 prefix caching is off, every token is computed by the target in this engine).
 
+``--row`` sets what every row is: ``free`` (greedy), ``json`` (greedy under a JSON schema whose one
+string is longer than the run: its drafts are cut and masked by the grammar), ``penalty``
+(greedy with repetition, presence and frequency penalties) or ``logprobs`` (greedy, top-5 logprobs).
 Definitions: every prompt is random token ids (``--prompt-len``), EOS disabled, greedy. Decode
-tok/s = ``B * (N - 1) / (t(N) - t(1))`` with the best of ``--reps`` wall times of ``generate`` for
+tok/s = ``B * (N - 1) / (t(N) - t(1))`` (the tokens emitted after the first, where a row ends early) with the best of ``--reps`` wall times of ``generate`` for
 1 and ``N`` new tokens (``t(1)`` is prefill plus the first token, which no row drafts). Every run
 is checked token-identical to plain decoding. Each run sets its drafter afresh, so its rows start
 with no acceptance history (``engine.spec.adaptive``: K drafts each at batch <= 4, fewer above, none at 32). "step cost" is the time of one step at ALPHA 0 (every
@@ -43,9 +47,18 @@ from engine.sampling import SamplingParams
 from engine.spec.adaptive import AcceptancePrior, DraftLength
 from engine.spec.oracle import OracleDrafter
 from engine.spec.registry import create_drafter
+from mesh.constraints.spec import Constraint
 
 BLOCK_SIZE = 16
 CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
+ROWS = {  # --row: the sampling parameters of every row, but max_tokens
+    "free": {},
+    # one JSON string that must be long: the grammar never completes within --new-tokens
+    "json": {"constraint": Constraint.json_schema({"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "minLength": 4096}}})},
+    "penalty": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "logprobs": {"logprobs": 5},
+}
 
 
 def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) -> Engine:
@@ -56,9 +69,10 @@ def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) ->
                                speculative="ngram", num_speculative_tokens=k))
 
 
-def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple[float, int, list[list[int]]]:
+def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter, row: str = "free"
+             ) -> tuple[float, int, list[list[int]]]:
     """Wall time of ``generate`` for ``n`` new tokens, its step count and outputs."""
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **ROWS[row])
     engine.set_drafter(drafter)
     if isinstance(drafter, OracleDrafter):
         drafter.rng = random.Random(0)  # the same corruptions every time
@@ -68,17 +82,17 @@ def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter) -> tuple
     return CLOCK[0]() - t0, engine.num_steps - s0, [s.output_token_ids for s in seqs]
 
 
-def measure(engine: Engine, prompts, n: int, modes: dict, reps: int) -> dict[str, dict]:
+def measure(engine: Engine, prompts, n: int, modes: dict, reps: int, row: str) -> dict[str, dict]:
     """Every mode (name -> drafter) in turn, ``reps`` rounds (a slow spell of a shared machine hits
     all modes alike); per mode the best t(1) and t(N)."""
     best = {name: [float("inf"), float("inf")] for name in modes}
     stats: dict[str, dict] = {}
     for _ in range(reps):
         for name, drafter in modes.items():
-            t1, _, _ = run_once(engine, prompts, 1, drafter)
+            t1, _, _ = run_once(engine, prompts, 1, drafter, row)
             c = engine.scheduler.spec
             before = (c.drafted, c.accepted, c.emitted, c.steps)
-            tn, steps, out = run_once(engine, prompts, n, drafter)
+            tn, steps, out = run_once(engine, prompts, n, drafter, row)
             drafted, accepted, emitted, rows = (a - b for a, b in zip((c.drafted, c.accepted, c.emitted, c.steps),
                                                                       before, strict=True))
             best[name] = [min(best[name][0], t1), min(best[name][1], tn)]
@@ -86,7 +100,7 @@ def measure(engine: Engine, prompts, n: int, modes: dict, reps: int) -> dict[str
                            "mean_emitted_per_row_step": emitted / rows if rows else None, "out": out}
     for name, (t1, tn) in best.items():
         st = stats[name]
-        st["decode_tok_s"] = len(prompts) * (n - 1) / (tn - t1)
+        st["decode_tok_s"] = sum(len(o) - 1 for o in st["out"]) / (tn - t1)
         st["decode_step_ms"] = (tn - t1) / max(1, st["steps"] - 1) * 1000  # steps after the first (prefill)
     return stats
 
@@ -95,8 +109,8 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     rng = random.Random(args.seed)
     engine = make_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.k)
     prompts = [[rng.randrange(8, engine.vocab_size) for _ in range(args.prompt_len)] for _ in range(batch)]
-    run_once(engine, prompts, 4, None)  # warm-up
-    _, _, ref = run_once(engine, prompts, args.new_tokens, None)
+    run_once(engine, prompts, 4, None, args.row)  # warm-up
+    _, _, ref = run_once(engine, prompts, args.new_tokens, None, args.row)
     conts = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
     modes = {"plain": None}
     modes.update({f"oracle {a:g}": OracleDrafter(conts, a, engine.vocab_size) for a in args.oracle})
@@ -109,7 +123,7 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
         modes["eagle3"] = eagle = Eagle3Drafter(args.eagle3, engine.model_config, engine.device, engine.dtype,
                                                 engine.pool.num_blocks, BLOCK_SIZE, "torch")
         eagle.load(engine.model, engine.kv_cache, engine.pool.allocate(1)[0])
-    stats = measure(engine, prompts, args.new_tokens, modes, args.reps)
+    stats = measure(engine, prompts, args.new_tokens, modes, args.reps, args.row)
     if args.eagle3:
         stats["eagle3"]["rebuilt"] = eagle.rebuilt_tokens
     engine.close()
@@ -117,7 +131,7 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     rows = []
     for name, st in stats.items():
         out = st.pop("out")
-        row = {"batch": batch, "method": name, "k": 0 if name == "plain" else args.k, **st,
+        row = {"batch": batch, "row": args.row, "method": name, "k": 0 if name == "plain" else args.k, **st,
                "identical": out == ref}
         if name != "plain":
             row["speedup"] = st["decode_tok_s"] / plain["decode_tok_s"]
@@ -174,14 +188,14 @@ def random_head(model_dir: Path) -> Path:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'batch':>5} {'method':<12} {'K':>2} {'tok/s':>8} {'ms/step':>8} {'steps':>6} {'accept':>7} "
+    print(f"{'batch':>5} {'row':<8} {'method':<12} {'K':>2} {'tok/s':>8} {'ms/step':>8} {'steps':>6} {'accept':>7} "
           f"{'tok/row/step':>12} {'speedup':>8} {'step cost':>9} identical")
     def f(r, key, fmt):
         v = r.get(key)
         return format(v, fmt) if v is not None else "-"
 
     for r in rows:
-        print(f"{r['batch']:>5} {r['method']:<12} {r['k']:>2} {r['decode_tok_s']:>8.1f} {r['decode_step_ms']:>8.2f} "
+        print(f"{r['batch']:>5} {r['row']:<8} {r['method']:<12} {r['k']:>2} {r['decode_tok_s']:>8.1f} {r['decode_step_ms']:>8.2f} "
               f"{r['steps']:>6} {f(r, 'acceptance', '.2f'):>7} {f(r, 'mean_emitted_per_row_step', '.2f'):>12} "
               f"{f(r, 'speedup', '.2f'):>8} {f(r, 'step_cost', '.2f'):>9} {r['identical']}"
               + (f"  rebuilt {r['rebuilt']}" if "rebuilt" in r else ""))
@@ -200,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rebuild-len", type=int, default=512, metavar="N",
                    help="with --eagle3: time rebuilding the head's states for cached prompts of N tokens, batch 1 and 4 (0: skip)")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--row", choices=sorted(ROWS), default="free", help="what every row is (default: free)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)

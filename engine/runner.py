@@ -28,7 +28,7 @@ from engine.model import CausalLM
 from engine.sampler import SampledBatch, Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken, Sequence
-from engine.spec.verify import accept_greedy
+from engine.verification import Verification
 
 IN_FLIGHT = -1  # input id of a row whose token an earlier step is still sampling (never reaches the model)
 
@@ -53,28 +53,13 @@ class PendingStep:
 
     samples: SampledBatch | None
     index: dict[Sequence, int]  # which row of samples.tokens is whose token
-    # Speculative decoding: the target's greedy token at every drafted position, drafting rows in
-    # order; per drafting row (its index in samples, its drafts); the tokens sampled drafting rows
-    # emit (rejection sampling, done at launch), by index in samples.
-    targets: torch.Tensor | None = None
-    drafting: list[tuple[int, list[int] | tuple[int, ...]]] = field(default_factory=list)
-    sampled: dict[int, list[int]] = field(default_factory=dict)
+    verification: Verification | None = None  # speculative decoding: the step's drafting rows
 
     def result(self) -> list[SampledToken]:
         """The tokens, in ``sampling_chunks`` order (waits for the device); a drafting row's
         token carries the tokens its accepted drafts let it emit too (``SampledToken.then``)."""
         tokens = self.samples.to_host() if self.samples is not None else []
-        if self.targets is None:
-            return tokens
-        targets = self.targets.tolist()
-        at = 0
-        for i, drafts in self.drafting:
-            first = tokens[i]
-            k = len(drafts)
-            emitted = self.sampled.get(i) or accept_greedy(list(drafts), [first.token_id, *targets[at:at + k]])
-            tokens[i] = SampledToken(emitted[0], first.logprob, tuple(emitted[1:]))
-            at += k
-        return tokens
+        return tokens if self.verification is None else self.verification.emit(tokens)
 
 
 class ModelRunner:
@@ -125,24 +110,11 @@ class ModelRunner:
         rows = to_device(sample_rows + draft_rows, torch.long, self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
         n = len(sample_rows)
+        verification = None
+        if draft_rows:  # before the sampler masks the sampled rows in place
+            verification = Verification.launch(self.sampler, self.grammar, logits, n, drafting, seqs, masks)
         samples = self.sampler.sample(logits[:n] if draft_rows else logits, seqs, masks)
-        targets = logits[n:].argmax(dim=-1) if draft_rows else None
-        if targets is not None and targets.device.type == "cuda":
-            targets = targets.to("cpu", non_blocking=True)  # read after samples.to_host() synchronized
-        sampled = self._rejection_sample(logits, n, drafting, seqs) if draft_rows else {}
-        return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, targets, drafting, sampled)
-
-    def _rejection_sample(self, logits: torch.Tensor, n: int, drafting: list, seqs: list[Sequence]) -> dict:
-        """The tokens each sampled drafting row emits (``logits``: the step's sampled rows, then its
-        drafted ones); greedy rows are verified from the argmax when the step resolves."""
-        out, at = {}, n
-        for i, drafts in drafting:
-            seq = seqs[i]
-            if not seq.params.greedy:
-                rows = torch.cat([logits[i:i + 1], logits[at:at + len(drafts)]])
-                out[i] = self.sampler.sample_drafted(rows, seq, drafts)
-            at += len(drafts)
-        return out
+        return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, verification)
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""

@@ -126,6 +126,18 @@ class Sampler:
             gen.manual_seed(token_seed(p.seed, seq.output_offset + seq.num_output_tokens_scheduled))
         return rejection_sample(probs, list(drafts), gen)
 
+    def process_positions(self, x: torch.Tensor, seq: Sequence, drafts: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """A drafting row's logits at its last real position and at each drafted one (``[len(drafts) + 1,
+        V]``, its grammar's masks applied) as ``sample`` would process each position after the drafts
+        before it were taken: stop ids held back below ``min_tokens``, penalties counting those drafts."""
+        p = seq.params
+        first = seq.num_output_tokens_scheduled  # the output index of the token position 0 emits
+        if p.min_tokens and first < p.min_tokens:
+            x = self._hold_back_stops(x, [(j, seq) for j in range(min(x.shape[0], p.min_tokens - first))])
+        if p.has_penalties:
+            x = _penalize_positions(x, seq, drafts)
+        return x
+
     def _hold_back_stops(self, logits: torch.Tensor, short: list[tuple[int, Sequence]]) -> torch.Tensor:
         """EOS (unless ignored) and stop ids cannot be drawn by rows short of ``min_tokens`` (vLLM's rule)."""
         rows, cols = [], []
@@ -239,3 +251,27 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         out = to_device(generated, torch.long, row.device)
         counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _penalize_positions(x: torch.Tensor, seq: Sequence, drafts: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """``_apply_penalties`` at each of a drafting row's positions: position j also counts the j drafts
+    before it (the tokens the row has taken there if they are accepted). The same arithmetic, so a
+    greedy row picks what it would without speculation."""
+    p = seq.params
+    n, vocab = x.shape
+    ahead = torch.zeros((n, vocab), dtype=x.dtype, device=x.device)  # row j: counts of drafts[:j]
+    if drafts:
+        d = to_device(list(drafts), torch.long, x.device)
+        ahead[1:] = torch.nn.functional.one_hot(d, vocab).to(x.dtype).cumsum(0)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+        seen[to_device(sorted(set(seq.token_ids)), torch.long, x.device)] = True
+        r = p.repetition_penalty
+        x = torch.where(seen | (ahead > 0), torch.where(x > 0, x / r, x * r), x)
+    if p.presence_penalty or p.frequency_penalty:
+        counts = ahead
+        generated = seq.generated_token_ids
+        if generated:
+            counts = counts + torch.bincount(to_device(generated, torch.long, x.device), minlength=vocab).to(x.dtype)
+        x = x - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype))
+    return x

@@ -241,7 +241,9 @@ class Scheduler:
         k = min(k, budget - 1,
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1)
-        return self._drafter.propose(seq, k)[:k] if k > 0 else []
+        drafts = self._drafter.propose(seq, k)[:k] if k > 0 else []
+        # a grammar cuts them at the first token it refuses
+        return drafts[:seq.grammar.draft_prefix(drafts)] if drafts and seq.grammar is not None else drafts
 
     def _make_room_for(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt lower-priority running sequences until the head of the queue fits."""
@@ -417,11 +419,11 @@ class Scheduler:
         """After a drafting row's first token, the accepted ones join until one ends the sequence;
         the rejected drafts' positions are rolled back (computed again later, their blocks freed).
         The token, with ``then`` cut to what joined."""
-        taken = 0
-        for t in tok.then:
+        taken, lps = 0, tok.then_logprobs
+        for t in tok.then:  # verified under the row's grammar masks where it has one: always taken
             if seq.status >= FINISHED:
                 break
-            self.take_token(seq, SampledToken(t))  # drafting rows have no grammar: always taken
+            self.take_token(seq, SampledToken(t, lps[taken] if lps else None))
             taken += 1
         self.spec.count(len(chunk.drafts), len(tok.then), 1 + taken)
         self.spec_prior.observe(len(chunk.drafts), len(tok.then))
@@ -429,7 +431,9 @@ class Scheduler:
         # the step computed the last token and the drafts; valid KV: every token but the last emitted
         seq.num_computed_tokens = seq.num_tokens - 1
         self.kv.shrink(seq, seq.num_tokens)
-        return tok if taken == len(tok.then) else SampledToken(tok.token_id, tok.logprob, tok.then[:taken])
+        if taken == len(tok.then):
+            return tok
+        return SampledToken(tok.token_id, tok.logprob, tok.then[:taken], tok.then_logprobs[:taken])
 
     def _stops_by_length(self, seq: Sequence) -> bool:
         """Its in-flight tokens take it to ``max_tokens`` or the context limit."""
@@ -450,8 +454,9 @@ class Scheduler:
         seq.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             seq.output_logprobs.append(tok.logprob)
-        # no replica in a grammar process yet (epoch 0): the engine's own matcher checks the token
-        if grammar is not None and not grammar.epoch and not grammar.advance(tok.token_id):
+        # no replica in a grammar process yet (epoch 0), or drafts to check from the state after
+        # every token: the engine's own matcher checks the token
+        if grammar is not None and (not grammar.epoch or self._drafter is not None) and not grammar.advance(tok.token_id):
             seq.status = SeqStatus.FINISHED_ERROR  # unmasked sampling, or a grammar engine bug
         else:
             self.check_stop(seq)
@@ -488,6 +493,7 @@ class Scheduler:
         if tok is None:
             ids, logprobs = [], []
         else:
-            ids, logprobs = [tok.token_id, *tok.then], [] if tok.logprob is None else [tok.logprob]
+            ids = [tok.token_id, *tok.then]
+            logprobs = [] if tok.logprob is None else [tok.logprob, *tok.then_logprobs]
         return StepOutput(seq.request_id, ids, logprobs, seq.status.finish_reason, len(seq.prompt_token_ids),
                           seq.num_cached_tokens, len(seq.output_token_ids))

@@ -69,6 +69,7 @@ class SampledToken:
     # Speculative decoding: the tokens the same step emitted after this one (accepted drafts'
     # verified successors), in order; () for a row that drafted nothing or accepted no draft.
     then: tuple[int, ...] = ()
+    then_logprobs: tuple[TokenLogprob, ...] = ()  # theirs, where logprobs were asked
 
 
 @dataclass(eq=False)

@@ -39,6 +39,15 @@ class TokenMatcher(Protocol):
         in an error state for good)."""
         ...
 
+    def try_consume(self, token_ids: list[int]) -> int:
+        """Advance over the longest prefix of ``token_ids`` the grammar allows; its length (a
+        refused token leaves the matcher as it was before it, not in an error state)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` tokens taken (speculative decoding: drafts walked through)."""
+        ...
+
     @property
     def is_done(self) -> bool:
         """The grammar is complete and nothing but EOS may follow (or EOS was consumed)."""

@@ -24,6 +24,13 @@ class LLGuidanceMatcher:
         self.raw = raw
         self.consume = raw.consume_token  # (token_id) -> bool, once per constrained row per step
 
+    def try_consume(self, token_ids: list[int]) -> int:
+        return self.raw.try_consume_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self.raw.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.raw.get_error()}")
+
     @property
     def is_done(self) -> bool:
         return self.raw.is_stopped()

@@ -46,8 +46,12 @@ class StepMasks:
         self._stats = stats  # MaskStats: the time spent waiting is added to it
 
     def wait(self) -> None:
+        """Once (later calls return at once): the drafting rows' masks wait before walking the same matchers."""
+        if self._wait is None:
+            return
         t0 = time.perf_counter()
         self._wait()
+        self._wait = None
         if self._stats is not None:
             self._stats.wait_seconds += time.perf_counter() - t0
 

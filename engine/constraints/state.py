@@ -23,7 +23,9 @@ masks the replica checks, and its verdict (the grammar is complete, or broke) co
 next step's masks: the manager sets ``verdict`` (and ``is_done`` or ``error``), and the scheduler
 ends the sequence there, without that step's token. A constrained sequence so ends one step later
 than it would with the engine checking each token, the same tokens out; the engine thread saves a
-matcher call per row per step (bench/structured.py).
+matcher call per row per step (bench/structured.py). An engine that drafts (speculative decoding)
+has its own matcher take every token: the drafts are checked and masked from the state after the
+sequence's tokens (``draft_prefix``, ``fill_drafted``), in the engine thread.
 """
 
 from __future__ import annotations
@@ -66,6 +68,48 @@ class GrammarState:
             return False
         self._settle()
         return True
+
+    # Speculative decoding: drafts are walked through the matcher and rolled back at once, so the
+    # matcher is always at the tokens the sequence took; the accepted ones are taken as usual.
+
+    def draft_prefix(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` (tokens proposed after the sequence's) the grammar takes in order;
+        the matcher is left where it was. Before the grammar starts: the drafts before the token
+        that starts it (free positions, no masks)."""
+        if not self.started:
+            return drafts.index(self.start_after) if self.start_after in drafts else len(drafts)
+        if self.error or self.verdict or not self.needs_mask:
+            return 0
+        m, n = self.matcher, 0
+        for t in drafts:  # up to the one that completes the grammar: the sequence ends there
+            if m.try_consume([t]) != 1:
+                break
+            n += 1
+            if m.is_done:
+                break
+        m.rollback(n)
+        return n
+
+    def fill_drafted(self, fill, drafts: list[int], bitmask, row: int) -> None:
+        """The masks of a drafting row's positions into ``bitmask[row:row + len(drafts) + 1]``: the
+        state after its tokens, then after each draft (``draft_prefix`` kept only drafts it takes).
+        ``fill``: the backend's. The matcher is left where it was. A draft that completes the grammar
+        ends the sequence, so the position after it allows every token (its target is never taken;
+        a terminated matcher has no mask to give)."""
+        m = self.matcher
+        fill([(m, row)], bitmask)
+        taken = 0
+        try:
+            for t in drafts:
+                if m.try_consume([t]) != 1:
+                    raise RuntimeError(f"draft token {t} does not match the grammar (not cut by draft_prefix)")
+                taken += 1
+                if m.is_done:
+                    bitmask[row + taken] = -1
+                else:
+                    fill([(m, row + taken)], bitmask)
+        finally:
+            m.rollback(taken)
 
     def replay(self, token_ids: list[int]) -> bool:
         return all(self.advance(t) for t in token_ids)

@@ -27,6 +27,18 @@ class XGrammarMatcher:
     def consume(self, token_id: int) -> bool:
         return self.raw.accept_token(token_id)
 
+    def try_consume(self, token_ids: list[int]) -> int:
+        n = 0
+        for t in token_ids:  # a refused token leaves the matcher where it was
+            if self.raw.is_terminated() or not self.raw.accept_token(t):
+                break
+            n += 1
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.raw.rollback(num_tokens)
+
     @property
     def is_done(self) -> bool:
         return self.raw.is_terminated()

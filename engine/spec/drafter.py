@@ -5,10 +5,12 @@ a sequence's tokens (prompt and output so far); the scheduler reserves their pos
 and ``engine.spec.verify`` keeps the longest prefix the target agrees with. A drafter never
 changes the output: a wrong draft only costs a wasted position.
 
-Which rows draft (``can_draft``): rows with nothing that reads each token as it is sampled
-(penalties, a grammar, logprobs, ``min_tokens`` still to reach), and not opted out
-(``SamplingParams.speculate``). Greedy rows accept the longest prefix the target's argmax agrees
-with; sampled rows use rejection sampling (``engine.spec.verify``).
+Which rows draft (``can_draft``): every row not opted out (``SamplingParams.speculate``). What
+reads each token as it is sampled (a grammar, penalties, ``min_tokens``, logprobs) is applied at
+each drafted position as if the drafts before it were taken (``engine.verification``); a grammar
+also cuts the drafts at the first token it refuses (``GrammarState.draft_prefix``). Greedy rows
+accept the longest prefix the target's argmax agrees with; sampled rows use rejection sampling
+(``engine.spec.verify``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,7 @@ class Drafter(Protocol):
 
 def can_draft(seq: DraftedSequence) -> bool:
     """Whether ``seq``'s next tokens may be drafted (and verified)."""
-    p = seq.params
-    return (p.speculate and not p.has_penalties and p.constraint is None
-            and p.logprobs is None and len(seq.output_token_ids) >= p.min_tokens)
+    return seq.params.speculate
 
 
 @dataclass

@@ -182,20 +182,27 @@ async def test_a_request_that_opts_out_drafts_nothing(cluster, mesh, plain):
     assert again == tokens and speculated.get("spec_drafted:ngram", 0) > 0, speculated
 
 
-async def test_a_json_schema_row_in_a_drafting_batch(cluster, mesh, hf):
-    """A constrained row decodes beside rows whose drafts are verified in the same steps; its output
-    is the one it gets alone without speculation, and valid JSON."""
+async def test_a_json_schema_row_drafts_and_is_identical(cluster, mesh, hf):
+    """A constrained row drafts itself (its drafts checked by its grammar, each drafted position
+    under the mask of the state after the drafts before it), alone and beside rows whose drafts are
+    verified in the same steps; its output is the one it gets without speculation, and valid JSON."""
     url, _ = mesh
-    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}},
-              "required": ["a", "b"], "additionalProperties": False}  # bounded: it ends within max_tokens
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"},
+                                               "c": {"type": "array", "items": {"enum": ["x", "yz"]},
+                                                     "minItems": 4, "maxItems": 4}},
+              "required": ["a", "b", "c"], "additionalProperties": False}  # bounded: it ends within max_tokens
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
     prompt = repeating(9, 91)
-    alone, text = await complete(url, prompt, 40, response_format=fmt, speculate=False, ignore_eos=False)
+    alone, text = await complete(url, prompt, 60, response_format=fmt, speculate=False, ignore_eos=False)
+    assert set(json.loads(text)) == {"a", "b", "c"}
+    async with counters(cluster) as own:
+        drafted, _ = await complete(url, prompt, 60, response_format=fmt, ignore_eos=False)
+    assert drafted == alone
+    assert own.get("spec_drafted:ngram", 0) > 0, own  # the constrained row's own drafts
     async with counters(cluster) as delta:
-        got = await asyncio.gather(complete(url, prompt, 40, response_format=fmt, ignore_eos=False),
+        got = await asyncio.gather(complete(url, prompt, 60, response_format=fmt, ignore_eos=False),
                                    *(complete(url, p) for p in SHORT))
     assert got[0][0] == alone
-    assert set(json.loads(text)) == {"a", "b"}
     assert [tokens for tokens, _ in got[1:]] == hf[:len(SHORT)]
     assert delta.get("spec_drafted:ngram", 0) > 0, delta
 
