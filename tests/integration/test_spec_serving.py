@@ -1,14 +1,16 @@
 """Speculative decoding on every serving path (issue 34): greedy outputs through the gateway are
-token-identical to decoding without speculation, with the ``ngram`` drafter in real decode worker
-processes. The reference: transformers (and peft for adapters) for short outputs; for long ones
+token-identical to decoding without speculation, for each drafter (``ngram``; ``draft:DIR``, the
+tiny model drafting for itself; ``eagle3:DIR`` with a random head) in real decode worker processes. The reference: transformers (and peft for adapters) for short outputs; for long ones
 our engine without speculation in this process (transformers' eager generate takes a minute for
 600 tokens here), which the engine tests hold to transformers' logits.
 
-One mesh for the module: two decode workers that draft (``spec-dec-0``/``-1``: a small KV pool,
+One mesh per drafter (``ngram``, then ``draft``): two decode workers that draft (a small KV pool,
 two LoRA adapters, prompts of 48 tokens and more prefilled by the prefill worker), one prefill
-worker and one gateway. Prompts repeat themselves, so prompt lookup finds drafts the target
-accepts; every test checks from the workers' own counters that drafts were verified. The last
-test kills a decode worker.
+worker and one gateway; every test runs on each. Prompts repeat themselves, so prompt lookup finds
+drafts the target accepts (a model drafting for itself is always right); every test checks from
+the workers' own counters that drafts were verified. The last test kills a decode worker. The
+EAGLE-3 head (random weights: its drafts are verified, almost never accepted, so its rows soon
+draft only probes) has a mesh of its own for the aggregated and disaggregated paths.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -23,11 +26,10 @@ import pytest
 from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
 from tests.helpers.eagle3 import make_eagle3_checkpoint
 from tests.helpers.lora import ADAPTERS, make_adapter
+from tests.helpers.procs import stop_processes
 from tests.helpers.references import hf_greedy, hf_model, prompts_of
 
-NS = "spec"
-DECODE = ("spec-dec-0", "spec-dec-1")
-PREFILL = "spec-pre"
+DRAFTERS = ("ngram", "draft")  # the methods the module's mesh runs each test with
 THRESHOLD = 48  # prompts this long are prefilled by the prefill worker
 BLOCKS = 48  # each decode worker's KV pool (blocks of 16): 16 requests of 144 tokens preempt
 MAX_TOKENS = 24
@@ -72,28 +74,52 @@ def adapters(tiny_model, tmp_path_factory):
             for seed, name in enumerate(LORAS, start=1)}
 
 
-@pytest.fixture(scope="module")
-def mesh(cluster, tiny_model, adapters):
-    common = ["--ns", NS, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
+@dataclass
+class Mesh:
+    url: str
+    workers: dict  # decode worker id -> its process
+    method: str  # the drafter's name, as its counters carry it
+    ns: str
+    decode: tuple[str, ...]
+    prefill: str
+
+    def counter(self, kind: str) -> str:
+        return f"spec_{kind}:{self.method}"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.decode, self.prefill)
+
+
+@pytest.fixture(scope="module", params=DRAFTERS)
+def mesh(request, cluster, tiny_model, adapters):
+    method = request.param
+    ns = f"spec-{method}"
+    decode, prefill = (f"{ns}-dec-0", f"{ns}-dec-1"), f"{ns}-pre"
+    spec = "ngram" if method == "ngram" else f"draft:{tiny_model}"
+    started = len(cluster.procs)
+    common = ["--ns", ns, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
     loras = [arg for name, d in adapters.items() for arg in ("--lora", f"{name}={d}")]
     workers = {wid: cluster.worker("decode", *common, *loras, "--device-kv-blocks", str(BLOCKS),
-                                   "--speculative", "ngram", "--num-speculative-tokens", "3",
+                                   "--speculative", spec, "--num-speculative-tokens", "3",
                                    "--disagg-threshold", str(THRESHOLD), "--worker-id", wid)
-               for wid in DECODE}
-    cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", PREFILL)
-    url = cluster.gateway(tiny_model, None, "--ns", NS)
+               for wid in decode}
+    cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", prefill)
+    url = cluster.gateway(tiny_model, None, "--ns", ns)
 
     async def ready():
-        w = await Watcher.open(cluster.nats_url, ns=NS)
+        w = await Watcher.open(cluster.nats_url, ns=ns)
         try:
-            await w.wait_for(lambda: all(w.membership.get(x) for x in (*DECODE, PREFILL)), 180, "workers")
-            await w.fresh_load(PREFILL)  # the decode workers have heard the prefill pool
+            await w.wait_for(lambda: all(w.membership.get(x) for x in (*decode, prefill)), 180, "workers")
+            await w.fresh_load(prefill)  # the decode workers have heard the prefill pool
         finally:
             await w.close()
 
     asyncio.run(ready())
     wait_http_ok(url + "/health", 60)
-    return url, workers
+    yield Mesh(url, workers, method, ns, decode, prefill)
+    stop_processes(cluster.procs[started:])  # the next drafter's mesh starts on a quiet box
+    del cluster.procs[started:]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +147,7 @@ def eagle_mesh(cluster, tiny_model, tmp_path_factory):
 
 
 @asynccontextmanager
-async def counters(cluster, ns: str = NS, names: tuple[str, ...] = (*DECODE, PREFILL)):
+async def counters(cluster, ns: str, names: tuple[str, ...]):
     """The workers' counters added up, after the block minus before."""
     w = await Watcher.open(cluster.nats_url, ns=ns)
     delta: dict[str, int] = {}
@@ -147,13 +173,13 @@ async def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, mo
 
 
 async def test_aggregated_and_disaggregated_outputs_are_transformers(cluster, mesh, hf):
-    url, _ = mesh
+    url = mesh.url
     prompts = SHORT + LONG
-    async with counters(cluster) as delta:
+    async with counters(cluster, mesh.ns, mesh.names) as delta:
         got = await asyncio.gather(*(complete(url, p) for p in prompts))
     for p, (tokens, _), want in zip(prompts, got, hf, strict=True):
         assert tokens == want, f"prompt of {len(p)} tokens"
-    assert delta.get("spec_accepted:ngram", 0) > 0, delta  # drafts were verified and accepted
+    assert delta.get(mesh.counter("accepted"), 0) > 0, delta  # drafts were verified and accepted
     assert delta.get("remote_prefill_done", 0) >= len(LONG), delta  # the long ones were disaggregated
 
 
@@ -171,22 +197,22 @@ async def test_eagle3_aggregated_and_disaggregated_outputs_are_transformers(clus
 
 
 async def test_a_request_that_opts_out_drafts_nothing(cluster, mesh, plain):
-    url, _ = mesh
+    url = mesh.url
     prompt = repeating(7, 77, times=4)
-    async with counters(cluster) as opted_out:
+    async with counters(cluster, mesh.ns, mesh.names) as opted_out:
         tokens, _ = await complete(url, prompt, speculate=False)
     assert tokens == plain([prompt], MAX_TOKENS)[0]
-    assert opted_out.get("spec_drafted:ngram", 0) == 0, opted_out
-    async with counters(cluster) as speculated:
+    assert opted_out.get(mesh.counter("drafted"), 0) == 0, opted_out
+    async with counters(cluster, mesh.ns, mesh.names) as speculated:
         again, _ = await complete(url, prompt)
-    assert again == tokens and speculated.get("spec_drafted:ngram", 0) > 0, speculated
+    assert again == tokens and speculated.get(mesh.counter("drafted"), 0) > 0, speculated
 
 
 async def test_a_json_schema_row_drafts_and_is_identical(cluster, mesh, hf):
     """A constrained row drafts itself (its drafts checked by its grammar, each drafted position
     under the mask of the state after the drafts before it), alone and beside rows whose drafts are
     verified in the same steps; its output is the one it gets without speculation, and valid JSON."""
-    url, _ = mesh
+    url = mesh.url
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"},
                                                "c": {"type": "array", "items": {"enum": ["x", "yz"]},
                                                      "minItems": 4, "maxItems": 4}},
@@ -195,22 +221,25 @@ async def test_a_json_schema_row_drafts_and_is_identical(cluster, mesh, hf):
     prompt = repeating(9, 91)
     alone, text = await complete(url, prompt, 60, response_format=fmt, speculate=False, ignore_eos=False)
     assert set(json.loads(text)) == {"a", "b", "c"}
-    async with counters(cluster) as own:
+    async with counters(cluster, mesh.ns, mesh.names) as own:
         drafted, _ = await complete(url, prompt, 60, response_format=fmt, ignore_eos=False)
     assert drafted == alone
-    assert own.get("spec_drafted:ngram", 0) > 0, own  # the constrained row's own drafts
-    async with counters(cluster) as delta:
+    if mesh.method == "ngram":  # prompt lookup finds the JSON's own repeats: the row's own drafts verified
+        assert own.get(mesh.counter("drafted"), 0) > 0, own
+    # (a draft model proposes its unconstrained continuation: the grammar cuts it at its first token,
+    # so the row verifies nothing of it; identity is what this checks there)
+    async with counters(cluster, mesh.ns, mesh.names) as delta:
         got = await asyncio.gather(complete(url, prompt, 60, response_format=fmt, ignore_eos=False),
                                    *(complete(url, p) for p in SHORT))
     assert got[0][0] == alone
     assert [tokens for tokens, _ in got[1:]] == hf[:len(SHORT)]
-    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+    assert delta.get(mesh.counter("drafted"), 0) > 0, delta
 
 
 async def test_a_batch_mixing_adapters_is_peft(cluster, mesh, tiny_model, adapters):
     from peft import PeftModel
 
-    url, _ = mesh
+    url = mesh.url
     jobs = [(name, SHORT[2]) for name in (None, *LORAS)]
     expected = []
     for name, p in jobs:
@@ -218,44 +247,44 @@ async def test_a_batch_mixing_adapters_is_peft(cluster, mesh, tiny_model, adapte
         if name is not None:
             model = PeftModel.from_pretrained(model, adapters[name]).eval()
         expected.append(hf_greedy(model, p, MAX_TOKENS))
-    async with counters(cluster) as delta:
+    async with counters(cluster, mesh.ns, mesh.names) as delta:
         got = await asyncio.gather(*(complete(url, p, model=name or "tiny") for name, p in jobs))
     for (name, p), (tokens, _), want in zip(jobs, got, expected, strict=True):
         assert tokens == want, f"{name or 'base'}, prompt of {len(p)} tokens"
     assert len({str(w) for w in expected}) > 1  # the adapters change the output
-    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+    assert delta.get(mesh.counter("drafted"), 0) > 0, delta
 
 
 async def test_under_preemption(cluster, mesh, plain):
     """16 requests of 144 tokens (two prompts, 8 times each) on two pools of 48 blocks of 16: one
     worker has at least 8, which need 8 x 8 blocks beside their shared first one, so running rows
     are preempted (their drafts' blocks included) and recomputed."""
-    url, _ = mesh
+    url = mesh.url
     pair = [repeating(8, 300), repeating(8, 301)]
     n = 120
-    async with counters(cluster) as delta:
+    async with counters(cluster, mesh.ns, mesh.names) as delta:
         got = await asyncio.gather(*(complete(url, pair[i % 2], n) for i in range(16)))
     want = plain(pair, n)
     for i, (tokens, _) in enumerate(got):
         assert tokens == want[i % 2], i
     assert delta.get("preemptions", 0) > 0, delta
-    assert delta.get("spec_drafted:ngram", 0) > 0, delta
+    assert delta.get(mesh.counter("drafted"), 0) > 0, delta
 
 
 async def test_a_decode_worker_killed_mid_stream(cluster, mesh, plain):
     """kill -9 of the worker that serves a stream: the gateway migrates it to the other one, which
     drafts on; the client's tokens are those without speculation (none lost, none repeated)."""
-    url, workers = mesh
+    url, workers = mesh.url, mesh.workers
     prompt = repeating(8, 808)
     n = 300
-    w = await Watcher.open(cluster.nats_url, ns=NS)
+    w = await Watcher.open(cluster.nats_url, ns=mesh.ns)
     chosen = await router_choices(w)  # a stream this short can end before a load report says where it runs
     try:
         got, killed = await stream_killing_its_worker(url, "tiny", prompt, n, w, workers, after=8, chosen=chosen)
         assert got == plain([prompt], n)[0]
-        survivor = next(x for x in DECODE if x != killed)
+        survivor = next(x for x in mesh.decode if x != killed)
         report = await w.fresh_load(survivor)
-        assert report.counters.get("spec_drafted:ngram", 0) > 0
+        assert report.counters.get(mesh.counter("drafted"), 0) > 0
         async with httpx.AsyncClient(timeout=10) as client:
             metrics = (await client.get(f"{url}/metrics")).text
         assert "pdmesh_gateway_migrations_total 1" in metrics
