@@ -1,4 +1,4 @@
-"""A short chaos run (20 s; `python bench/chaos.py --seconds 120` is the long one): steady load
+"""A short chaos run (12 s; `python bench/chaos.py --seconds 120` is the long one): steady load
 while workers are killed and restarted at random and NATS restarts once. No request may hang or
 return wrong tokens."""
 
@@ -8,8 +8,8 @@ from bench.chaos import report, run_chaos
 
 
 async def test_chaos_loses_nothing_and_hangs_nothing():
-    seconds = 20.0
-    out = await run_chaos(seconds=seconds, clients=6, kill_every=2.0, request_timeout=60.0, seed=1)
+    seconds = 12.0
+    out = await run_chaos(seconds=seconds, clients=6, kill_every=1.2, request_timeout=60.0, seed=1)
     print(report(out, seconds))
     assert out.kills >= 5 and out.total >= 100
     assert out.hung == 0
