@@ -157,26 +157,39 @@ async def test_a_late_nixl_write_is_fenced_until_it_lands(cluster, tiny_model, e
         await w.close()
 
 
+@contextlib.asynccontextmanager
+async def agents_in_one_process(url: str, tag: str):
+    """Two nixl agents in this process on a real nats-server: ``(bus, spec, dst, src, rx, tx)``,
+    ``rx`` receiving into ``dst`` as worker ``<tag>-dec``, ``tx`` sending from ``src`` (random
+    bytes) as ``<tag>-pre``."""
+    import torch
+
+    from kvstore.cache import KVCache, KVCacheSpec
+    from kvstore.transfer import make_receiver, make_sender
+    from mesh.bus import Bus
+
+    bus = await Bus.connect(url, f"test-nixl-{tag}", ns=f"nx{tag}")
+    try:
+        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
+        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
+        src.tensor.normal_()
+        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id=f"{tag}-dec")
+        await rx.start()
+        yield bus, spec, dst, src, rx, make_sender("nixl", bus=bus, worker_id=f"{tag}-pre")
+    finally:
+        await bus.close()
+
+
 async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(nats_server):
     """The fence contract in one process (two agents, a real nats-server): blocks of a job never
     granted are free at once and its writer is refused; a granted job's blocks are not, until
     the write's notification has come; the bytes land intact in the named blocks only."""
     import torch
 
-    from kvstore.cache import KVCache, KVCacheSpec
-    from kvstore.transfer import Refused, TransferTarget, make_receiver, make_sender
-    from mesh.bus import Bus
+    from kvstore.transfer import Refused, TransferTarget
     from tests.helpers.cluster import wait_until
 
-    bus = await Bus.connect(nats_server.url, "test-nixl-fence", ns="nxfence")
-    try:
-        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
-        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
-        src.tensor.normal_()
-        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id="fence-dec")
-        await rx.start()
-        tx = make_sender("nixl", bus=bus, worker_id="fence-pre")
-
+    async with agents_in_one_process(nats_server.url, "fence") as (bus, spec, dst, src, rx, tx):
         params = rx.params("r1", [5, 6, 7, 2])
         result = await tx.send(TransferTarget("r1", "fence-dec", [5, 6, 7, 2], 4), params, src, [0, 1, 2, 9])
         assert result.chunks == 2 * 2 * 2  # (layer, K|V) planes x runs [5,6,7] and [2]
@@ -202,8 +215,6 @@ async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(
         await wait_until(lambda: rx.revoke("r3"), 5, "the write's notification")
         with pytest.raises(Refused):  # a block past the pool
             tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
-    finally:
-        await bus.close()
 
 
 async def test_a_grant_asked_ahead_holds_the_blocks_until_its_write_or_its_writer_leaving(nats_server):
@@ -213,19 +224,9 @@ async def test_a_grant_asked_ahead_holds_the_blocks_until_its_write_or_its_write
     not, and an orphaned job is granted to nobody again. A job ``prepare`` refuses is never granted."""
     import torch
 
-    from kvstore.cache import KVCache, KVCacheSpec
-    from kvstore.transfer import Refused, TransferTarget, make_receiver, make_sender
-    from mesh.bus import Bus
+    from kvstore.transfer import Refused, TransferTarget
 
-    bus = await Bus.connect(nats_server.url, "test-nixl-ahead", ns="nxahead")
-    try:
-        spec = KVCacheSpec(2, 16, 4, 2, 8, torch.float32)
-        dst, src = KVCache(spec, torch.device("cpu")), KVCache(spec, torch.device("cpu"))
-        src.tensor.normal_()
-        rx = make_receiver("nixl", kv=dst, bus=bus, model="m", worker_id="ahead-dec")
-        await rx.start()
-        tx = make_sender("nixl", bus=bus, worker_id="ahead-pre")
-
+    async with agents_in_one_process(nats_server.url, "ahead") as (bus, _, dst, src, rx, tx):
         target = TransferTarget("a1", "ahead-dec", [3, 4], 4)
         params = rx.params("a1", [3, 4])
         tx.prepare(target, params, src)
@@ -251,8 +252,6 @@ async def test_a_grant_asked_ahead_holds_the_blocks_until_its_write_or_its_write
         with pytest.raises(Refused):
             await tx.send(target, params, src, [1])
         assert rx.revoke("a3")  # never granted
-    finally:
-        await bus.close()
 
 
 async def test_a_prefill_worker_killed_holding_a_grant_frees_the_blocks_when_it_leaves(cluster, tiny_model, engine):

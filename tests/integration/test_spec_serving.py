@@ -91,6 +91,21 @@ class Mesh:
         return (*self.decode, self.prefill)
 
 
+def wait_ready(cluster, ns: str, names: tuple[str, ...], url: str) -> None:
+    """Until every worker of ``names`` (the prefill worker last) is registered, the decode workers
+    have heard the prefill pool, and the gateway at ``url`` answers /health."""
+    async def ready():
+        w = await Watcher.open(cluster.nats_url, ns=ns)
+        try:
+            await w.wait_for(lambda: all(w.membership.get(x) for x in names), 180, "workers")
+            await w.fresh_load(names[-1])  # the decode workers have heard the prefill pool
+        finally:
+            await w.close()
+
+    asyncio.run(ready())
+    wait_http_ok(url + "/health", 60)
+
+
 @pytest.fixture(scope="module", params=DRAFTERS)
 def mesh(request, cluster, tiny_model, adapters):
     method = request.param
@@ -107,16 +122,7 @@ def mesh(request, cluster, tiny_model, adapters):
     cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", prefill)
     url = cluster.gateway(tiny_model, None, "--ns", ns)
 
-    async def ready():
-        w = await Watcher.open(cluster.nats_url, ns=ns)
-        try:
-            await w.wait_for(lambda: all(w.membership.get(x) for x in (*decode, prefill)), 180, "workers")
-            await w.fresh_load(prefill)  # the decode workers have heard the prefill pool
-        finally:
-            await w.close()
-
-    asyncio.run(ready())
-    wait_http_ok(url + "/health", 60)
+    wait_ready(cluster, ns, (*decode, prefill), url)
     yield Mesh(url, workers, method, ns, decode, prefill)
     stop_processes(cluster.procs[started:])  # the next drafter's mesh starts on a quiet box
     del cluster.procs[started:]
@@ -133,16 +139,7 @@ def eagle_mesh(cluster, tiny_model, tmp_path_factory):
     cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", EAGLE[1])
     url = cluster.gateway(tiny_model, None, "--ns", NS_EAGLE)
 
-    async def ready():
-        w = await Watcher.open(cluster.nats_url, ns=NS_EAGLE)
-        try:
-            await w.wait_for(lambda: all(w.membership.get(x) for x in EAGLE), 180, "workers")
-            await w.fresh_load(EAGLE[1])
-        finally:
-            await w.close()
-
-    asyncio.run(ready())
-    wait_http_ok(url + "/health", 60)
+    wait_ready(cluster, NS_EAGLE, EAGLE, url)
     return url
 
 
