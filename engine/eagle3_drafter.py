@@ -19,9 +19,10 @@ the cached blocks are never written). ``rebuilt_tokens`` counts them. Under tens
 the head runs on rank 0 only (it is one layer, small next to the target's share on a rank, and
 its drafts go to rank 0's scheduler), on the states rank 0 keeps (the residual stream is whole
 on every rank); a rebuild runs on every rank (``engine.eagle3.RebuildStep``: it is the target's
-layers, whose all-reduces every rank joins), handed to the helper ranks as steps are. A sequence on a LoRA
-adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once the target
-has computed its states here, so with a prefix-cache hit or a remote prefill, not at all.
+layers, whose all-reduces every rank joins), handed to the helper ranks as steps are. A sequence
+on a LoRA adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once
+the target has computed its states here, so with a prefix-cache hit or a remote prefill, not at
+all.
 """
 
 from __future__ import annotations
