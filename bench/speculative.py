@@ -6,6 +6,7 @@
     python bench/speculative.py --batch 1 --oracle 0.7 --draft DIR   # + draft:DIR, as its acceptance comes
     python bench/speculative.py --eagle3 [DIR]        # + eagle3:DIR (default: a random head for `small`)
     python bench/speculative.py --batch 1 --oracle 0.7 --no-ngram --row json   # constrained rows
+    python bench/speculative.py --tp 2 --cpu-time --eagle3 --batch 1 --no-ngram --oracle   # under TP
 
 ``--oracle ALPHA``: the drafter proposes the target's own greedy continuation (known from a run
 without speculation), each token replaced by a wrong one at rate ``1 - ALPHA``, so ALPHA sets the
@@ -15,6 +16,10 @@ with random weights written for ``small`` (``tests/helpers/eagle3.py``): its acc
 the row measures the machinery (hidden-state capture, the head's steps, K adapting down to 0),
 not EAGLE-3's speedup. "rebuilt" is how many target states the head had to recompute (none here:
 prefix caching is off, every token is computed by the target in this engine).
+
+``--tp N``: the engine over N tensor-parallel ranks (rank 0 here, the others helper processes);
+with ``--cpu-time`` the CPU time of the helper ranks is counted too (rank 0's alone would leave
+out half the work at N = 2).
 
 ``--row`` sets what every row is: ``free`` (greedy), ``json`` (greedy under a JSON schema whose one
 string is longer than the run: its drafts are cut and masked by the grammar), ``penalty``
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -41,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the engine packa
 
 from engine.config import EngineConfig
 from engine.draft_model import DraftModelDrafter
-from engine.eagle3_drafter import Eagle3Drafter
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.spec.adaptive import AcceptancePrior, DraftLength
@@ -50,7 +55,8 @@ from engine.spec.registry import create_drafter
 from mesh.constraints.spec import Constraint
 
 BLOCK_SIZE = 16
-CLOCK = [time.perf_counter]  # --cpu-time: time.process_time
+CLOCK = [time.perf_counter]  # --cpu-time: cpu_time
+RANK_PIDS: list[int] = []  # --tp: the helper ranks of the engine being measured (cpu_time counts them)
 ROWS = {  # --row: the sampling parameters of every row, but max_tokens
     "free": {},
     # one JSON string that must be long: the grammar never completes within --new-tokens
@@ -61,12 +67,33 @@ ROWS = {  # --row: the sampling parameters of every row, but max_tokens
 }
 
 
-def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int) -> Engine:
+def cpu_time() -> float:
+    """This process's CPU time and its helper ranks' (``/proc/PID/stat``: utime and stime)."""
+    total = time.process_time()
+    for pid in RANK_PIDS:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def open_engine(model_dir: Path, **kw) -> Engine:
+    """An engine on the CPU in float32 (``tp`` ranks: its helpers' CPU time counted by cpu_time)."""
+    engine = Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, **kw))
+    RANK_PIDS[:] = engine.tp.pids if engine.tp else []
+    return engine
+
+
+def make_engine(model_dir: Path, batch: int, prompt_len: int, n: int, k: int, tp: int = 1,
+                eagle3: str | None = None) -> Engine:
+    """Built with ``eagle3:DIR`` when given (its drafter is then ``engine.eagle3``), else ngram."""
     blocks = batch * -(-(prompt_len + n + k + 1) // BLOCK_SIZE) + 16
-    return Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-                               num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len),
-                               max_num_seqs=max(batch, 8), enable_prefix_caching=False,
-                               speculative="ngram", num_speculative_tokens=k))
+    return open_engine(model_dir, num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len),
+                       max_num_seqs=max(batch, 8), enable_prefix_caching=False, tp=tp,
+                       speculative=f"eagle3:{eagle3}" if eagle3 else "ngram", num_speculative_tokens=k)
 
 
 def run_once(engine: Engine, prompts: list[list[int]], n: int, drafter, row: str = "free"
@@ -107,7 +134,8 @@ def measure(engine: Engine, prompts, n: int, modes: dict, reps: int, row: str) -
 
 def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     rng = random.Random(args.seed)
-    engine = make_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.k)
+    engine = make_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.k, args.tp, args.eagle3)
+    eagle = engine.eagle3
     prompts = [[rng.randrange(8, engine.vocab_size) for _ in range(args.prompt_len)] for _ in range(batch)]
     run_once(engine, prompts, 4, None, args.row)  # warm-up
     _, _, ref = run_once(engine, prompts, args.new_tokens, None, args.row)
@@ -120,9 +148,7 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
         modes["draft"] = DraftModelDrafter(args.draft, engine.model_config, engine.device, engine.dtype,
                                            engine.pool.num_blocks, BLOCK_SIZE, "torch")
     if args.eagle3:
-        modes["eagle3"] = eagle = Eagle3Drafter(args.eagle3, engine.model_config, engine.device, engine.dtype,
-                                                engine.pool.num_blocks, BLOCK_SIZE, "torch")
-        eagle.load(engine.model, engine.kv_cache, engine.pool.allocate(1)[0])
+        modes["eagle3"] = eagle
     stats = measure(engine, prompts, args.new_tokens, modes, args.reps, args.row)
     if args.eagle3:
         stats["eagle3"]["rebuilt"] = eagle.rebuilt_tokens
@@ -131,7 +157,7 @@ def run_batch(model_dir: Path, batch: int, args) -> list[dict]:
     rows = []
     for name, st in stats.items():
         out = st.pop("out")
-        row = {"batch": batch, "row": args.row, "method": name, "k": 0 if name == "plain" else args.k, **st,
+        row = {"batch": batch, "tp": args.tp, "row": args.row, "method": name, "k": 0 if name == "plain" else args.k, **st,
                "identical": out == ref}
         if name != "plain":
             row["speedup"] = st["decode_tok_s"] / plain["decode_tok_s"]
@@ -149,9 +175,9 @@ def run_rebuild(model_dir: Path, batch: int, args) -> dict:
     auxiliary one, no logits)."""
     rng = random.Random(args.seed + 1)
     blocks = batch * -(-(args.rebuild_len + 8 + args.k + 1) // BLOCK_SIZE) * 2 + 16
-    engine = Engine(EngineConfig(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=blocks,
-                                 max_num_batched_tokens=max(2048, batch * args.rebuild_len), max_num_seqs=max(batch, 8),
-                                 speculative=f"eagle3:{args.eagle3}", num_speculative_tokens=args.k))
+    engine = open_engine(model_dir, num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * args.rebuild_len),
+                         max_num_seqs=max(batch, 8), tp=args.tp, speculative=f"eagle3:{args.eagle3}",
+                         num_speculative_tokens=args.k)
     eagle, spent = engine.eagle3, [0.0]
     rebuild = eagle._rebuild
 
@@ -173,7 +199,7 @@ def run_rebuild(model_dir: Path, batch: int, args) -> dict:
     engine.generate(prompts, SamplingParams(max_tokens=2 + args.k, temperature=0.0, ignore_eos=True))
     warm = CLOCK[0]() - t0
     engine.close()
-    return {"batch": batch, "prompt_len": args.rebuild_len, "rebuilt": eagle.rebuilt_tokens,
+    return {"batch": batch, "tp": args.tp, "prompt_len": args.rebuild_len, "rebuilt": eagle.rebuilt_tokens,
             "rebuild_ms": spent[0] * 1000, "prefill_ms": prefill * 1000, "cached_run_ms": warm * 1000}
 
 
@@ -219,19 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes on this CPU)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--fixed-k", action="store_true",
                    help="rows always draft K (no adaptation): at ALPHA 0, 'step cost' is then the raw cost of "
                         "a (K+1)-token verification step against a plain decode step")
     p.add_argument("--cpu-time", action="store_true",
-                   help="one torch thread, and the process's CPU time instead of wall time (a loaded shared "
-                        "machine: wall time measures the other tenants)")
+                   help="one torch thread (per rank), and the CPU time of the process and its --tp ranks "
+                        "instead of wall time (a loaded shared machine: wall time measures the other tenants)")
     args = p.parse_args(argv)
     if args.cpu_time:
         import torch
 
-        torch.set_num_threads(1)
-        CLOCK[0] = time.process_time
+        torch.set_num_threads(1)  # the helper ranks take this rank's count over --tp: 1 too
+        CLOCK[0] = cpu_time
     if args.fixed_k:  # every row starts at K and stays there
         DraftLength.update = lambda self, drafted, accepted, max_k: None
         AcceptancePrior.start = lambda self, max_k, batch: DraftLength(max_k)
@@ -251,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle3 and args.rebuild_len:
         for batch in (1, 4):  # rows start drafting at once up to 4 (engine.spec.adaptive); in larger
             r = run_rebuild(model_dir, batch, args)  # batches at their first probe, rebuilding then
-            print(f"eagle3 rebuild, batch {batch}, prompts of {r['prompt_len']}: {r['rebuilt']} target states "
+            print(f"eagle3 rebuild, tp {args.tp}, batch {batch}, prompts of {r['prompt_len']}: {r['rebuilt']} target states "
                   f"rebuilt in {r['rebuild_ms']:.1f} ms; the cold prefill of the same prompts took "
                   f"{r['prefill_ms']:.1f} ms; the cached run (rebuild, 1 prefill token, {1 + args.k} more tokens) "
                   f"{r['cached_run_ms']:.1f} ms")

@@ -18,6 +18,11 @@ The auxiliary states are the inputs of target layers ``eagle_aux_hidden_state_la
 level or under ``eagle_config``; vLLM's indexing: id j is the residual stream entering layer j, 0
 the embeddings), by default (2, L // 2, L - 3) as vLLM chooses them for an L-layer target.
 
+Rebuilding the states of tokens the target did not compute on this worker (``TargetStates``) is a
+``RebuildStep``: the target's layers up to the last auxiliary one over those tokens. Under tensor
+parallelism every rank runs it (each layer ends in an all-reduce): rank 0 hands it to the helper
+ranks as it hands them a step (``engine.tp``), and keeps the states, which are whole on rank 0.
+
 One step of the head (``Eagle3Head.forward``) at position i takes the token at i + 1 and a hidden
 state for position i: the target's fused states (``fc``) for tokens the target computed, the head's
 own pre-norm output for the tokens it drafted. It returns the normed output (its logits propose the
@@ -30,14 +35,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, AttentionBatch, create_backend
 from engine.config import ModelConfig, RopeConfig
+from engine.hostcopy import array_to_device
 from engine.kernels import PLAIN
-from engine.model import MLP, RMSNorm, Rotary, pack_cpu_linears
+from engine.model import MLP, CausalLM, RMSNorm, Rotary, pack_cpu_linears
+from engine.runner import StepInputs
+from kvstore.cache import KVCache
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -255,3 +264,58 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             name = "midlayer." + name.removeprefix("layers.0.")
         out[name] = w
     return out
+
+
+# -- the target's states of tokens computed elsewhere ----------------------------------------------
+
+@dataclass(frozen=True)
+class RebuildStep:
+    """The target's layers up to the last of ``aux_layers`` over ``inputs`` (one sequence's tokens,
+    attending to the KV in its blocks; their own keys and values go to a scratch block, so cached
+    blocks are never written). What a tensor-parallel helper rank receives in place of a step."""
+
+    inputs: StepInputs
+    aux_layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokens: list[int], first: int, block_table: list[int], block_size: int, scratch_block: int,
+           aux_layers: tuple[int, ...]) -> RebuildStep:
+        """Positions ``first``... of ``tokens`` (the sequence's tokens up to the last one rebuilt)."""
+        end, count = len(tokens), len(tokens) - first
+        inputs = StepInputs(np.asarray(tokens[first:], dtype=np.int64), np.arange(first, end, dtype=np.int64),
+                            scratch_block * block_size + np.arange(count, dtype=np.int64) % block_size,
+                            [count], [end], [block_table[: -(-end // block_size)]])
+        return cls(inputs, aux_layers)
+
+
+class TargetStates:
+    """Runs ``RebuildStep``s on one rank's share of the target: an attention backend of its own
+    over that rank's KV (the runner's keeps the plan of the step it runs)."""
+
+    def __init__(self, model: CausalLM, kv: KVCache, backend: str):
+        self.model = model
+        layer = model.layers[0].self_attn
+        self.attention = configured_backend(backend, kv, layer.head_dim, layer.num_heads,
+                                            model.embed_tokens.weight.dtype)
+        self.device = model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def __call__(self, step: RebuildStep) -> torch.Tensor:
+        """The auxiliary states ``[T, len(aux_layers) * hidden]`` of the step's tokens (whole on
+        every rank: each layer's output is all-reduced)."""
+        s = step.inputs
+        slots = array_to_device(s.slot_mapping, self.device)
+        self.attention.plan(AttentionBatch(s.query_lens, s.context_lens, s.block_tables, slots))
+        ids, pos = array_to_device(s.input_ids, self.device), array_to_device(s.positions, self.device)
+        _, aux = self.model.forward_aux(ids, pos, self.attention, whole=False, aux_layers=step.aux_layers)
+        return aux
+
+
+def configured_backend(name: str, kv: KVCache, head_dim: int, num_heads: int, dtype: torch.dtype) -> AttentionBackend:
+    """An attention backend over ``kv``, configured as the runner configures its own (whole steps
+    planned in ``plan()``) where the backend can be."""
+    attention = create_backend(name, kv, head_dim**-0.5)
+    configure = getattr(attention, "configure", None)
+    if configure is not None:
+        configure(num_heads, dtype)
+    return attention

@@ -15,21 +15,27 @@ Tokens the target did not compute here have no states: a prefix-cache hit, the p
 disaggregated request (its KV came from a prefill worker), a migrated sequence. ``propose``
 rebuilds them (``_rebuild``): the target's layers up to the last auxiliary one run over those
 tokens, reading the target's KV (their own keys and values are written to a scratch block, so
-the cached blocks are never written). ``rebuilt_tokens`` counts them. A sequence on a LoRA
-adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once the target
-has computed its states here, so with a prefix-cache hit or a remote prefill, not at all.
+the cached blocks are never written). ``rebuilt_tokens`` counts them. Under tensor parallelism
+the head runs on rank 0 only (it is one layer, small next to the target's share on a rank, and
+its drafts go to rank 0's scheduler), on the states rank 0 keeps (the residual stream is whole
+on every rank); a rebuild runs on every rank (``engine.eagle3.RebuildStep``: it is the target's
+layers, whose all-reduces every rank joins), handed to the helper ranks as steps are. A sequence
+on a LoRA adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once
+the target has computed its states here, so with a prefix-cache hit or a remote prefill, not at
+all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBatch, create_backend
+from engine.attention import AttentionBatch
 from engine.config import ModelConfig
 from engine.draft_model import DraftBlocks
-from engine.eagle3 import Eagle3Config, load_head
+from engine.eagle3 import Eagle3Config, RebuildStep, TargetStates, configured_backend, load_head
 from engine.model import CausalLM
 from engine.spec.drafter import can_draft
+from engine.tp import TensorParallel
 from kvstore.cache import KVCache, KVCacheSpec
 
 
@@ -67,25 +73,28 @@ class Eagle3Drafter:
         self.block_size = block_size
         self.backend = backend
         spec = KVCacheSpec(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.attention = _backend(backend, KVCache(spec, device), cfg.head_dim, cfg.num_heads, dtype)
+        self.attention = configured_backend(backend, KVCache(spec, device), cfg.head_dim, cfg.num_heads, dtype)
         self.kv = DraftBlocks(num_blocks, block_size, _EagleRow)
         self.head = None  # load(): the head, once the target's weights are in place
         self.target: CausalLM | None = None
         self.lora = None
+        self.tp: TensorParallel | None = None
         self.rebuilt_tokens = 0  # target states recomputed for tokens the target did not compute here
 
-    def load(self, target: CausalLM, target_kv: KVCache, scratch_block: int, lora=None) -> None:
+    def load(self, target: CausalLM, target_kv: KVCache, scratch_block: int, lora=None,
+             tp: TensorParallel | None = None) -> None:
         """Start on ``target``: the head (with its embeddings where the checkpoint has none), the
         target keeping the auxiliary states, and what rebuilding states needs (the target's KV,
-        read through an attention backend of its own, a block its writes go to, and the engine's
-        ``LoraManager`` if it has one: a rebuild runs base-model rows)."""
+        this rank's share of it under ``tp``, a block its writes go to, the engine's
+        ``LoraManager`` if it has one: a rebuild runs base-model rows; and the tensor-parallel
+        group whose helper ranks run each rebuild with this one)."""
         self.target = target
         self.lora = lora
+        self.tp = tp
         self.head = load_head(self.config, target.embed_tokens, self.device, self.dtype,
                               target.rotary.cos.shape[0])
         target.aux_layers = self.config.aux_layers
-        tc = self.target_config
-        self.target_attention = _backend(self.backend, target_kv, tc.head_dim, tc.num_heads, self.dtype)
+        self.target_states = TargetStates(target, target_kv, self.backend)
         self.scratch_block = scratch_block
 
     @torch.inference_mode()
@@ -153,6 +162,7 @@ class Eagle3Drafter:
         rebuilt = self._rebuild(seq, first, row.start)
         return None if rebuilt is None else torch.cat([rebuilt, kept])
 
+    @torch.inference_mode()
     def _rebuild(self, seq, first: int, end: int) -> torch.Tensor | None:
         """The target's fused states of positions ``first`` to ``end``, recomputed: its layers up
         to the last auxiliary one over those tokens, attending to the KV in the sequence's blocks.
@@ -162,35 +172,28 @@ class Eagle3Drafter:
             return None
         if self.lora is not None:
             self.lora.plan([end - first], None)  # base-model rows (the runner plans each step again)
-        bs, count = self.block_size, end - first
-        table = seq.block_table[: -(-end // bs)]
-        slots = self.scratch_block * bs + torch.arange(count, device=self.device) % bs
-        self.target_attention.plan(AttentionBatch([count], [end], [table], slots))
-        ids = torch.as_tensor(seq.token_ids[first:end], dtype=torch.long, device=self.device)
-        pos = torch.arange(first, end, device=self.device)
-        _, aux = self.target.forward_aux(ids, pos, self.target_attention, whole=False)
-        self.rebuilt_tokens += count
+        step = RebuildStep.of(seq.token_ids[:end], first, seq.block_table, self.block_size, self.scratch_block,
+                              self.config.aux_layers)
+        if self.tp is None:
+            aux = self.target_states(step)
+        else:
+            self.tp.broadcast(step)  # the helper ranks run it with us (their shares of the heads)
+            try:
+                aux = self.target_states(step)
+            except Exception as e:  # the ranks may be out of step: as a failed step does
+                self.tp.abort(f"EAGLE-3 rebuild: {type(e).__name__}: {e}")
+                raise
+        self.rebuilt_tokens += end - first
         return self.head.fc(aux)
 
 
-def _backend(name: str, kv: KVCache, head_dim: int, num_heads: int, dtype: torch.dtype):
-    attention = create_backend(name, kv, head_dim**-0.5)
-    configure = getattr(attention, "configure", None)
-    if configure is not None:  # as the runner does: whole steps planned in plan()
-        configure(num_heads, dtype)
-    return attention
-
-
-def eagle3_drafter(method: str | None, target: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype,
+def eagle3_drafter(method: str | None, target: ModelConfig, device: torch.device, dtype: torch.dtype,
                    num_blocks: int, block_size: int, backend: str) -> Eagle3Drafter | None:
     """The drafter of ``eagle3:DIR``, else None. Refused in one line: no directory, a checkpoint
-    for another target (hidden size, vocabulary), tensor parallelism."""
+    for another target (hidden size, vocabulary)."""
     name, _, arg = (method or "").partition(":")
     if name != "eagle3":
         return None
     if not arg:
         raise ValueError("--speculative eagle3:DIR needs the EAGLE-3 checkpoint's directory")
-    if tp != 1:
-        raise ValueError(f"--speculative eagle3 runs with --tp 1 (got --tp {tp}): its head reads the "
-                         "target's hidden states on one rank")
     return Eagle3Drafter(arg, target, device, dtype, num_blocks, block_size, backend)

@@ -68,8 +68,8 @@ class Engine(EngineCore):
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
         drafter = (model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
-                   or eagle3_drafter(config.speculative, mc, config.tp, self.device, self.dtype, num_blocks,
-                                     config.block_size, backend))
+                   or eagle3_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size,
+                                     backend))
         super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
@@ -87,7 +87,7 @@ class Engine(EngineCore):
         )
         self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
         if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
-            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora)
+            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.tp)
         self._graphs = self._decode_graphs() if want_graphs else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
                                   broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
@@ -162,18 +162,16 @@ class Engine(EngineCore):
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
         if self.tiers is not None:
             self.tiers.before_step()  # onboarded blocks are in place, offloaded ones read out
-        if self.eagle3 is not None:
+        try:
             pending = self.runner.launch(out, prev)
+        except Exception as e:
+            if self.tp is not None:
+                self.tp.abort(f"{type(e).__name__}: {e}")
+            raise
+        if self.eagle3 is not None:  # rank 0's states: the residual stream is whole on every rank
             self.eagle3.capture(out.chunks, self.model.aux_hidden)
             self.model.aux_hidden = None  # a long prefill's states are not kept past the step
-            return pending
-        if self.tp is None:
-            return self.runner.launch(out, prev)
-        try:
-            return self.runner.launch(out, prev)
-        except Exception as e:
-            self.tp.abort(f"{type(e).__name__}: {e}")
-            raise
+        return pending
 
     def set_execution(self, *, cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
                       fused_kernels: tuple[str, ...] | None = None, attention_backend: str | None = None) -> None:

@@ -135,6 +135,7 @@ class CausalLM(nn.Module):
     kernels: Kernels = PLAIN
     # EAGLE-3 (engine.eagle3): the layers whose input (the residual stream; 0 is the embeddings)
     # each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
+    # Under TP the stream is whole on every rank (each layer ends in an all-reduce): rank 0 keeps it.
     aux_layers: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
 
@@ -163,21 +164,24 @@ class CausalLM(nn.Module):
         return residual + x
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                    whole: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``forward``'s hidden states, and the inputs of the ``aux_layers`` concatenated; with
-        ``whole`` False, only the layers up to the last of them run (no hidden states: None)."""
+                    whole: bool = True, aux_layers: tuple[int, ...] | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``forward``'s hidden states, and the inputs of the ``aux_layers`` (the model's unless
+        given: a tensor-parallel helper rank keeps none) concatenated; with ``whole`` False, only
+        the layers up to the last of them run (no hidden states: None)."""
+        aux_layers = self.aux_layers if aux_layers is None else aux_layers
         x = self.embed_tokens(input_ids)
         rope = self.kernels.rope(self.rotary, positions, x.dtype)
         residual = None
         kept = {}
-        last = max(self.aux_layers)
+        last = max(aux_layers)
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in aux_layers:
                 kept[i] = x if residual is None else x + residual
             if i == last and not whole:
                 break
             x, residual = layer(x, residual, rope, attn)
-        aux = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
+        aux = torch.cat([kept[i] for i in aux_layers], dim=-1)
         return (residual + x if whole else None), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ Rank 0 is the engine a worker runs (scheduler, block pool, sampler, the bus);
     per step: StepInputs   --pipe-->              plan + forward
       forward, all-reduces <------------------->    all-reduces
       logits, sample
+    EAGLE-3 states of tokens not computed here (while scheduling; engine.eagle3):
+      RebuildStep          --pipe-->              plan + the layers up to the last auxiliary one
+      those layers         <------------------->    all-reduces
+      keep the states (whole on rank 0)
     close: None            --pipe-->              exit
 
 The pipe is the ranks' lifeline: a helper leaves when it reads end-of-file,

@@ -3,7 +3,9 @@
 Rank 0 (``TensorParallel``) starts this process with one end of a socket pair as ``FD``; the
 helper reads its ``RankSetup``, loads its shard of the model, makes its share of the KV cache,
 answers with where that share lives, joins the process group and runs each step rank 0 sends,
-until the pipe closes. It lives apart from ``engine.tp`` because it builds a whole model
+until the pipe closes: a ``StepInputs`` (a step: plan and forward) or an EAGLE-3
+``RebuildStep`` (the target's layers up to its last auxiliary one, on rank 0's request while it
+schedules; ``engine.eagle3``). It lives apart from ``engine.tp`` because it builds a whole model
 runner (loader, model, attention), which rank 0's side of the group never needs.
 """
 
@@ -22,6 +24,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.attention import create_backend
 from engine.config import ModelConfig
+from engine.eagle3 import RebuildStep, TargetStates
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.model import use_kernels
@@ -54,6 +57,7 @@ def _serve(conn: Connection) -> int:
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, is_master=False,
                           timeout=timedelta(seconds=READY_TIMEOUT))
     shard.group = join_group(store, setup.rank, setup.size, device)
+    rebuild: TargetStates | None = None  # made at the first RebuildStep (EAGLE-3 only)
     while True:
         try:
             step = pickle.loads(conn.recv_bytes())
@@ -61,7 +65,11 @@ def _serve(conn: Connection) -> int:
             return 0  # rank 0 is gone
         if step is None:
             return 0
-        runner.forward(step)
+        if isinstance(step, RebuildStep):
+            rebuild = rebuild or TargetStates(model, kv, cfg.attention_backend)
+            rebuild(step)  # this rank's share of the all-reduces; the states are rank 0's to keep
+        else:
+            runner.forward(step)
 
 
 def main(argv: list[str]) -> int:

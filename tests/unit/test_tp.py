@@ -1,5 +1,6 @@
 """Tensor parallelism in one process tree: a TP=2 engine (rank 0 here, rank 1 a helper
-process over gloo) against the TP=1 engine, and head re-sharding of KV blocks."""
+process over gloo) against the TP=1 engine, speculative decoding with each drafter under TP
+(EAGLE-3's states captured and rebuilt on rank 0 as at TP 1), and head re-sharding of KV blocks."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ import torch
 
 import kvstore.cache
 from engine.config import EngineConfig
+from engine.draft_model import DraftModelDrafter
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from engine.spec.adaptive import AcceptancePrior
+from engine.spec.registry import create_drafter
 from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
 from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.errors import ModelError
+from tests.helpers.eagle3 import make_eagle3_checkpoint
 from tests.helpers.procs import alive
 from tests.helpers.references import prompts_of, run_with_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+KW = dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
 
 
 def assert_gone(pids, timeout=10.0):
@@ -37,9 +43,8 @@ def assert_gone(pids, timeout=10.0):
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_model):
     """TP=1 and TP=2 engines on the tiny model (4 heads, 2 KV heads), chunked prefill on."""
-    kw = dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=64)
-    one = Engine(EngineConfig(tiny_model, **kw))
-    two = Engine(EngineConfig(tiny_model, tp=2, **kw))
+    one = Engine(EngineConfig(tiny_model, **KW))
+    two = Engine(EngineConfig(tiny_model, tp=2, **KW))
     yield one, two
     pids = two.tp.pids
     files = [shard.shm_path for shard in two.kv_cache.shards[1:]]
@@ -68,24 +73,80 @@ def test_tp2_is_token_identical_to_tp1_with_chunked_prefill_and_a_prefix_hit(tin
     assert two.pool.num_used == 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tp2_with_speculation_is_token_identical_to_tp1_without(tiny_pair, tiny_model, method):
-    """Speculative decoding under TP: drafts (prompt lookup, or the tiny model drafting for itself)
-    are verified by both ranks' forward, and the output is plain TP 1 decoding's."""
+@pytest.fixture(scope="module")
+def spec_tp2(tiny_model, tmp_path_factory):
+    """A TP=2 engine built with ``eagle3:DIR`` (a random head reading the inputs of layers 1, 0, 1
+    of the tiny model's 2), K=4; a test sets the drafter it runs (``set_drafter``), so every
+    drafter shares one pair of ranks. Yields the engine, its EAGLE-3 drafter and the head's dir."""
+    head = make_eagle3_checkpoint(tiny_model, tmp_path_factory.mktemp("tp-eagle3") / "head", seed=3,
+                                  aux_layers=[1, 0, 1])
+    two = Engine(EngineConfig(tiny_model, tp=2, speculative=f"eagle3:{head}", num_speculative_tokens=4, **KW))
+    yield two, two.eagle3, head
+    pids = two.tp.pids
+    two.close()
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+def test_tp2_with_speculation_is_token_identical_to_tp1_without(tiny_pair, spec_tp2, tiny_model, method):
+    """Speculative decoding under TP: drafts (prompt lookup, the tiny model drafting for itself, or
+    an EAGLE-3 head on rank 0 reading the states rank 0 keeps) are verified by both ranks' forward,
+    and the output is plain TP 1 decoding's. The random head's drafts are almost never accepted."""
     one, _ = tiny_pair
+    two, eagle, _ = spec_tp2
     prompts = [p * 3 for p in prompts_of([6, 9, 12, 7], 4000, 5, low=3)]  # repeats for lookup to find
     want = [s.output_token_ids for s in one.generate(prompts, GREEDY)]
-    spec = "ngram" if method == "ngram" else f"draft:{tiny_model}"
-    two = Engine(EngineConfig(tiny_model, tp=2, num_kv_blocks=256, block_size=8, max_num_batched_tokens=64,
-                              speculative=spec, num_speculative_tokens=4))
-    try:
-        assert [s.output_token_ids for s in two.generate(prompts, GREEDY)] == want
-        counters = two.scheduler.spec
-        assert counters.drafted > 0 and counters.accepted > 0
-    finally:
-        pids = two.tp.pids
-        two.close()
-        assert_gone(pids)
+    if method == "ngram":
+        two.set_drafter(create_drafter("ngram"))
+    elif method == "draft":
+        two.set_drafter(DraftModelDrafter(tiny_model, two.model_config, two.device, two.dtype, two.pool.num_blocks,
+                                          two.block_size, "torch"))
+    else:
+        two.set_drafter(eagle)
+    counters = two.scheduler.spec
+    drafted, accepted = counters.drafted, counters.accepted
+    assert [s.output_token_ids for s in two.generate(prompts, GREEDY)] == want
+    assert counters.drafted > drafted
+    assert counters.accepted > accepted or method == "eagle3"
+
+
+def test_eagle3_states_under_tp2_are_tp1s_captured_and_rebuilt(tiny_pair, spec_tp2, tiny_model):
+    """EAGLE-3 under TP: rank 0 keeps the residual stream, which is whole after each layer's
+    all-reduce, so its captured states are TP 1's; the states of tokens not computed here (a
+    prefix-cache hit) are rebuilt by a step both ranks run (each holds half the KV heads), and
+    equal TP 1's captured ones too; outputs with rebuilt states are plain TP 1 decoding's."""
+    one_plain, _ = tiny_pair
+    two, eagle, head = spec_tp2
+    two.set_drafter(eagle)
+    one = Engine(EngineConfig(tiny_model, speculative=f"eagle3:{head}", num_speculative_tokens=4, **KW))
+    prompt = prompts_of([45], 4096, seed=21, low=3)[0]
+    n = len(prompt)
+    captured = []
+    for e in (one, two):
+        seq = e.new_sequence(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        seq.hold_blocks = True  # its KV stays in place for the rebuild below
+        e.add(seq)
+        while not seq.is_finished:
+            e.step()
+        row = e.eagle3.kv.row(seq)
+        assert row.start == 0 and len(row.states) == n
+        captured.append((seq, row.states))
+    (_, states1), (seq2, states2) = captured
+    torch.testing.assert_close(states2, states1, rtol=1e-4, atol=1e-4)
+    rebuilt = eagle.rebuilt_tokens
+    torch.testing.assert_close(eagle._rebuild(seq2, 0, n), states1, rtol=1e-4, atol=1e-4)
+    assert eagle.rebuilt_tokens == rebuilt + n
+    for e, (seq, _) in zip((one, two), captured, strict=True):
+        e.release(seq.request_id)
+    one.close()
+    # through the scheduler: the same prompts twice, the second time their full blocks are cached
+    prompts = prompts_of([30, 41, 17], 4096, seed=22, low=3)
+    want = [s.output_token_ids for s in one_plain.generate(prompts, GREEDY)]
+    assert [s.output_token_ids for s in two.generate(prompts, GREEDY)] == want
+    rebuilt, drafted = eagle.rebuilt_tokens, two.scheduler.spec.drafted
+    two.scheduler.spec_prior = AcceptancePrior()  # forget the random head's acceptance (0): new rows draft
+    assert [s.output_token_ids for s in two.generate(prompts, GREEDY)] == want
+    assert eagle.rebuilt_tokens > rebuilt and two.scheduler.spec.drafted > drafted
 
 
 def test_rank0_kv_is_the_full_head_set_over_both_ranks(tiny_pair):
@@ -154,12 +215,19 @@ def test_tp_must_divide_heads_and_excludes_kv_tiers(tiny_model):
         EngineConfig(tiny_model, tp=0)
 
 
-def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypatch):
+def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, tmp_path, monkeypatch):
+    """With every drafter too: ``--tp 2 --speculative eagle3:DIR`` is a config the engine runs
+    (``test_tp2_with_speculation_is_token_identical_to_tp1_without[eagle3]``), not a refusal."""
     import cli.localmesh
     from cli import CliError, build_parser, engine_config, main
 
     args = build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2"])
     assert engine_config(args).tp == 2
+    eagle = f"eagle3:{tmp_path / 'head'}"
+    spec = ["--speculative", eagle, "--num-speculative-tokens", "3"]
+    config = engine_config(build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "2",
+                                                      *spec]))
+    assert (config.tp, config.speculative, config.num_speculative_tokens) == (2, eagle, 3)
     with pytest.raises(ModelError):
         engine_config(build_parser().parse_args(["worker", "decode", "--model", str(tiny_model), "--tp", "3"]))
     with pytest.raises(CliError):
@@ -174,6 +242,9 @@ def test_cli_tp_flag_reaches_the_engine_config_and_mesh_up(tiny_model, monkeypat
     assert main(["up", "--model", str(tiny_model), "--tp", "2"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--tp") + 1] == "2"
+    assert main(["up", "--model", str(tiny_model), "--tp", "2", *spec]) == 0
+    flags = plans[1].worker_flags
+    assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--speculative") + 1] == eagle
 
 
 # -- head re-sharding of KV blocks ----------------------------------------------------
