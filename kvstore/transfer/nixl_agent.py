@@ -9,6 +9,7 @@ notifications, and the handshake that grants a peer one write into its memory.
                                                     be one the reply lists (else ``Refused``)
     grant(kind, job, gen, agent): armed, not <----  NixlBegin on nixl.begin (a kv job's when the
     revoked -> writing                              prefill worker takes it: ``NixlSender.prepare``)
+    progress fast for GRANT_FAST_FOR, then gently   (a write that starts later than that:)
     progress fast <-------------------------------  NixlBegin(writing=True), published: the write
                                                     of a grant asked ahead starts
                                                     one-sided WRITE of the descriptors, with the

@@ -53,6 +53,7 @@ POLL_FAST, FAST_FOR = 0.00005, 0.02
 GRANT_FAST_FOR = 0.1  # seconds of fast polls after a write grant (a short prefill's compute)
 POLL_WAIT = 0.001
 POLL_SLOW, SLOW_AFTER = 0.02, 10.0
+clock = time.monotonic  # (tests move it)
 TIMER_SLACK_NS = 1000  # this thread's timer slack (Linux's default: 50 us)
 AWAIT_MAX = 300.0  # seconds after which an awaited notification is given up (the fence still holds)
 
@@ -88,7 +89,7 @@ class Progress:
 
     def expect(self, key: bytes, fast_for: float = FAST_FOR) -> None:
         with self._lock:
-            self._expected.setdefault(key, time.monotonic())
+            self._expected.setdefault(key, clock())
             self._start(asyncio.get_running_loop(), fast_for)
 
     def unexpect(self, key: bytes) -> None:
@@ -106,7 +107,7 @@ class Progress:
 
     def _fresh(self, fast_for: float) -> None:
         """Under the lock: something new; poll fast for ``fast_for`` seconds (at least)."""
-        self._newest = now = time.monotonic()
+        self._newest = now = clock()
         self._fast_until = max(self._fast_until, now + fast_for)
 
     def _start(self, loop: asyncio.AbstractEventLoop, fast_for: float = FAST_FOR) -> None:
@@ -122,7 +123,7 @@ class Progress:
         fine_timers()
         while True:
             with self._lock:
-                self._give_up(time.monotonic())
+                self._give_up(clock())
                 while not self._xfers and not self._expected:
                     self._work.wait()  # idle: no CPU until something is in flight
                 xfers, expected, loop = list(self._xfers.values()), bool(self._expected), self._loop
@@ -131,7 +132,7 @@ class Progress:
             except Exception:  # never leave a waiter hanging on a dead thread
                 log.exception("nixl: progress failed")
             with self._lock:  # a futex wait: microseconds, and a kick or a new transfer ends it
-                self._work.wait(self._pause())
+                self._work.wait(self.pace())
 
     def _give_up(self, now: float) -> None:
         for key in [k for k, since in self._expected.items() if now - since > AWAIT_MAX]:
@@ -155,8 +156,9 @@ class Progress:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self.deliver, got)
 
-    def _pause(self) -> float:
-        now = time.monotonic()
+    def pace(self) -> float:
+        """Seconds until the next poll, as things stand."""
+        now = clock()
         return POLL_FAST if now < self._fast_until else POLL_WAIT if now - self._newest < SLOW_AFTER else POLL_SLOW
 
 
