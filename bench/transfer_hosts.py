@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -194,12 +196,12 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
     num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
     procs: list[subprocess.Popen] = []
     env = {**env, "PYTHONPATH": str(HERE.parents[1])}
+    js_dir = tempfile.mkdtemp(prefix="pdmx-js-")  # the nats-server's JetStream store, removed after
     with HostPair() as pair:
         url = f"nats://{pair.addr_a}:{NATS_PORT}"
         try:
             procs.append(pair.run(pair.ns_a, [find_binary(), "-a", pair.addr_a, "-p", str(NATS_PORT), "-js", "-sd",
-                                              f"/tmp/{pair.ns_a}-js"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL))
+                                              js_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)
             rx = pair.run(pair.ns_a, [sys.executable, str(HERE), "receiver", url, pair.addr_a, str(num_blocks)],
                           env=env, stdout=subprocess.PIPE, text=True)
@@ -222,6 +224,7 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
             for p in reversed(procs):
                 p.kill()
                 p.wait(timeout=10)
+            shutil.rmtree(js_dir, ignore_errors=True)
 
 
 def report(rows: list[dict], repeat: int, env: dict[str, str]) -> None:
