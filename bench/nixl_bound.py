@@ -3,12 +3,28 @@
 
 Two network namespaces on a veth pair (``bench/netns_pair.py``, root). No asyncio, no NATS, no
 grant: each side is one plain loop. The sender WRITEs N MB (as 1 descriptor, or as 16: one per
-(layer, K|V) plane, as a run of the pool's blocks is) with a notification, and polls the transfer
-every ``--poll-us``; the receiver polls its notifications as often. A transfer is timed from the
-sender starting until the receiver has the notification (socket: its last ``recv_into``), on the
-receiver's clock (CLOCK_MONOTONIC, one kernel); a control connection carries the times back.
+(layer, K|V) plane, as a run of the pool's blocks is) with a notification and polls the transfer;
+the receiver polls its notifications. Both poll either without pause ("busy": on two shared
+cores 10-20 ms a 1 MB write, 20x slower, as a spinning side takes the core the other needs) or
+every ``--polls-us`` (a ``time.sleep``, as the mesh's progress thread waits on a condition), with
+``--slack-ns`` of timer slack (1 us, as the progress thread; Linux's default of 50 us made a
+0.05 ms sleep last 0.10-0.16 ms). ``--cpus`` pins the two sides (``taskset``). A transfer
+is timed from the sender starting until the receiver has the notification (socket: its last
+``recv_into``), on the receiver's clock (CLOCK_MONOTONIC, one kernel); a control connection
+carries the times back.
 
-    sudo python bench/nixl_bound.py [--mb 1 16] [--descs 1 16] [--repeat 9] [--poll-us 50]
+Repetitions are interleaved: each round runs every kind (socket, then each descriptor count at
+each poll, in a shuffled order) once, so a burst of load hits them all alike. Reported: median and
+quartiles of each kind, and of the paired ratio socket time / nixl time of the same round
+(>= 0.8 is the issue's target).
+
+``--sweep`` runs the UCX settings of ``SWEEP`` (each a fresh pair of processes: UCX reads its
+environment once), in ``--rounds`` passes so that each setting meets the machine's load at
+several moments. Every setting carries ``UCX_TLS=tcp``: without it UCX takes its shared-memory
+transports between the namespaces (one kernel), which is not two hosts.
+
+    sudo python bench/nixl_bound.py [--mb 1] [--descs 1 16] [--polls-us 0 50] [--repeat 60] [--slack-ns 1000]
+    sudo python bench/nixl_bound.py --sweep [--rounds 2] [--repeat 60]
 """
 
 from __future__ import annotations
@@ -16,14 +32,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 CTL_PORT, TCP_PORT = 17501, 17502
 HERE = Path(__file__).resolve()
+SEG256K = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+# name -> UCX settings on top of UCX_TLS=tcp. NIXL's WRITE is an RMA put (UCX_RNDV_* and the
+# eager/rendezvous thresholds govern tagged and active messages: its notification, not its bytes)
+SWEEP: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "seg256k": SEG256K,
+    "seg1m": {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"},
+    "seg256k+poll-drain": {**SEG256K, "UCX_TCP_MAX_POLL": "-1"},
+    "seg256k+iov16": {**SEG256K, "UCX_TCP_MAX_IOV": "16"},
+    "seg256k+iov128": {**SEG256K, "UCX_TCP_MAX_IOV": "128"},
+    "seg256k+iov1024": {**SEG256K, "UCX_TCP_MAX_IOV": "1024"},
+    "iov128": {"UCX_TCP_MAX_IOV": "128"},
+    "seg1m+iov128": {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m", "UCX_TCP_MAX_IOV": "128"},
+    "seg256k+put-off": {**SEG256K, "UCX_TCP_PUT_ENABLE": "n"},
+    "seg256k+proto-v1": {**SEG256K, "UCX_PROTO_ENABLE": "n"},
+    "seg256k+zcopy-inf": {**SEG256K, "UCX_ZCOPY_THRESH": "inf"},
+    "seg256k+buf4m": {**SEG256K, "UCX_TCP_SNDBUF": "4m", "UCX_TCP_RCVBUF": "4m"},
+    "seg256k+rndv": {**SEG256K, "UCX_RNDV_THRESH": "inf", "UCX_RNDV_SCHEME": "put_zcopy", "UCX_MAX_RNDV_RAILS": "1"},
+    "seg256k+no-adaptive": {**SEG256K, "UCX_ADAPTIVE_PROGRESS": "n"},
+}
 
 
 def agent(name: str):
@@ -33,18 +71,28 @@ def agent(name: str):
                                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
 
 
+def timer_slack(ns: int) -> None:
+    """This thread's timer slack (Linux: 50 us by default, so a 50 us sleep takes ~100 us)."""
+    import ctypes
+
+    if ns and ctypes.CDLL(None, use_errno=True).prctl(29, ns, 0, 0, 0):  # PR_SET_TIMERSLACK
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK)")
+
+
 def send_json(sock: socket.socket, obj) -> None:
     sock.sendall((json.dumps(obj) + "\n").encode())
 
 
 def until(predicate, poll_s: float) -> None:
     while not predicate():
-        time.sleep(poll_s)
+        if poll_s:
+            time.sleep(poll_s)
 
 
-def receiver(addr: str, size: int, poll_s: float) -> None:
+def receiver(addr: str, size: int, slack_ns: int) -> None:
     import numpy as np
 
+    timer_slack(slack_ns)
     buf = np.zeros(size, dtype=np.uint8)
     ag = agent("rx")
     ag.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
@@ -69,13 +117,14 @@ def receiver(addr: str, size: int, poll_s: float) -> None:
                 seen.update(bytes(m) for msgs in ag.get_new_notifs().values() for m in msgs)
                 return key in seen
 
-            until(landed, poll_s)
+            until(landed, q["poll"])
         send_json(ctl, {"t": time.perf_counter()})
 
 
-def sender(addr: str, mbs: list[int], descs: list[int], repeat: int, poll_s: float) -> dict:
+def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repeat: int, slack_ns: int) -> dict:
     import numpy as np
 
+    timer_slack(slack_ns)
     size = max(mbs) << 20
     src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     ag = agent("tx")
@@ -86,80 +135,148 @@ def sender(addr: str, mbs: list[int], descs: list[int], repeat: int, poll_s: flo
     ag.add_remote_agent(bytes.fromhex(peer["md"]))
     tcp = socket.create_connection((addr, TCP_PORT), timeout=30)
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def socket_once(n: int) -> float:
+        send_json(ctl, {"op": "socket", "n": n})
+        t0 = time.perf_counter()
+        tcp.sendall(memoryview(src)[:n])
+        return json.loads(lines.readline())["t"] - t0
+
+    def nixl_once(n: int, d: int, poll: float, key: str) -> float:
+        piece = n // d
+        send_json(ctl, {"op": "nixl", "key": key, "poll": poll})
+        t0 = time.perf_counter()
+        local = ag.get_xfer_descs([(src.ctypes.data + i * piece, piece, 0) for i in range(d)], "DRAM")
+        remote = ag.get_xfer_descs([(peer["addr"] + i * piece, piece, 0) for i in range(d)], "DRAM")
+        handle = ag.initialize_xfer("WRITE", local, remote, "rx", key.encode())
+        if ag.transfer(handle) == "ERR":
+            raise RuntimeError("NIXL refused the transfer")
+        until(lambda: ag.check_xfer_state(handle) == "DONE", poll)
+        t = json.loads(lines.readline())["t"] - t0
+        ag.release_xfer_handle(handle)
+        return t
+
+    order = random.Random(0)
     out: dict[str, list[float]] = {}
     for mb in mbs:
         n = mb << 20
-        for r in range(repeat + 1):  # the first of each is a warm-up
-            send_json(ctl, {"op": "socket", "n": n})
-            t0 = time.perf_counter()
-            tcp.sendall(memoryview(src)[:n])
-            t = json.loads(lines.readline())["t"] - t0
-            if r:
-                out.setdefault(f"{mb} MB socket", []).append(t)
-        for d in descs:
-            piece = n // d
-            for r in range(repeat + 1):
-                key = f"{mb}-{d}-{r}"
-                send_json(ctl, {"op": "nixl", "key": key})
-                t0 = time.perf_counter()
-                local = ag.get_xfer_descs([(src.ctypes.data + i * piece, piece, 0) for i in range(d)], "DRAM")
-                remote = ag.get_xfer_descs([(peer["addr"] + i * piece, piece, 0) for i in range(d)], "DRAM")
-                handle = ag.initialize_xfer("WRITE", local, remote, "rx", key.encode())
-                if ag.transfer(handle) == "ERR":
-                    raise RuntimeError("NIXL refused the transfer")
-                until(lambda h=handle: ag.check_xfer_state(h) == "DONE", poll_s)
-                t = json.loads(lines.readline())["t"] - t0
-                ag.release_xfer_handle(handle)
+        kinds = [("socket", 0, 0.0)] + [("nixl", d, p) for d in descs for p in polls]
+        for r in range(repeat + 1):  # the first round is a warm-up
+            order.shuffle(kinds)
+            for what, d, poll in kinds:
+                name = f"{mb} MB socket" if what == "socket" else f"{mb} MB x{d} {'busy' if not poll else f'{poll * 1e6:g}us'}"
+                t = socket_once(n) if what == "socket" else nixl_once(n, d, poll, f"{mb}-{d}-{poll}-{r}")
                 if r:
-                    out.setdefault(f"{mb} MB nixl x{d}", []).append(t)
+                    out.setdefault(name, []).append(t)
     ctl.close()
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mb", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--descs", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--repeat", type=int, default=9)
-    p.add_argument("--poll-us", type=float, default=50.0)
-    args = p.parse_args()
+def run_pair(env: dict[str, str], mbs: list[int], descs: list[int], polls: list[float], repeat: int,
+             cpus: tuple[str, str] | None = None, slack_ns: int = 0) -> dict:
     sys.path.insert(0, str(HERE.parent))
-    import subprocess
-
     from netns_pair import HostPair
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
-        "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
-    poll = str(args.poll_us / 1e6)
+    pin_rx, pin_tx = (["taskset", "-c", c] for c in cpus) if cpus else ([], [])
     with HostPair() as pair:
-        rx = pair.run(pair.ns_a, [sys.executable, str(HERE), "receiver", pair.addr_a, str(max(args.mb) << 20), poll],
+        rx = pair.run(pair.ns_a, [*pin_rx, sys.executable, str(HERE), "receiver", pair.addr_a, str(max(mbs) << 20),
+                                  str(slack_ns)],
                       env=env, stdout=subprocess.PIPE, text=True)
         try:
             for line in rx.stdout:  # NIXL logs on stdout too
                 if line.strip() == "ready":
                     break
-            tx = pair.run(pair.ns_b, [sys.executable, str(HERE), "sender", pair.addr_a, json.dumps(args.mb),
-                                      json.dumps(args.descs), str(args.repeat), poll],
+            else:
+                raise SystemExit("the receiver did not start")
+            tx = pair.run(pair.ns_b, [*pin_tx, sys.executable, str(HERE), "sender", pair.addr_a, json.dumps(mbs),
+                                      json.dumps(descs), json.dumps(polls), str(repeat), str(slack_ns)],
                           env=env, stdout=subprocess.PIPE, text=True)
-            out, _ = tx.communicate(timeout=600)
+            try:
+                out, _ = tx.communicate(timeout=600)
+            finally:
+                tx.kill()
+                tx.wait(timeout=10)
         finally:
             rx.kill()
             rx.wait(timeout=10)
-    rows = json.loads(next(ln for ln in out.splitlines() if ln.startswith("{")))
-    print(f"NIXL/UCX alone vs a TCP socket, two namespaces ({', '.join(f'{k}={v}' for k, v in env.items())}), "
-          f"polled every {args.poll_us:g} us, median of {args.repeat}")
-    for name, ts in rows.items():
-        mb = int(name.split()[0])
-        med = statistics.median(ts)
-        print(f"{name:>18}: {med * 1e3:7.2f} ms  {mb * (1 << 20) / med / 1e9:6.2f} GB/s  "
-              f"(all: {' '.join(f'{t * 1e3:.2f}' for t in ts)})")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if tx.returncode or not lines:
+        raise RuntimeError(f"the sender failed (exit {tx.returncode})")
+    return json.loads(lines[-1])
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def report(title: str, rows: dict[str, list[float]]) -> None:
+    print(title)
+    print(f"{'':>18}  {'ms: q1':>7} {'median':>7} {'q3':>7}  {'socket/nixl, paired: q1':>23} {'median':>6} {'q3':>6}")
+    for name, ts in sorted(rows.items(), key=lambda kv: (int(kv[0].split()[0]), "socket" not in kv[0], kv[0])):
+        q1, med, q3 = quartiles(ts)
+        line = f"{name:>18}  {q1 * 1e3:7.3f} {med * 1e3:7.3f} {q3 * 1e3:7.3f}"
+        sock = rows.get(f"{name.split()[0]} MB socket")
+        if sock is not None and "socket" not in name:
+            r1, rm, r3 = quartiles([s / t for s, t in zip(sock, ts, strict=True)])
+            line += f"  {r1:23.2f} {rm:6.2f} {r3:6.2f}"
+        print(line, flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, nargs="+", default=[1])
+    p.add_argument("--descs", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--polls-us", type=float, nargs="+", default=[50.0],
+                   help="0: busy polling (on 2 busy cores: 10-20 ms a 1 MB write, 20x the 50 us polls)")
+    p.add_argument("--repeat", type=int, default=60, help="interleaved rounds (after one warm-up round)")
+    p.add_argument("--sweep", action="store_true", help="every UCX setting of SWEEP, instead of the environment's")
+    p.add_argument("--only", nargs="+", default=None, help="with --sweep: these settings of SWEEP only")
+    p.add_argument("--rounds", type=int, default=1, help="with --sweep: passes over the settings")
+    p.add_argument("--cpus", nargs=2, default=None, metavar=("RX", "TX"),
+                   help="pin the receiver and the sender to these CPU lists (taskset -c)")
+    p.add_argument("--slack-ns", type=int, default=1000,
+                   help="each side's timer slack (prctl), as the mesh's progress thread; 0: Linux's 50 us")
+    p.add_argument("--json", type=Path, default=None, help="append every run's raw times here (one JSON line each)")
+    args = p.parse_args()
+    polls = [u / 1e6 for u in args.polls_us]
+    if args.sweep:
+        names = args.only or list(SWEEP)
+        unknown = [n for n in names if n not in SWEEP]
+        if unknown:
+            raise SystemExit(f"no such setting: {', '.join(unknown)} (known: {', '.join(SWEEP)})")
+        runs = [(f"{n} (pass {i + 1})", {"UCX_TLS": "tcp", **SWEEP[n]}) for i in range(args.rounds) for n in names]
+    else:
+        env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {"UCX_TLS": "tcp", **SEG256K}
+        if env.get("UCX_TLS") != "tcp":
+            raise SystemExit("set UCX_TLS=tcp: other transports (shared memory) would cross the namespaces")
+        runs = [("environment", env)]
+    for name, env in runs:
+        load = loadavg()
+        name += f", cpus rx {args.cpus[0]} tx {args.cpus[1]}" if args.cpus else ""
+        name += f", slack {args.slack_ns} ns" if args.slack_ns else ", default slack"
+        settings = " ".join(f"{k}={v}" for k, v in env.items())
+        try:
+            rows = run_pair(env, args.mb, args.descs, polls, args.repeat, args.cpus, args.slack_ns)
+        except RuntimeError as e:  # e.g. UCX_PROTO_ENABLE=n: NIXL's UCX backend refuses to post
+            print(f"== {name}: {settings}: {e}", flush=True)
+            continue
+        report(f"== {name}: {settings}; {args.repeat} interleaved rounds, {time.strftime('%H:%M:%S')}, "
+               f"load {load} -> {loadavg()}", rows)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps({"name": name, "env": env, "load": load, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "receiver":
-        receiver(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        receiver(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "sender":
         print(json.dumps(sender(sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),
-                                int(sys.argv[5]), float(sys.argv[6]))), flush=True)
+                                json.loads(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))), flush=True)
     else:
         main()

@@ -152,6 +152,8 @@ def main() -> None:
     p.add_argument("--mb", type=int, nargs="+", default=[1, 16, 256], help="with --hosts 2: MB per transfer")
     p.add_argument("--compute-ms", type=float, default=50.0,
                    help="with --hosts 2: ms between taking a job (nixl asks its grant) and sending (the prefill)")
+    p.add_argument("--hot-socket", action="store_true",
+                   help="with --hosts 2: the socket sends without the --compute-ms idle before (as before 2026-12-03)")
     args = p.parse_args()
     if args.hosts == 2:
         # bench/transfer_hosts.py: this script's directory is first on sys.path
@@ -161,7 +163,9 @@ def main() -> None:
         # any UCX_* variable given replaces these
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
             "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
-        report(run_hosts(args.mb, args.repeat, args.transport, env, args.compute_ms), args.repeat, env)
+        report(run_hosts(args.mb, args.repeat, args.transport, env, args.compute_ms, not args.hot_socket),
+               args.repeat, env)
+        print(f"(the socket's sender {'sends at once' if args.hot_socket else f'idles {args.compute_ms:g} ms before each send, as the others'})")
         return
     asyncio.run(run(args))
 

@@ -11,7 +11,11 @@ like the PrefillDone the real path sends) or in its buffer (socket: its last ``r
 receiver reads the clock there (CLOCK_MONOTONIC: one kernel, so one clock for both namespaces)
 and says when in its untimed answer. nixl's write grant is asked before, as the prefill worker
 asks it when it takes a job, and ``--compute-ms`` pass before the send as the prefill's compute
-would (the receiver's progress thread is then past its fast polls, as in the mesh). Root only.
+would (the receiver's progress thread is then past its fast polls, as in the mesh). The socket's
+sender waits as long before each transfer (``--hot-socket``: it does not): a process that idled
+50 ms on a busy machine runs its next millisecond 2x slower than one that did not (cold caches,
+a wake-up to wait for: the same 1 MB nixl send took 1.4-2.1 ms right after its grant and 2.4-4.9
+ms 50 ms after it, load 7-14), and before 2026-12-03 evening only the socket ran hot. Root only.
 
     sudo python bench/transfer.py --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -113,7 +119,8 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
 
 
 # -- host B: the sender --------------------------------------------------------------------
-async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str], compute_s: float) -> None:
+async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str], compute_s: float,
+                 socket_idle: bool) -> None:
     from kvstore.cache import KVCache
     from kvstore.transfer import TransferTarget, make_sender
     from mesh.bus import Bus
@@ -131,6 +138,8 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
         """(seconds in all, of which the sender's ``send``)."""
         if name == "socket":
             payload = memoryview(src.read_block_major(ids).view(-1).view(torch.uint8).numpy())
+            if socket_idle:
+                await asyncio.sleep(compute_s)  # the same idle sender as the others' (see the docstring)
             t0 = time.perf_counter()
             landed = await asyncio.to_thread(_socket_send, sock, payload)
             return landed - t0, time.perf_counter() - t0
@@ -176,7 +185,8 @@ def _socket_send(sock: socket.socket, payload: memoryview) -> float:
 
 
 # -- the driver (root namespace) -----------------------------------------------------------
-def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0) -> list[dict]:
+def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0,
+              socket_idle: bool = True) -> list[dict]:
     # bench/netns_pair.py: this script's directory is first on sys.path
     from netns_pair import HostPair
 
@@ -186,12 +196,12 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
     num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
     procs: list[subprocess.Popen] = []
     env = {**env, "PYTHONPATH": str(HERE.parents[1])}
+    js_dir = tempfile.mkdtemp(prefix="pdmx-js-")  # the nats-server's JetStream store, removed after
     with HostPair() as pair:
         url = f"nats://{pair.addr_a}:{NATS_PORT}"
         try:
             procs.append(pair.run(pair.ns_a, [find_binary(), "-a", pair.addr_a, "-p", str(NATS_PORT), "-js", "-sd",
-                                              f"/tmp/{pair.ns_a}-js"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL))
+                                              js_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)
             rx = pair.run(pair.ns_a, [sys.executable, str(HERE), "receiver", url, pair.addr_a, str(num_blocks)],
                           env=env, stdout=subprocess.PIPE, text=True)
@@ -202,7 +212,8 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
             else:
                 raise SystemExit("the receiver did not start")
             tx = pair.run(pair.ns_b, [sys.executable, str(HERE), "sender", url, pair.addr_a, json.dumps(mbs),
-                                      str(repeat), ",".join(transports), str(compute_ms / 1000)], env=env, stdout=subprocess.PIPE, text=True)
+                                      str(repeat), ",".join(transports), str(compute_ms / 1000), str(int(socket_idle))],
+                          env=env, stdout=subprocess.PIPE, text=True)
             procs.append(tx)
             out, _ = tx.communicate(timeout=1200)
             lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -213,6 +224,7 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
             for p in reversed(procs):
                 p.kill()
                 p.wait(timeout=10)
+            shutil.rmtree(js_dir, ignore_errors=True)
 
 
 def report(rows: list[dict], repeat: int, env: dict[str, str]) -> None:
@@ -239,4 +251,5 @@ if __name__ == "__main__":
     if role == "receiver":
         asyncio.run(receiver(rest[0], rest[1], int(rest[2])))
     elif role == "sender":
-        asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(","), float(rest[5])))
+        asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(","), float(rest[5]),
+                           rest[6] == "1"))

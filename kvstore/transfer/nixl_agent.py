@@ -9,6 +9,7 @@ notifications, and the handshake that grants a peer one write into its memory.
                                                     be one the reply lists (else ``Refused``)
     grant(kind, job, gen, agent): armed, not <----  NixlBegin on nixl.begin (a kv job's when the
     revoked -> writing                              prefill worker takes it: ``NixlSender.prepare``)
+    progress fast for GRANT_FAST_FOR, then gently   (a write that starts later than that:)
     progress fast <-------------------------------  NixlBegin(writing=True), published: the write
                                                     of a grant asked ahead starts
                                                     one-sided WRITE of the descriptors, with the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import threading
 from collections import OrderedDict
@@ -43,7 +45,7 @@ from prometheus_client import Counter
 from kvstore.transfer import Refused, run_to_end
 from kvstore.transfer.messages import NixlBegin, NixlMetadata, NixlMetadataRequest, NixlReply
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_progress import Notifs, Progress
+from kvstore.transfer.nixl_progress import GRANT_FAST_FOR, Notifs, Progress
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,11 @@ PEERS_KEPT = 64  # remote agents a sender keeps added (least recently used dropp
 NOTIFS_KEPT = 4096
 MD_TIMEOUT = 5.0  # seconds for a peer's metadata or grant
 POST_INLINE = 256  # descriptors posted on the event loop; more are built in a thread
+# UCX settings a worker's agent gets, each group only when its environment names none of them (UCX
+# reads them when the agent is made; an RX segment smaller than the TX one fails the backend):
+# TCP copy-out segments of 256k, not 8k/64k (16 MB writes ran at half the speed with those;
+# irrelevant over RDMA). docs/operations.md, "NIXL/UCX between hosts".
+UCX_DEFAULTS = ({"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"},)
 
 
 def available() -> bool:
@@ -117,6 +124,9 @@ class NixlNode:
         if not available():
             raise RuntimeError("NIXL is not installed (pip install 'pdmesh[nixl]')")
         self.name = agent_name(worker_id)
+        for group in UCX_DEFAULTS:
+            if not any(key in os.environ for key in group):
+                os.environ.update(group)
         # no progress thread (it spins a core); calls from threads and the loop serialized
         self.agent = nixl_agent(self.name, nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
@@ -188,8 +198,8 @@ class NixlNode:
         why = "no such kind of job" if grant is None else grant(msg.job_id, msg.gen, msg.agent)
         if why is not None:
             log.info("nixl: no write grant for %s %s: %s", msg.kind, msg.job_id, why)
-        else:
-            self.expect(notif_key(msg.kind, msg.job_id, msg.gen))
+        else:  # its write may come soon (a short prefill's): poll fast for a while
+            self.progress.expect(notif_key(msg.kind, msg.job_id, msg.gen), GRANT_FAST_FOR)
         await self.bus.respond(raw, NixlReply(why is None, why or ""))
 
     # -- notifications -------------------------------------------------------------

@@ -8,13 +8,26 @@ milliseconds (0.1 ms sleeps took 1.1 ms), so every poll of a 1 MB write cost a m
 (in the mesh a 1 MB write took 1.5-2.1 ms; NIXL alone between the same two namespaces, polled
 every 0.05-0.1 ms from a plain loop on a quiet machine, 0.43-0.74 ms: ``bench/nixl_bound.py``).
 This thread waits on a condition between polls (a futex: microseconds; a new transfer, grant or
-``kick`` ends the wait at once):
+``kick`` ends the wait at once). Its timer slack is 1 us (``TIMER_SLACK_NS``): Linux lets a
+thread's timed wait run 50 us late by default, so a 0.05 ms wait took 0.10-0.16 ms and every
+poll of a write came twice as late (``bench/nixl_bound.py --slack-ns``: a 1 MB write 0.85-5.5 ms
+median at load 6 with the default slack, 0.49-0.97 ms with 1 us):
 
-    POLL_FAST    for FAST_FOR seconds after the newest transfer, expected notification or
-                 arrival (a write in flight moves at the link's pace)
-    POLL_WAIT    after that, while a granted write has not started (the prefill still computes:
-                 about 1000 cheap polls a second; its first bytes wait in the socket until then)
+    POLL_FAST    for FAST_FOR seconds after the newest transfer, arrival or kick (a write in
+                 flight moves at the link's pace), and for GRANT_FAST_FOR after a write grant
+                 (a short prefill's write comes within it)
+    POLL_WAIT    after that, while a granted write has not started (a long prefill still
+                 computes: about 1000 cheap polls a second; its first bytes wait in the socket
+                 until the writer's kick, one NATS hop, ends the pause)
     POLL_SLOW    once the newest is SLOW_AFTER old (its writer is likely gone)
+
+Why a grant's window: the writer's kick crosses nats-server (two process wake-ups: 0.3-1 ms on a
+busy machine) while its bytes already wait in the receiver's socket; a 1 MB write whose grant
+was given 50 ms earlier took 2.4-4.9 ms with the kick alone against 1.4-2.1 ms when the receiver
+was still polling fast (``bench/transfer.py --hosts 2 --mb 1 --compute-ms 50`` and ``0``, load 14).
+Its cost: ~14% of a core while it lasts (0.05 ms polls at load 13: 6,000 a second, 22 us of
+CPU each), at most GRANT_FAST_FOR per grant, less when the write lands sooner (the thread parks
+once nothing is in flight).
 
 It polls only while something is in flight and waits on the condition otherwise (it is started
 once, on the agent's first transfer, not per transfer): an idle worker costs no CPU.
@@ -27,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +50,11 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 POLL_FAST, FAST_FOR = 0.00005, 0.02
+GRANT_FAST_FOR = 0.1  # seconds of fast polls after a write grant (a short prefill's compute)
 POLL_WAIT = 0.001
 POLL_SLOW, SLOW_AFTER = 0.02, 10.0
+clock = time.monotonic  # (tests move it)
+TIMER_SLACK_NS = 1000  # this thread's timer slack (Linux's default: 50 us)
 AWAIT_MAX = 300.0  # seconds after which an awaited notification is given up (the fence still holds)
 
 Notifs = dict[str, list[bytes]]  # writer agent -> its notifications, as ``get_new_notifs`` gives them
@@ -46,7 +64,8 @@ class Progress:
     """``watch(handle)``: a future, done when the transfer is (``RuntimeError`` when it failed).
     ``expect(key)``/``unexpect(key)``: the notifications awaited; while any is, the thread polls
     the agent's notifications and hands each batch to ``deliver`` on the loop (one awaited
-    ``AWAIT_MAX`` seconds is given up: its writer is long gone). ``kick()``: poll fast again."""
+    ``AWAIT_MAX`` seconds is given up: its writer is long gone); ``fast_for``: seconds of fast polls
+    from now. ``kick()``: poll fast again."""
 
     def __init__(self, agent, deliver: Callable[[Notifs], None]):
         self.agent = agent
@@ -57,6 +76,7 @@ class Progress:
         self._expected: dict[bytes, float] = {}  # notification -> monotonic time it was first awaited
         self._loop: asyncio.AbstractEventLoop | None = None
         self._newest = 0.0  # monotonic: the newest transfer, expectation or arrival
+        self._fast_until = 0.0  # monotonic: poll fast until then
         self._thread: threading.Thread | None = None
 
     def watch(self, handle) -> asyncio.Future:
@@ -67,10 +87,10 @@ class Progress:
             self._start(loop)
         return done
 
-    def expect(self, key: bytes) -> None:
+    def expect(self, key: bytes, fast_for: float = FAST_FOR) -> None:
         with self._lock:
-            self._expected.setdefault(key, time.monotonic())
-            self._start(asyncio.get_running_loop())
+            self._expected.setdefault(key, clock())
+            self._start(asyncio.get_running_loop(), fast_for)
 
     def unexpect(self, key: bytes) -> None:
         with self._lock:
@@ -82,21 +102,28 @@ class Progress:
 
     def kick(self) -> None:
         with self._lock:
-            self._newest = time.monotonic()
+            self._fresh(FAST_FOR)
             self._work.notify()  # cut its pause short
 
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _fresh(self, fast_for: float) -> None:
+        """Under the lock: something new; poll fast for ``fast_for`` seconds (at least)."""
+        self._newest = now = clock()
+        self._fast_until = max(self._fast_until, now + fast_for)
+
+    def _start(self, loop: asyncio.AbstractEventLoop, fast_for: float = FAST_FOR) -> None:
         """Under the lock: a new thing in flight; wake the thread (start it the first time)."""
-        self._loop, self._newest = loop, time.monotonic()
+        self._loop = loop
+        self._fresh(fast_for)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
             self._thread.start()
         self._work.notify()
 
     def _run(self) -> None:
+        fine_timers()
         while True:
             with self._lock:
-                self._give_up(time.monotonic())
+                self._give_up(clock())
                 while not self._xfers and not self._expected:
                     self._work.wait()  # idle: no CPU until something is in flight
                 xfers, expected, loop = list(self._xfers.values()), bool(self._expected), self._loop
@@ -105,7 +132,7 @@ class Progress:
             except Exception:  # never leave a waiter hanging on a dead thread
                 log.exception("nixl: progress failed")
             with self._lock:  # a futex wait: microseconds, and a kick or a new transfer ends it
-                self._work.wait(self._pause())
+                self._work.wait(self.pace())
 
     def _give_up(self, now: float) -> None:
         for key in [k for k, since in self._expected.items() if now - since > AWAIT_MAX]:
@@ -118,20 +145,37 @@ class Progress:
             if state in ("DONE", "ERR"):
                 with self._lock:
                     self._xfers.pop(id(fut), None)
-                    self._newest = time.monotonic()
+                    self._fresh(FAST_FOR)
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     xloop.call_soon_threadsafe(_settle, fut, state)
         if expected:
             got = self.agent.get_new_notifs()
             if got:
                 with self._lock:
-                    self._newest = time.monotonic()
+                    self._fresh(FAST_FOR)
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self.deliver, got)
 
-    def _pause(self) -> float:
-        age = time.monotonic() - self._newest
-        return POLL_FAST if age < FAST_FOR else POLL_WAIT if age < SLOW_AFTER else POLL_SLOW
+    def pace(self) -> float:
+        """Seconds until the next poll, as things stand."""
+        now = clock()
+        return POLL_FAST if now < self._fast_until else POLL_WAIT if now - self._newest < SLOW_AFTER else POLL_SLOW
+
+
+def fine_timers(ns: int = TIMER_SLACK_NS) -> bool:
+    """Make the calling thread's timed waits end within ``ns`` of their timeout (Linux:
+    ``prctl(PR_SET_TIMERSLACK)``, per thread). False where it cannot (another OS): waits then end
+    up to the system's slack late, which slows small transfers but breaks nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(29, ns, 0, 0, 0) == 0:  # PR_SET_TIMERSLACK
+            return True
+        log.info("nixl: no fine timers for the progress thread (errno %d)", ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        log.info("nixl: no fine timers for the progress thread (%s)", e)
+    return False
 
 
 def _settle(fut: asyncio.Future, state: str) -> None:

@@ -29,13 +29,28 @@ except ValueError as e:
     print("error:", e)
 """
 
+SEGMENTS = """
+import os
+from kvstore.transfer.nixl_agent import NixlNode
+NixlNode.for_worker("segments")
+print(os.environ.get("UCX_TCP_TX_SEG_SIZE"), os.environ.get("UCX_TCP_RX_SEG_SIZE"))
+"""
+
 IDLE = """
-import ctypes, resource, time
+import asyncio, ctypes, os, resource, threading, time
 from kvstore.transfer.nixl_agent import NixlNode
 node = NixlNode.for_worker("idle-worker")
+print(os.environ.get("UCX_TCP_TX_SEG_SIZE"), os.environ.get("UCX_TCP_RX_SEG_SIZE"))
 pool = ctypes.create_string_buffer(1 << 22)
 node.register("kv", ctypes.addressof(pool), len(pool))
 node.metadata()
+async def awaited():  # a notification awaited: the progress thread runs, then parks
+    node.expect(b"kv:r:1")
+    await asyncio.sleep(0.05)
+    node.unexpect(b"kv:r:1")
+asyncio.run(awaited())
+tid = next(t.native_id for t in threading.enumerate() if t.name == "nixl-progress")
+print(open(f"/proc/{tid}/timerslack_ns").read().strip())
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -58,6 +73,16 @@ def test_cpu_workers_offer_nixl_by_default():
     assert tp2.transport_names() == ["nats"]  # nixl registers one pool tensor: TP 1 only
 
 
+@pytest.mark.skipif(not nixl_available(), reason="the nixl extra is not installed")
+def test_a_ucx_segment_setting_of_the_environment_replaces_the_agents_pair():
+    """UCX fails to make the agent when its RX segment is smaller than its TX one: a worker given
+    either keeps UCX's own value of the other, not ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run([sys.executable, "-c", SEGMENTS], capture_output=True, text=True, timeout=120, check=True,
+                         env={**env, "UCX_TLS": "tcp", "UCX_TCP_RX_SEG_SIZE": "128k"}).stdout
+    assert out.splitlines()[-1] == "None 128k", out
+
+
 def test_without_nixl_one_line_says_nats_carries_kv_between_hosts():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True).stdout
     lines = out.splitlines()
@@ -69,7 +94,13 @@ def test_without_nixl_one_line_says_nats_carries_kv_between_hosts():
 @pytest.mark.skipif(not nixl_available(), reason="the nixl extra is not installed")
 def test_an_idle_nixl_agent_takes_no_cpu():
     """With UCX's progress thread an idle agent spun a core (5.0 CPU seconds in 5 s; 1.8 s on two
-    busy cores): a regression shows as seconds, an idle agent as milliseconds."""
+    busy cores): a regression shows as seconds, an idle agent as milliseconds (its own progress
+    thread, once the notification it awaited is no longer awaited, parks). On the way: the
+    agent's UCX defaults (an explicit setting wins) and its progress thread's fine timers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     out = subprocess.run([sys.executable, "-c", IDLE], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "UCX_TLS": "tcp"}).stdout
-    assert float(out.splitlines()[-1]) < 0.3, out
+                         env={**env, "UCX_TLS": "tcp"}).stdout
+    lines = out.splitlines()
+    assert "256k 256k" in lines, out
+    assert lines[-2] == "1000", out  # the thread's timer slack (ns): its 0.05 ms polls are not 0.1
+    assert float(lines[-1]) < 0.3, out
