@@ -112,6 +112,7 @@ class Mesh:
     ns: str
     decode: tuple[str, ...]
     prefill: str
+    procs: list  # all its processes, the gateway's too
 
     def counter(self, kind: str) -> str:
         return f"spec_{kind}:{self.method}"
@@ -141,13 +142,10 @@ def wait_ready(cluster, ns: str, names: tuple[str, ...], url: str) -> None:
     wait_http_ok(url + "/health", 60)
 
 
-@pytest.fixture(scope="module", params=DRAFTERS)
-def mesh(request, cluster, tiny_model, adapters):
-    method = request.param
+def start_mesh(cluster, method: str, tiny_model, adapters, spec: list[str]) -> Mesh:
+    """The processes of ``method``'s mesh, started (``wait_ready`` waits for them)."""
     ns = f"spec-{method}"
     decode, prefill = (f"{ns}-dec-0", f"{ns}-dec-1"), f"{ns}-pre"
-    spec = {"ngram": ["ngram"], "draft": [f"draft:{tiny_model}"],
-            "eagle3": [f"eagle3:{request.getfixturevalue('eagle3_head')}", "--no-speculative-adaptive"]}[method]
     started = len(cluster.procs)
     common = ["--ns", ns, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
     loras = [arg for name, d in adapters.items() for arg in ("--lora", f"{name}={d}")]
@@ -157,11 +155,32 @@ def mesh(request, cluster, tiny_model, adapters):
                for wid in decode}
     cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", prefill)
     url = cluster.gateway(tiny_model, None, "--ns", ns)
+    return Mesh(url, workers, method, ns, decode, prefill, cluster.procs[started:])
 
-    wait_ready(cluster, ns, (*decode, prefill), url)
-    yield Mesh(url, workers, method, ns, decode, prefill)
-    stop_processes(cluster.procs[started:])  # the next drafter's mesh starts on a quiet box
-    del cluster.procs[started:]
+
+@pytest.fixture(scope="module")
+def meshes() -> dict[str, Mesh]:
+    """The drafters' meshes started so far."""
+    return {}
+
+
+@pytest.fixture(scope="module", params=DRAFTERS)
+def mesh(request, cluster, tiny_model, adapters, meshes):
+    """The drafter's mesh, ready; the next drafter's starts now, to come up while this one's tests
+    run (at most two meshes at a time: this one's processes stop after its tests)."""
+    used = {cs.params["mesh"] for item in request.session.items  # the drafters of the tests selected
+            if item.module is request.module and (cs := getattr(item, "callspec", None)) and "mesh" in cs.params}
+    order = [m for m in DRAFTERS if m in used]
+    for method in order[order.index(request.param):][:2]:
+        if method not in meshes:
+            spec = {"ngram": ["ngram"], "draft": [f"draft:{tiny_model}"],
+                    "eagle3": [f"eagle3:{request.getfixturevalue('eagle3_head')}", "--no-speculative-adaptive"]}
+            meshes[method] = start_mesh(cluster, method, tiny_model, adapters, spec[method])
+    m = meshes[request.param]
+    wait_ready(cluster, m.ns, m.names, m.url)
+    yield m
+    stop_processes(m.procs)
+    cluster.procs[:] = [p for p in cluster.procs if p not in m.procs]
 
 
 class Counters:
