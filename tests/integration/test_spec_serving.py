@@ -7,10 +7,10 @@ here), which the engine tests hold to transformers' logits.
 
 One mesh per drafter (``ngram``, ``draft``, then ``eagle3``): two decode workers that draft (a
 small KV pool, two LoRA adapters, prompts of 48 tokens and more prefilled by the prefill worker),
-one prefill worker and one gateway; every test runs on each. Prompts repeat themselves, so prompt
-lookup finds drafts the target accepts (a model drafting for itself is always right); every test
-checks from the workers' own counters that drafts were verified. The last test kills a decode
-worker. The EAGLE-3 head has random weights: its drafts are verified and almost never accepted,
+one prefill worker and one gateway; every test runs on each, and the next mesh comes up while the
+one before it runs its tests. Prompts repeat themselves, so prompt lookup finds drafts the target
+accepts (a model drafting for itself is always right); every test checks from the workers' own
+counters that drafts were verified. The last test kills a decode worker. The EAGLE-3 head has random weights: its drafts are verified and almost never accepted,
 so its workers run with a fixed K (``--no-speculative-adaptive``: adaptive K would soon stop its
 rows drafting), and every step of every row verifies drafts and rolls them back; its counters
 also show the target states it rebuilt for tokens computed elsewhere (``spec_rebuilt:eagle3``).
@@ -143,19 +143,27 @@ def wait_ready(cluster, ns: str, names: tuple[str, ...], url: str) -> None:
 
 
 def start_mesh(cluster, method: str, tiny_model, adapters, spec: list[str]) -> Mesh:
-    """The processes of ``method``'s mesh, started (``wait_ready`` waits for them)."""
+    """The processes of ``method``'s mesh, started (``wait_ready`` waits for them); ``spec``: the
+    decode workers' drafter flags."""
     ns = f"spec-{method}"
     decode, prefill = (f"{ns}-dec-0", f"{ns}-dec-1"), f"{ns}-pre"
     started = len(cluster.procs)
     common = ["--ns", ns, "--model", str(tiny_model), "--transports", "shm", "--block-size", "16"]
     loras = [arg for name, d in adapters.items() for arg in ("--lora", f"{name}={d}")]
     workers = {wid: cluster.worker("decode", *common, *loras, "--device-kv-blocks", str(BLOCKS),
-                                   "--speculative", *spec, "--num-speculative-tokens", str(K),
+                                   *spec, "--num-speculative-tokens", str(K),
                                    "--disagg-threshold", str(THRESHOLD), "--worker-id", wid)
                for wid in decode}
     cluster.worker("prefill", *common, "--device-kv-blocks", "256", "--worker-id", prefill)
     url = cluster.gateway(tiny_model, None, "--ns", ns)
     return Mesh(url, workers, method, ns, decode, prefill, cluster.procs[started:])
+
+
+def drafter_flags(request, method: str) -> list[str]:
+    tiny_model = request.getfixturevalue("tiny_model")
+    if method == "eagle3":  # a random head: a fixed K, or its rows would soon stop drafting
+        return ["--speculative", f"eagle3:{request.getfixturevalue('eagle3_head')}", "--no-speculative-adaptive"]
+    return ["--speculative", "ngram" if method == "ngram" else f"draft:{tiny_model}"]
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +181,7 @@ def mesh(request, cluster, tiny_model, adapters, meshes):
     order = [m for m in DRAFTERS if m in used]
     for method in order[order.index(request.param):][:2]:
         if method not in meshes:
-            spec = {"ngram": ["ngram"], "draft": [f"draft:{tiny_model}"],
-                    "eagle3": [f"eagle3:{request.getfixturevalue('eagle3_head')}", "--no-speculative-adaptive"]}
-            meshes[method] = start_mesh(cluster, method, tiny_model, adapters, spec[method])
+            meshes[method] = start_mesh(cluster, method, tiny_model, adapters, drafter_flags(request, method))
     m = meshes[request.param]
     wait_ready(cluster, m.ns, m.names, m.url)
     yield m
