@@ -330,6 +330,7 @@ class EngineConfig:
     grammar_spin_ms: float = 3.0  # the grammar process polls this long for the next step before it sleeps
     speculative: str | None = None  # speculative decoding's drafter (engine.spec.drafter registry); None: off
     num_speculative_tokens: int = 4  # tokens a decoding row drafts per step
+    spec_adaptive: bool = True  # K adapts per row to its acceptance (engine.spec.adaptive); False: fixed K
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -57,6 +57,7 @@ class CoreConfig:
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (kvstore/hashing.py)
     speculative: str | None = None  # speculative decoding: the drafter (engine.spec.drafter registry)
     num_speculative_tokens: int = 4  # tokens a decoding row drafts per step
+    spec_adaptive: bool = True  # K adapts per row (engine.spec.adaptive); False: every row drafts K
 
 
 class _Done:
@@ -89,6 +90,7 @@ class EngineCore:
                 eos_token_ids=core.eos_token_ids,
                 max_loras=core.max_loras,
                 num_speculative_tokens=core.num_speculative_tokens if core.speculative else 0,
+                spec_adaptive=core.spec_adaptive,
             ),
             self.kv_manager,
         )

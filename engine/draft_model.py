@@ -7,7 +7,8 @@ over it. A row's draft KV is kept between steps: each ``propose`` computes only 
 draft model has not seen (the prompt at first, then the tokens the last step emitted past the
 accepted drafts), then one position per drafted token. Positions whose tokens the target rejected
 are recomputed, as the target's are. A sequence's draft blocks return to the pool once it has
-finished (looked for when the pool runs short) or is gone.
+finished or been preempted (looked for when the pool runs short: a preempted row drafts again
+from nothing once readmitted, as the target recomputes its KV) or is gone.
 
 Refused in one line: a draft model whose vocabulary differs from the target's (it would propose
 ids that mean other text).
@@ -23,6 +24,7 @@ import torch
 from engine.attention import AttentionBatch, create_backend
 from engine.config import ModelConfig
 from engine.loader import load_model
+from engine.sequence import SeqStatus
 from kvstore.cache import KVCache, KVCacheSpec
 
 
@@ -36,8 +38,9 @@ class _DraftRow:
 
 class DraftBlocks:
     """A drafter's own paged KV pool: its free blocks, and per sequence a row (``new_row()``; any
-    object with a ``blocks`` list) holding some. Who frees: a finished sequence's row is dropped
-    when the pool runs short, a sequence gone (garbage) gives its blocks back by a finalizer."""
+    object with a ``blocks`` list) holding some. Who frees: a finished or preempted sequence's row
+    is dropped when the pool runs short (a preempted one kept its row, and the running rows would
+    find no blocks to draft with), a sequence gone (garbage) gives its blocks back by a finalizer."""
 
     def __init__(self, num_blocks: int, block_size: int, new_row):
         self.block_size = block_size
@@ -56,16 +59,18 @@ class DraftBlocks:
         """Blocks for ``positions`` positions; False (nothing taken) when the pool has too few."""
         need = -(-positions // self.block_size) - len(row.blocks)
         if need > len(self.free):
-            self._release_finished()
+            self._release_idle()
         if need > len(self.free):
             return False
         for _ in range(max(0, need)):
             row.blocks.append(self.free.pop())
         return True
 
-    def _release_finished(self) -> None:
+    def _release_idle(self) -> None:
+        """The rows of sequences that do not draft now: finished or preempted (a new row, from
+        nothing, once readmitted)."""
         for seq, row in list(self.rows.items()):
-            if seq.is_finished:
+            if seq.is_finished or seq.status == SeqStatus.PREEMPTED:
                 self.free.extend(row.blocks)
                 row.blocks.clear()  # the finalizer then gives back nothing
                 del self.rows[seq]

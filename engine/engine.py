@@ -112,6 +112,7 @@ class Engine(EngineCore):
             hash_key=config.hash_key,
             speculative=config.speculative,
             num_speculative_tokens=config.num_speculative_tokens,
+            spec_adaptive=config.spec_adaptive,
         )
 
     def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:

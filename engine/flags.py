@@ -105,17 +105,22 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "head, its published checkpoint format, fed the target's hidden states)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="tokens a decoding row drafts per step (with --speculative)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="K adapts per row to its acceptance, down to no drafts (default); "
+                        "--no-speculative-adaptive: every decoding row drafts K tokens every step")
 
 
 def speculative_fields(args: argparse.Namespace) -> dict:
-    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+            "spec_adaptive": args.speculative_adaptive}
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
     """The speculative flags again, as given (for the workers ``mesh up`` starts); [] when off."""
     if not args.speculative:
         return []
-    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    argv = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return argv if args.speculative_adaptive else [*argv, "--no-speculative-adaptive"]
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_loras: int = 0  # distinct LoRA adapters the running set may hold (one step runs them all); 0: off
     num_speculative_tokens: int = 0  # drafted tokens a decoding row verifies per step (with a drafter)
+    spec_adaptive: bool = True  # K adapts per row to its acceptance (engine.spec.adaptive); False: fixed K
     # Stall-free batching (Sarathi-Serve): at most this many prompt tokens in a step that also
     # decodes, so a burst of admissions never stretches every stream's next token past ~one
     # step; a step with no decoding row takes the whole budget. 0: no cap.
@@ -117,7 +118,7 @@ class Scheduler:
     @drafter.setter
     def drafter(self, drafter: Drafter | None) -> None:
         self._drafter = drafter
-        self.spec_prior = AcceptancePrior()  # another drafter: its acceptance is not known yet
+        self.spec_prior = AcceptancePrior(self.config.spec_adaptive)  # another drafter: its acceptance is not known yet
 
     # -- queue management ---------------------------------------------------
     def add(self, seq: Sequence) -> None:

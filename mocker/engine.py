@@ -168,6 +168,7 @@ class MockConfig:
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)
     speculative: str | None = None  # --speculative: the method the simulated drafter reports (mocker.spec)
     num_speculative_tokens: int = 4
+    spec_adaptive: bool = True  # --speculative-adaptive: K adapts per row (engine.spec.adaptive)
     spec_acceptance: float = 0.7  # the probability that each drafted token is the target's own
 
     def __post_init__(self) -> None:
@@ -209,6 +210,7 @@ class MockConfig:
               "timing": TimingModel.from_flags(args.mock_timing), "peer_fetch": getattr(args, "peer_fetch", False),
               "speculative": getattr(args, "speculative", None),
               "num_speculative_tokens": getattr(args, "num_speculative_tokens", 4),
+              "spec_adaptive": getattr(args, "speculative_adaptive", True),
               "spec_acceptance": getattr(args, "mock_spec_acceptance", 0.7)}
         if getattr(args, "peer_fetch_timeout", None) is not None:
             kw["fetch_timeout"] = args.peer_fetch_timeout
@@ -258,6 +260,7 @@ class MockEngine(EngineCore):
                 hash_key=config.hash_key,
                 speculative=config.speculative,
                 num_speculative_tokens=config.num_speculative_tokens,
+                spec_adaptive=config.spec_adaptive,
             ),
             MockDrafter(config.speculative, config.spec_acceptance, config.vocab_size) if config.speculative else None,
         )

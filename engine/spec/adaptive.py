@@ -19,6 +19,11 @@ rows and with fewer drafts in larger ones (K * SMALL_BATCH / batch, rounded down
 largest, where the row's probes find out whether drafting pays). A row that starts at 0 first
 probes after ``PROBE_EVERY`` steps times batch / ``SMALL_BATCH`` (at most ``PROBE_MAX``): in a
 large batch every row probing at once is a step of twice the positions.
+
+Fixed K (``--no-speculative-adaptive``; vLLM's and SGLang's behaviour): every row drafts K tokens
+at every decoding step, whatever was accepted before (``AcceptancePrior(adaptive=False)``). For
+drafters known to pay at the batch sizes served, and for tests whose drafter is always wrong (a
+random EAGLE-3 head), where adaptation would leave almost nothing verified.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class DraftLength:
     k: int  # the row's next draft length (before the step's budget and max_tokens cut it)
     idle: int = 0  # steps since a row at 0 last drafted
     probe_every: int = PROBE_EVERY  # steps between a row's probes while it is at 0
+    adaptive: bool = True  # False: ``k`` stays as it started (fixed K)
 
     def next(self) -> int:
         if self.k > 0:
@@ -54,7 +60,7 @@ class DraftLength:
         return self.k > 0 or self.idle + 1 >= self.probe_every
 
     def update(self, drafted: int, accepted: int, max_k: int) -> None:
-        if not drafted:
+        if not drafted or not self.adaptive:
             return
         if accepted:
             self.k, self.probe_every = max_k, PROBE_EVERY
@@ -67,9 +73,10 @@ class DraftLength:
 class AcceptancePrior:
     """The drafter's acceptance over the engine's recent verifications: where new rows start."""
 
-    __slots__ = ("rate",)
+    __slots__ = ("adaptive", "rate")
 
-    def __init__(self) -> None:
+    def __init__(self, adaptive: bool = True) -> None:
+        self.adaptive = adaptive  # False: every row at K, always (fixed K)
         self.rate: float | None = None  # None: nothing verified yet
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -79,6 +86,8 @@ class AcceptancePrior:
 
     def start(self, max_k: int, batch: int) -> DraftLength:
         """A new row's draft length in a batch of ``batch`` running rows."""
+        if not self.adaptive:
+            return DraftLength(max_k, adaptive=False)
         if self.rate is not None and self.rate >= PRIOR_HIGH:
             return DraftLength(max_k)
         k = min(max_k, max_k * SMALL_BATCH // max(1, batch)) if self.rate is None or self.rate >= PRIOR_LOW else 0

@@ -67,3 +67,29 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(tiny_model
     with pytest.raises(ValueError, match=r"vocabulary of 1000 tokens, the target 4096") as e:
         engine(tiny_model, speculative=f"draft:{tmp_path}")
     assert "\n" not in str(e.value)
+
+
+def test_finished_and_preempted_rows_give_their_blocks_back_when_the_pool_runs_short():
+    """A preempted sequence's draft KV (a draft model's, an EAGLE-3 head's) is not kept while it
+    waits: the running rows would find no blocks to draft with. Rows of running sequences stay."""
+    from engine.draft_model import DraftBlocks, _DraftRow
+    from engine.sequence import SeqStatus
+
+    class Seq:
+        def __init__(self, status):
+            self.status = status
+
+        @property
+        def is_finished(self):
+            return self.status.is_finished
+
+    kv = DraftBlocks(6, 4, _DraftRow)
+    running, preempted, done = Seq(SeqStatus.RUNNING), Seq(SeqStatus.RUNNING), Seq(SeqStatus.FINISHED_LENGTH)
+    for seq in (running, preempted, done):
+        assert kv.grow(kv.row(seq), 8)  # two blocks each: the pool is empty
+    preempted.status = SeqStatus.PREEMPTED
+    new = Seq(SeqStatus.RUNNING)
+    assert kv.grow(kv.row(new), 16)  # four blocks: the finished and the preempted rows' came back
+    assert len(kv.row(running).blocks) == 2 and preempted not in kv.rows and done not in kv.rows
+    assert not kv.grow(kv.row(new), 20)  # nothing else to take: no drafts, nothing taken
+    assert kv.row(preempted).blocks == []  # readmitted: a new row, its draft KV computed again

@@ -357,6 +357,18 @@ def test_rows_whose_drafts_are_always_rejected_stop_drafting(make_engine):
     assert c.drafted == drafted  # new rows after rejected drafts start as plain rows (no probe yet)
 
 
+def test_with_fixed_k_rows_draft_k_every_step_however_often_rejected(make_engine):
+    """``--no-speculative-adaptive``: every decoding step of every row verifies K drafts (fewer only
+    where ``max_tokens`` leaves less room), all rejected here, and each rolled back."""
+    ps = prompts(3, seed=8)
+    ref = outputs(make_engine(), ps, greedy(60, ignore_eos=True))
+    engine = oracle_engine(make_engine, ps, ref, 0.0, num_speculative_tokens=4, spec_adaptive=False)
+    assert outputs(engine, ps, greedy(60, ignore_eos=True)) == ref
+    c = engine.scheduler.spec
+    # a row's decoding steps after its first token, with 1..58 tokens out: 4 drafts each, 3 + 2 + 1 at the end
+    assert (c.drafted, c.accepted, c.steps) == (3 * (55 * 4 + 3 + 2 + 1), 0, 3 * 58)
+
+
 def test_the_worker_reports_speculation_per_method(make_engine):
     from mesh.metrics import LoadCollector
     from mesh.protocol import LoadReport
@@ -405,6 +417,11 @@ def test_mesh_generate_and_the_workers_take_the_flags(tiny_model, capsys):
     worker = _worker_flags(up)
     assert worker[worker.index("--speculative") + 1] == "ngram:2"
     assert worker[worker.index("--num-speculative-tokens") + 1] == "5"
+    assert "--no-speculative-adaptive" not in worker and config.spec_adaptive
+    fixed = flags.from_args(p.parse_args(["--model", str(tiny_model), "--speculative", "ngram", "--no-speculative-adaptive"]))
+    assert not fixed.spec_adaptive
+    assert "--no-speculative-adaptive" in _worker_flags(build_parser().parse_args(
+        ["up", "--speculative", "ngram", "--no-speculative-adaptive"]))
 
 
 def test_verification_rows_logits_match_transformers(make_engine, tiny_model):
