@@ -20,9 +20,7 @@ the head runs on rank 0 only (it is one layer, small next to the target's share 
 its drafts go to rank 0's scheduler), on the states rank 0 keeps (the residual stream is whole
 on every rank); a rebuild runs on every rank (``engine.eagle3.RebuildStep``: it is the target's
 layers, whose all-reduces every rank joins), handed to the helper ranks as steps are. A sequence
-on a LoRA adapter is not rebuilt (its rows would need the adapter's plan): it drafts only once
-the target has computed its states here, so with a prefix-cache hit or a remote prefill, not at
-all.
+on a LoRA adapter is rebuilt with its adapter (LoRA runs with ``--tp`` 1 only).
 """
 
 from __future__ import annotations
@@ -166,12 +164,10 @@ class Eagle3Drafter:
     def _rebuild(self, seq, first: int, end: int) -> torch.Tensor | None:
         """The target's fused states of positions ``first`` to ``end``, recomputed: its layers up
         to the last auxiliary one over those tokens, attending to the KV in the sequence's blocks.
-        None for a sequence on a LoRA adapter (its rows would need the adapter's plan): it does
-        not draft until the target has computed its states here."""
-        if seq.lora is not None:
-            return None
-        if self.lora is not None:
-            self.lora.plan([end - first], None)  # base-model rows (the runner plans each step again)
+        A sequence on a LoRA adapter runs its rows with the adapter, brought into a slot as a step
+        would (its states are the adapted target's, as the ones captured for it)."""
+        if self.lora is not None:  # the runner activates and plans each step again
+            self.lora.plan([end - first], self.lora.activate([seq.lora]))
         step = RebuildStep.of(seq.token_ids[:end], first, seq.block_table, self.block_size, self.scratch_block,
                               self.config.aux_layers)
         if self.tp is None:

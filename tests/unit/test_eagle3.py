@@ -202,9 +202,9 @@ def test_under_preemption(tiny_model, head):
 
 
 def test_a_batch_mixing_adapters(tiny_model, head, tmp_path):
-    """Base-model and adapter rows in one batch, twice (the second time their prompts are cached):
-    token-identical; a base row's states are rebuilt, an adapter row's are not (it does not draft
-    until the target has computed them here)."""
+    """Base-model and adapter rows in one batch, twice (the second time their prompts are cached,
+    so every row's states are rebuilt, the adapter rows' with their adapter): token-identical; an
+    adapter row's rebuilt states are the ones the adapted target computed (not the base model's)."""
     from tests.helpers.lora import ADAPTERS, make_adapter
 
     adapter = make_adapter(tiny_model, tmp_path / "all", 1, **ADAPTERS["all"])
@@ -218,7 +218,20 @@ def test_a_batch_mixing_adapters(tiny_model, head, tmp_path):
     assert e.eagle3.rebuilt_tokens == 0
     e.scheduler.spec_prior = AcceptancePrior()
     assert [s.output_token_ids for s in e.generate(ps, gen, lora=loras)] == ref
-    assert e.eagle3.rebuilt_tokens > 0 and e.scheduler.spec.drafted > 0
+    # every cached prompt's states were rebuilt, the adapter rows' too (all but each last block)
+    assert e.eagle3.rebuilt_tokens >= sum(len(p) - 4 for p in ps) and e.scheduler.spec.drafted > 0
+
+    fresh = prompts(4, seed=99)[3]  # cached nowhere
+    seqs = [e.new_sequence(fresh, greedy(2), lora=name) for name in ("all", None)]
+    for seq in seqs:
+        e.add(seq)
+    e.step()  # both prompts computed here: their states captured, the adapter's with it
+    adapted, base = (e.eagle3.kv.row(seq) for seq in seqs)
+    assert adapted.start == base.start == 0
+    n = len(seqs[0].token_ids) - 1
+    assert not torch.allclose(adapted.states[:n], base.states[:n], atol=1e-3)  # the adapter matters
+    torch.testing.assert_close(e.eagle3._rebuild(seqs[0], 0, n), adapted.states[:n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(e.eagle3._rebuild(seqs[1], 0, n), base.states[:n], rtol=1e-4, atol=1e-4)
 
 
 def test_capture_costs_nothing_without_eagle3(tiny_model, head):
