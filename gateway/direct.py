@@ -16,14 +16,11 @@ way, which sees the choice's state as the sink left it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gateway.choice import ChoiceRun, ChoiceState
 from gateway.metrics import ChoiceFigures
 from mesh.protocol import TokenChunk
-
-if TYPE_CHECKING:
-    from gateway.formats import TextFrame
 
 
 class DeltaWriter(Protocol):
@@ -34,10 +31,11 @@ class DeltaWriter(Protocol):
 
     def write(self, delta) -> None: ...
 
-    def text_frame(self, index: int) -> TextFrame | None:
-        """How a delta of only text is framed for ``write_text`` (None: it carries more; use ``write``)."""
+    def text_frame(self, index: int) -> tuple | None:
+        """How a delta of only text is framed for ``write_text`` (a ``gateway.formats.TextFrame``;
+        None: it carries more, use ``write``)."""
 
-    def write_text(self, frame: TextFrame, text: str) -> None:
+    def write_text(self, frame: tuple, text: str) -> None:
         """What ``write`` writes for a delta of only ``text`` (not empty)."""
 
 
