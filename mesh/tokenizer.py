@@ -201,7 +201,7 @@ class TokenPieces:
             anchor, text = self._anchor
             after = self.tok.decode([anchor, token_id], self.skip)
             pieces = (self.tok.decode([token_id], self.skip), after[len(text):])
-        if len(known) < 1 << 20:  # ids past the vocabulary are no tokens: bound what they can add
+        if token_id < self.tok.vocab_size:  # not ids past it: what a worker sends must not grow this
             known[token_id] = pieces
         return pieces
 
