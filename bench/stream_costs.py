@@ -14,6 +14,10 @@
 
 3. A timeout timer per wait for a token (``loop.call_later`` + ``cancel``, what
    ``ReplyStream.next_batch`` did per token before it kept one timer per stream).
+4. A mid-stream token on the direct path: ``ReplyStream.push`` -> ``DirectSink`` -> detokenizer ->
+   SSE event -> the uvicorn cycle's transport (collecting, no syscall), the short way of a plain
+   text delta (``SSEWriter.write_text``, since s39) against the long way (a ``ChoiceDelta`` through
+   ``Format.chunks``); checks both wrote the same bytes.
 
 Figures: process CPU microseconds per event/token, min over repeats (robust to other processes
 on a shared machine, not to frequency scaling).
@@ -113,6 +117,60 @@ def detok_costs(model_dir: str, repeat: int) -> None:
         print(f"{name:22s} {best / (len(seqs) * 64) * 1e6:6.2f} us CPU per token (min of {repeat})")
 
 
+async def sink_costs(model_dir: str, repeat: int) -> None:
+    from types import SimpleNamespace
+
+    from gateway.choice import ChoiceRun, RetryPolicy
+    from gateway.direct import DirectSink
+    from gateway.formats import ChatFormat
+    from gateway.metrics import GatewayStats
+    from gateway.replies import ReplyStream
+    from gateway.service import _ChoiceText
+    from mesh.protocol import TokenChunk
+    from mesh.tokenizer import Tokenizer
+
+    class LongWay(streaming.SSEWriter):
+        __slots__ = ()
+
+        def text_frame(self, index: int):
+            return None
+
+    tok = Tokenizer(model_dir)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(100, min(tok.vocab_size, 32000)) for _ in range(64)] for _ in range(100)]
+    stats = GatewayStats()
+    loop = asyncio.get_running_loop()
+    fmt = ChatFormat("chatcmpl-1", "tiny", None, [[1]], 1)  # one: its "created" is the same in both ways
+
+    async def run(writer_type) -> tuple[bytes, float]:
+        transport = Collect()
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "http_version": "1.1"}
+        cycle = RequestResponseCycle(scope, transport, FlowControl(transport), logging.getLogger("x"),
+                                     logging.getLogger("y"), False, [], asyncio.Event(), False, True, lambda: None)
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": []})
+        owner = SimpleNamespace(prefix="_INBOX.bench", _streams={})
+        chunks = [[TokenChunk("r", i, [t]) for i, t in enumerate(s)] for s in seqs]
+        t0 = time.process_time()
+        for seq in chunks:
+            writer = writer_type(fmt, True)
+            writer.attach(cycle.send)
+            run = ChoiceRun(RetryPolicy())
+            run.sent("w")
+            run.streamed([], False)
+            stream = ReplyStream(owner, "1", "w")
+            stream.sink = DirectSink(writer, run, _ChoiceText(0, tok, [], 1), stats.choice_figures(stats.latency("t")))
+            stream._waiter = loop.create_future()
+            for c in seq:
+                stream.push(c)
+            assert stream.expect == len(seq), "a chunk went the reader's way"
+        return bytes(transport.out), time.process_time() - t0
+
+    assert (await run(LongWay))[0] == (await run(streaming.SSEWriter))[0], "the two ways wrote different bytes"
+    for name, writer_type in (("direct, long way", LongWay), ("direct, short way", streaming.SSEWriter)):
+        best = min([(await run(writer_type))[1] for _ in range(repeat)])
+        print(f"{name:22s} {best / (len(seqs) * 64) * 1e6:6.2f} us CPU per token, push to transport (min of {repeat})")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=20000)
@@ -137,6 +195,7 @@ async def main() -> None:
     print(f"{'call_later + cancel':22s} {best / n * 1e6:6.2f} us CPU per wait (min of {a.repeat} x {n})")
     if os.path.isdir(a.tokenizer):
         detok_costs(a.tokenizer, a.repeat)
+        await sink_costs(a.tokenizer, a.repeat)
 
 
 if __name__ == "__main__":

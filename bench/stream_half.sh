@@ -13,7 +13,8 @@ LOAD=$(cd "$(dirname "$0")/.." && pwd)/../shared/peers/load.py
 BIN=${PDMESH_BIN:-$(dirname "$(command -v mesh)")}
 W=$(mktemp -d); PIDS=
 cleanup() { for g in $PIDS; do kill -9 -- -$g 2>/dev/null; done; for g in $PIDS; do wait $g 2>/dev/null; done; }
-trap 'cleanup; rm -rf $W' EXIT INT TERM
+trap 'cleanup; rm -rf $W' EXIT
+trap 'exit 130' INT TERM  # through the EXIT trap: a stopped run stops, not just its processes
 C=${C:-128}; N=${N:-500}; T=${T:-64}
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 cpu() { python3 - "$@" <<'PY'

@@ -85,6 +85,11 @@ class ChoiceRun:
         self.generated.extend(token_ids)
         self.state = ChoiceState.FINISHED if finished else ChoiceState.STREAMING
 
+    def more(self, token_ids: list[int]) -> None:
+        """``streamed(token_ids, False)`` for a caller that has seen the state is STREAMING
+        (``gateway.direct.DirectSink``, once per token at GPU pace)."""
+        self.generated.extend(token_ids)
+
     def refused(self, status: int, message: str, untried: bool) -> ChoiceState:
         """The worker answered with an error chunk: re-route if it only refused (503, 429)."""
         self._expect(ChoiceState.WAITING, ChoiceState.STREAMING)

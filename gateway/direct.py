@@ -31,34 +31,61 @@ class DeltaWriter(Protocol):
 
     def write(self, delta) -> None: ...
 
+    def text_frame(self, index: int) -> tuple | None:
+        """How a delta of only text is framed for ``write_text`` (a ``gateway.formats.TextFrame``;
+        None: it carries more, use ``write``)."""
+
+    def write_text(self, frame: tuple, text: str) -> None:
+        """What ``write`` writes for a delta of only ``text`` (not empty)."""
+
 
 class DirectSink:
     """One choice's sink (``ReplyStream.sink``); ``text`` is its ``_ChoiceText``, which has no stop
-    strings (a choice with some has no sink: a token may end it)."""
+    strings (a choice with some has no sink: a token may end it).
 
-    __slots__ = ("figures", "out", "run", "text")
+    A chunk of only tokens (no logprobs, no usage) of a choice whose deltas are only text (no
+    reasoning or tool-call parser, no special tokens kept among skipped ones) and whose events
+    carry only text goes the short way: detokenized, counted, written as ``write_text`` with no
+    ``ChoiceDelta`` in between; everything else is the delta ``_ChoiceText.delta`` makes."""
+
+    __slots__ = ("detok", "figures", "out", "run", "text")
 
     def __init__(self, out: DeltaWriter, run: ChoiceRun, text, figures: ChoiceFigures):
         self.out = out
         self.run = run
         self.text = text
         self.figures = figures
+        detok = text.detok
+        self.detok = detok if detok is not None and text.output is None and not detok.drop else None
 
     def __call__(self, chunk: TokenChunk) -> bool:
         """Write the chunk's delta and return True, or return False, having changed nothing."""
-        out = self.out
-        if (self.run.state is not ChoiceState.STREAMING or chunk.finish_reason is not None or chunk.error
+        out, run = self.out, self.run
+        if (run.state is not ChoiceState.STREAMING or chunk.finish_reason is not None or chunk.error
                 or not out.ready()):
             return False
-        delta = self.text.delta([chunk])
-        self.run.streamed(delta.token_ids, False)
+        detok = self.detok
+        if (detok is not None and not chunk.logprobs and chunk.usage is None
+                and (frame := out.text_frame(self.text.index)) is not None):
+            ids = chunk.token_ids
+            n = len(ids)
+            self.text.completion += n  # as _ChoiceText.delta counts; without stop strings that is all it does
+            piece = detok.push(ids)
+            run.more(ids)
+        else:
+            frame = None
+            delta = self.text.delta([chunk])
+            run.streamed(delta.token_ids, False)
+            n = len(delta.token_ids)
         figures = self.figures
         figures.direct += 1
-        n = len(delta.token_ids)
         figures.tokens += n
         now = time.monotonic()
         if n:
             figures.gap((now - figures.last_at) / n)
         figures.last_at = now
-        out.write(delta)
+        if frame is None:
+            out.write(delta)
+        elif piece:
+            out.write_text(frame, piece)
         return True

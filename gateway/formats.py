@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii as _js
+from typing import NamedTuple
 
 from gateway.detok import TokenTexts
 from gateway.service import ChoiceDelta
@@ -123,9 +124,34 @@ class Format:
     def _ids(self, d: ChoiceDelta) -> str:
         return f',"token_ids":{_dumps(d.token_ids)}' if self.return_token_ids else ""
 
+    def text_frame(self, index: int) -> TextFrame | None:
+        """What ``chunks`` writes around the text of a mid-stream delta of choice ``index`` that
+        carries only text (no logprobs, reasoning, tool calls, token ids), pre-encoded for
+        ``SSEWriter.write_text``; None while such a delta of the choice would carry more."""
+        return None
+
+
+class TextFrame(NamedTuple):
+    """An SSE event of plain text is ``head + JSON string + tail`` (``Format.text_frame``)."""
+
+    head: bytes
+    tail: bytes
+    size: int  # len(head) + len(tail)
+
+    @classmethod
+    def of(cls, head: str, tail: str) -> TextFrame:
+        h, t = head.encode(), tail.encode()
+        return cls(h, t, len(h) + len(t))
+
 
 class ChatFormat(Format):
     chunk_object = "chat.completion.chunk"
+
+    def text_frame(self, index: int) -> TextFrame | None:
+        if self.return_token_ids:
+            return None
+        return TextFrame.of(f'{self._head}{index},"delta":{{"content":',
+                            f'}},"logprobs":null,"finish_reason":null{self._tail}')
 
     def logprobs(self, ids: list[int], lps: list[TokenLogprobs]) -> dict | None:
         if not lps:
@@ -229,6 +255,11 @@ class CompletionFormat(Format):
         self._offsets[index] = (pos, dec)
         return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps], "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def text_frame(self, index: int) -> TextFrame | None:
+        if self.return_token_ids or (self.echo_texts is not None and index not in self._echoed):
+            return None
+        return TextFrame.of(f'{self._head}{index},"text":', f',"logprobs":null,"finish_reason":null{self._tail}')
 
     def chunks(self, d: ChoiceDelta, has_tokenizer: bool) -> str:
         self.note_usage(d)

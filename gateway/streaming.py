@@ -11,11 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from json.encoder import encode_basestring_ascii as _js
+from typing import TYPE_CHECKING
 
 from fastapi.responses import Response
 
 from gateway.errors import APIError
 from gateway.service import ChoiceDelta
+
+if TYPE_CHECKING:
+    from gateway.formats import TextFrame
 
 
 async def _collect(stream: AsyncIterator[ChoiceDelta]) -> list[ChoiceDelta]:
@@ -221,12 +226,13 @@ class SSEWriter:
     an ended body, a closing transport.
     """
 
-    __slots__ = ("cycle", "fmt", "has_tok")
+    __slots__ = ("cycle", "fmt", "frame", "has_tok")
 
     def __init__(self, fmt, has_tok: bool):
         self.fmt = fmt
         self.has_tok = has_tok
         self.cycle = None
+        self.frame: TextFrame | None = None
 
     def attach(self, send) -> None:
         """After the response's start: write through ``send``'s connection if it is uvicorn's."""
@@ -246,6 +252,20 @@ class SSEWriter:
         if text := self.fmt.chunks(delta, self.has_tok):
             body = text.encode()
             self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def text_frame(self, index: int) -> TextFrame | None:
+        """The frame of choice ``index``'s plain text events (``Format.text_frame``), kept once found."""
+        frame = self.frame
+        if frame is None:
+            frame = self.frame = self.fmt.text_frame(index)
+        return frame
+
+    def write_text(self, frame: TextFrame, text: str) -> None:
+        """The event ``write`` would write for a delta of only ``text`` (not empty): the same bytes,
+        built without the ``ChoiceDelta``, the event's str and its encoding (one token's event at GPU
+        pace: bench/stream_costs.py)."""
+        body = _js(text).encode()
+        self.cycle.transport.write(b"%x\r\n%b%b%b\r\n" % (frame.size + len(body), frame.head, body, frame.tail))
 
 
 _UVICORN_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
