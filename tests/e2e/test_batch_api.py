@@ -211,7 +211,7 @@ def test_cancel_stops_new_work(mesh):
 def test_a_gateway_killed_mid_batch_is_taken_over_without_duplicates(mesh):
     proc, url, model = mesh
     c = client(url)
-    rows = mixed_lines(model, 300, max_tokens=600)
+    rows = mixed_lines(model, 300, max_tokens=200)  # long enough to kill it mid-batch
     batch_id = submit(c, rows)
     deadline = time.monotonic() + 30
     while (counts := c.batches.retrieve(batch_id).request_counts).completed < 20:

@@ -19,7 +19,7 @@ from tests.helpers.cluster import Watcher, start_up
 
 FLAGS = ["--mock", "--mock-speedup", "1", "--prefill", "1", "--decode", "1",
          "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1", "--max-decode", "3",
-         "--planner-window", "1", "--ttft-ms", "400", "--itl-ms", "10", "--disagg-threshold", "256"]
+         "--planner-window", "0.5", "--ttft-ms", "400", "--itl-ms", "10", "--disagg-threshold", "256"]
 
 
 async def drive(client: httpx.AsyncClient, url: str, concurrency: int, seconds: float, prompt_len: int,
@@ -62,12 +62,16 @@ async def test_pools_follow_a_ramp_and_nothing_is_lost():
         results: list = []
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            # prompt-heavy: long prompts, short answers -> the prefill pool must grow
-            await drive(client, url, 24, 14, 1024, 2, results)
+            # prompt-heavy: long prompts, short answers -> the prefill pool must grow (its first
+            # decision comes ~2 s in; new workers count toward the peak whenever they are ready)
+            await drive(client, url, 24, 7, 1024, 2, results)
             # generation-heavy: short prompts, long answers, many at once -> the decode pool must grow
-            await drive(client, url, 96, 16, 16, 48, results)
-            # a trickle while the pools shrink (requests keep flowing through the scale-downs)
-            await drive(client, url, 2, 12, 16, 8, results)
+            # (its decision came 6.7-7.5 s in: the planner ignores a decode worker's ITL for 6 s after
+            # it prefilled long prompts the prefill pool had no room for); the prefill pool shrinks
+            # meanwhile, with requests in flight
+            await drive(client, url, 96, 12, 16, 48, results)
+            # a trickle (the decode pool shrinks once the ITL p90s, over 6 s, are calm: after it ends)
+            await drive(client, url, 2, 4, 16, 8, results)
         # idle: both pools walk back to their minimum
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

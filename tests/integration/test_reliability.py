@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
-from tests.helpers.cluster import Watcher, stream_killing_its_worker, wait_http_ok
+from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
 
 NS = "faults"
 
@@ -38,10 +38,11 @@ async def test_a_decode_worker_killed_mid_stream_is_invisible_to_the_client(clus
     w = await Watcher.open(cluster.nats_url, ns=NS)
     rng = random.Random(4)
     prompt = [rng.randrange(3, 4000) for _ in range(40)]
-    n = 1200  # long enough that the kill lands mid-stream (the busy worker is known within a load report)
+    n = 300  # the kill lands mid-stream: the router's decision says where it runs before any token comes
     try:
         await w.wait_workers("decode", 2)
-        got, _ = await stream_killing_its_worker(url, "tiny", prompt, n, w, workers, after=50)
+        chosen = await router_choices(w)
+        got, _ = await stream_killing_its_worker(url, "tiny", prompt, n, w, workers, after=50, chosen=chosen)
         reference = Engine(EngineConfig(tiny_model, num_kv_blocks=512)).generate(
             [prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
         assert got == reference.output_token_ids  # no token lost, none repeated

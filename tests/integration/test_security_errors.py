@@ -10,6 +10,7 @@ names the cause and the fix, exits non-zero, and prints no traceback.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import sys
 import pytest
 
 from mesh.natsserver import EmbeddedNats, free_port
+from tests.helpers.cluster import Watcher
 
 ROLES = {
     "worker": ["worker", "mock"],
@@ -82,14 +84,23 @@ def test_wrong_password(role, with_password):
     assert "wrong" not in line  # the password is not printed
 
 
+async def _card_of(url: str, worker_id: str) -> None:
+    w = await Watcher.open(url)
+    try:
+        await w.wait_for(lambda: w.membership.get(worker_id), 60, f"{worker_id}'s card")
+    finally:
+        await w.close()
+
+
 def test_right_password_then_serves(with_password, tmp_path):
-    # the same server, the right password: the worker joins (it runs until stopped)
+    # the same server, the right password: the worker joins (its card is in the registry) and
+    # runs until stopped
     url = f"nats://mesh:right@127.0.0.1:{with_password.port}"
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "mock", "--nats", url,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "worker", "mock", "--nats", url, "--worker-id", "pw-ok",
                              "--metrics-port", "-1"], stderr=subprocess.PIPE, text=True)
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(8)
+        asyncio.run(_card_of(url, "pw-ok"))
+        assert proc.poll() is None
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
