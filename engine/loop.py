@@ -85,6 +85,11 @@ class EngineLoop:
                 self._signalled = True
                 self.loop.call_soon_threadsafe(self._ready.set)
 
+    @property
+    def has_outputs(self) -> bool:
+        """On the event loop: outputs are waiting (``outputs()`` returns at once)."""
+        return bool(self._pending)
+
     async def outputs(self) -> list:
         """On the event loop: every output emitted since the last call, in order (waits for one)."""
         pending = self._pending

@@ -4,10 +4,13 @@ The engine thread drains the block pool's event log after every step and
 every command (``flush``). It numbers a batch and hands it to the event loop,
 which publishes batches in order; until the loop has sent the last batch, new
 events wait and go out with the next one (a busy loop sends one batch for
-several steps, not one each). At most one batch goes out per
+several steps, not one each). At most one batch is numbered per
 ``interval`` (5 ms by default, ``--kv-event-interval-ms``): a router hears of a
 block at most that much later, and a worker publishes a few batches per
-request instead of one per step that touched the cache. A snapshot is taken in
+request instead of one per step that touched the cache. The interval is kept
+by the flush itself (events that come sooner wait, with a timer for an engine
+that goes idle), not by a pause after each send: steps slower than the interval
+(a real-pace worker's) cost no wake-up beyond the send. A snapshot is taken in
 the engine thread right after a flush that numbers whatever waits, so it is
 exactly the state after batch ``seq``: a router that applies the snapshot, then
 every batch with a higher number, has the worker's cache.
@@ -63,6 +66,8 @@ class KvEventPublisher:
         self.seq = 0  # engine thread only
         self._waiting: list = []  # engine thread: events not numbered yet
         self._handing = False  # a numbered batch is on its way to the event loop
+        self._next_at = 0.0  # engine thread: (monotonic) when the next batch may be numbered
+        self._armed = False  # a timer will flush the events that wait for the interval
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._queue: asyncio.Queue[KvEventBatch] = asyncio.Queue()
@@ -82,18 +87,43 @@ class KvEventPublisher:
             self.seq += 1
         if events:
             self._waiting.extend(to_wire(events))
-        if self._waiting and (force or not self._handing):
-            self.seq += 1
-            batch = KvEventBatch(self.worker_id, self.model, self.seq, self._waiting)
-            self._waiting = []
-            self._handing = True
-            if threading.get_ident() == self._loop_thread:
-                self._take(batch)  # an engine stepping on the loop itself
-            else:
-                self._loop.call_soon_threadsafe(self._take, batch)
+        if not self._waiting:
+            return
+        on_loop = threading.get_ident() == self._loop_thread  # an engine stepping on the loop itself
+        now = time.monotonic()
+        if not force and (self._handing or now < self._next_at):
+            # the last batch is still being sent (its send flushes again), or went out less than
+            # an interval ago: a timer flushes these if no step or command comes first
+            if not self._handing and not self._armed:
+                self._armed = True
+                if on_loop:
+                    self._arm(self._next_at)
+                else:
+                    self._loop.call_soon_threadsafe(self._arm, self._next_at)
+            return
+        self.seq += 1
+        batch = KvEventBatch(self.worker_id, self.model, self.seq, self._waiting)
+        self._waiting = []
+        self._handing = True
+        self._next_at = now + self.interval
+        if on_loop:
+            self._take(batch)
+        else:
+            self._loop.call_soon_threadsafe(self._take, batch)
 
     def _take(self, batch: KvEventBatch) -> None:
         self._queue.put_nowait(batch)
+
+    # -- event loop: the timer for events that wait -------------------------------------
+    def _arm(self, at: float) -> None:
+        # a millisecond late: the loop's clock is millisecond grained, and a timer that fired
+        # early would find the interval not up and arm another
+        self._loop.call_later(max(0.0, at - time.monotonic()) + 0.001, self._flush_held)
+
+    def _flush_held(self) -> None:
+        self._armed = False
+        if self._engine_loop is not None:
+            self._engine_loop.call(self.flush)  # between steps; a step's own flush may come first
 
     def take_snapshot(self, engine) -> tuple[int, dict[str, list[int]]]:
         self.flush(engine, force=True)
@@ -123,14 +153,14 @@ class KvEventPublisher:
                 self.published += 1
             except Exception as e:  # the gap in numbers makes routers resync
                 log.warning("could not publish KV events: %s", e)
-            if self.interval and self._queue.empty():
-                await asyncio.sleep(self.interval)  # what the engine logs meanwhile waits for the next batch
             if self._queue.empty():
                 # Sent: the engine thread may number the next batch. Events that waited for this
-                # one go with its next flush (after its next step), or now if it is idle.
+                # one go with its next flush (after its next step), or when the interval is up
+                # if it is idle.
                 self._handing = False
-                if self._waiting and self._engine_loop is not None:
-                    self._engine_loop.call(self.flush)
+                if self._waiting and not self._armed:
+                    self._armed = True
+                    self._arm(self._next_at)
 
     async def _on_snapshot(self, req: KvSnapshotRequest, raw) -> None:
         if not raw.reply:

@@ -277,14 +277,21 @@ class WorkerBase(WorkerCore):
 
     async def _deliver_outputs(self) -> None:
         """Steps' outputs to ``handle_outputs``: every step that ended while the last ones were being
-        sent goes in one call; with ``stream_interval`` at most one call per interval."""
+        sent goes in one call; with ``stream_interval`` at most one call per interval. Outputs that
+        come sooner than that wait out the rest of it (and go with those that end meanwhile);
+        steps slower than the interval wait for nothing, not even a turn of the loop."""
         interval = self.settings.stream_interval_ms / 1000.0
+        sent = -interval
         while True:
             outs = await self.loop.outputs()
+            if interval:
+                wait = sent + interval - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    if self.loop.has_outputs:
+                        outs += await self.loop.outputs()
             sent = time.monotonic()
             try:
                 await self.handle_outputs(outs)
             except Exception:
                 log.exception("delivering step outputs failed")
-            if interval:
-                await asyncio.sleep(interval - (time.monotonic() - sent))

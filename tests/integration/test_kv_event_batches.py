@@ -1,7 +1,8 @@
 """A worker's KV events on a real nats-server: at most one batch per interval, none lost.
 
 The mocker engine steps on the event loop (``InlineEngineLoop``, as ``mesh worker mock`` runs
-it) with the publisher as its after-work hook, as ``WorkerBase`` wires them. Many steps that
+it), and in a thread of its own (``EngineLoop``, as a model worker's engine), with the publisher
+as its after-work hook, as ``WorkerBase`` wires them. Many steps that
 touch the cache within one interval go out as few batches, numbered without gaps, and a router
 index fed those batches holds exactly the engine's cached blocks.
 """
@@ -12,7 +13,9 @@ import asyncio
 import itertools
 import time
 
-from engine.loop import InlineEngineLoop
+import pytest
+
+from engine.loop import EngineLoop, InlineEngineLoop
 from engine.sampling import SamplingParams
 from mesh.bus import Bus
 from mesh.kvevents import KvEventPublisher
@@ -21,7 +24,8 @@ from mesh.router.index import KvIndex
 from mocker.engine import MockConfig, MockEngine
 
 
-async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server):
+@pytest.mark.parametrize("loop_type", [InlineEngineLoop, EngineLoop])  # the mocker's, a model worker's
+async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server, loop_type):
     bus = await Bus.connect(nats_server.url, "kv-events-test")
     listener = await Bus.connect(nats_server.url, "kv-events-listener")
     engine = MockEngine(MockConfig(model_name="kvb", speedup=1000, num_blocks=512, block_size=16))
@@ -34,13 +38,13 @@ async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server):
     await listener.nc.flush()
     interval = 0.05
     publisher = KvEventPublisher(bus, "w1", "kvb", interval)
-    loop = InlineEngineLoop(engine, asyncio.get_running_loop(), after_work=publisher.flush)
+    loop = loop_type(engine, asyncio.get_running_loop(), after_work=publisher.flush)
     await publisher.start(loop)
     loop.start()
     try:
         def add(e: MockEngine, i: int) -> None:
             prompt = [(31 * i + j) % 30000 + 1 for j in range(100)]
-            e.add(e.new_sequence(prompt, SamplingParams(max_tokens=40, ignore_eos=True), request_id=f"r{i}"))
+            e.add(e.new_sequence(prompt, SamplingParams(max_tokens=60, ignore_eos=True), request_id=f"r{i}"))
 
         t0 = time.monotonic()
         for i in range(24):
