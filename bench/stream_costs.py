@@ -57,12 +57,18 @@ class Collect(asyncio.Transport):
         return False
 
 
-async def one_response(n: int, direct: bool) -> bytes:
+def collecting_cycle() -> tuple[Collect, RequestResponseCycle]:
+    """A real uvicorn httptools ``RequestResponseCycle`` of one streamed POST over a ``Collect``
+    transport (what the gateway's ``send`` writes ends up in ``transport.out``)."""
     transport = Collect()
-    event = asyncio.Event()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "http_version": "1.1"}
     cycle = RequestResponseCycle(scope, transport, FlowControl(transport), logging.getLogger("x"),
-                                 logging.getLogger("y"), False, [], event, False, True, lambda: None)
+                                 logging.getLogger("y"), False, [], asyncio.Event(), False, True, lambda: None)
+    return transport, cycle
+
+
+async def one_response(n: int, direct: bool) -> bytes:
+    transport, cycle = collecting_cycle()
 
     async def events():
         for _ in range(n):
@@ -79,7 +85,7 @@ async def one_response(n: int, direct: bool) -> bytes:
                 write(b"%x\r\n%b\r\n" % (len(body), body))
             else:
                 await asgi(message)
-    await streaming.SSEResponse(events(), {})(scope, receive, send)
+    await streaming.SSEResponse(events(), {})(cycle.scope, receive, send)
     return bytes(transport.out)
 
 
@@ -143,10 +149,7 @@ async def sink_costs(model_dir: str, repeat: int) -> None:
     fmt = ChatFormat("chatcmpl-1", "tiny", None, [[1]], 1)  # one: its "created" is the same in both ways
 
     async def run(writer_type) -> tuple[bytes, float]:
-        transport = Collect()
-        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "http_version": "1.1"}
-        cycle = RequestResponseCycle(scope, transport, FlowControl(transport), logging.getLogger("x"),
-                                     logging.getLogger("y"), False, [], asyncio.Event(), False, True, lambda: None)
+        transport, cycle = collecting_cycle()
         await cycle.send({"type": "http.response.start", "status": 200, "headers": []})
         owner = SimpleNamespace(prefix="_INBOX.bench", _streams={})
         chunks = [[TokenChunk("r", i, [t]) for i, t in enumerate(s)] for s in seqs]

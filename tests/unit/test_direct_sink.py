@@ -4,13 +4,9 @@ bytes on the client's connection must be those of the ASGI way (every delta thro
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 import pytest
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from bench.stream_costs import collecting_cycle
 from gateway.choice import ChoiceRun, ChoiceState, RetryPolicy
 from gateway.direct import DirectSink
 from gateway.formats import ChatFormat, CompletionFormat
@@ -22,18 +18,6 @@ from mesh.tokenizer import Tokenizer
 
 # multi-byte characters split over tokens, quotes and backslashes to escape
 TEXT = 'héllo 你好 🙂 "q" \\ end'
-
-
-class Collect(asyncio.Transport):
-    def __init__(self):
-        super().__init__()
-        self.out = bytearray()
-
-    def write(self, data) -> None:
-        self.out += data
-
-    def is_closing(self) -> bool:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +36,7 @@ FORMATS = {
 async def stream(tok, make_format, chunks: list[TokenChunk], direct: bool) -> tuple[bytes, SSEWriter]:
     """The body bytes of one choice's events; ``direct``: its middle chunks through a ``DirectSink``."""
     fmt = make_format()
-    transport = Collect()
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "http_version": "1.1"}
-    cycle = RequestResponseCycle(scope, transport, FlowControl(transport), logging.getLogger("x"),
-                                 logging.getLogger("y"), False, [], asyncio.Event(), False, True, lambda: None)
+    transport, cycle = collecting_cycle()
     await cycle.send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     del transport.out[:]
     writer = SSEWriter(fmt, True)
