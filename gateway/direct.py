@@ -48,15 +48,14 @@ class DirectSink:
     carry only text goes the short way: detokenized, counted, written as ``write_text`` with no
     ``ChoiceDelta`` in between; everything else is the delta ``_ChoiceText.delta`` makes."""
 
-    __slots__ = ("detok", "figures", "out", "run", "text")
+    __slots__ = ("figures", "out", "plain", "run", "text")
 
     def __init__(self, out: DeltaWriter, run: ChoiceRun, text, figures: ChoiceFigures):
         self.out = out
         self.run = run
         self.text = text
         self.figures = figures
-        detok = text.detok
-        self.detok = detok if detok is not None and text.output is None and not detok.drop else None
+        self.plain = text.plain
 
     def __call__(self, chunk: TokenChunk) -> bool:
         """Write the chunk's delta and return True, or return False, having changed nothing."""
@@ -64,13 +63,11 @@ class DirectSink:
         if (run.state is not ChoiceState.STREAMING or chunk.finish_reason is not None or chunk.error
                 or not out.ready()):
             return False
-        detok = self.detok
-        if (detok is not None and not chunk.logprobs and chunk.usage is None
+        if (self.plain and not chunk.logprobs and chunk.usage is None
                 and (frame := out.text_frame(self.text.index)) is not None):
             ids = chunk.token_ids
             n = len(ids)
-            self.text.completion += n  # as _ChoiceText.delta counts; without stop strings that is all it does
-            piece = detok.push(ids)
+            piece = self.text.push_plain(ids)
             run.more(ids)
         else:
             frame = None

@@ -405,6 +405,19 @@ class _ChoiceText:
         self.completion = 0
         self.cached: int | None = None
 
+    @property
+    def plain(self) -> bool:
+        """Its deltas carry text only: a detokenizer, no reasoning or tool-call parser, no special
+        tokens kept among skipped ones (with no stop strings, ``push_plain`` may stand for ``delta``)."""
+        return self.detok is not None and self.output is None and not self.detok.drop
+
+    def push_plain(self, ids: list[int]) -> str:
+        """``delta``'s text for a mid-stream chunk of only ``ids`` (no logprobs, usage or finish) of
+        a ``plain`` choice with no stop strings, counted as ``delta`` counts, with no ``ChoiceDelta``
+        made (``gateway.direct.DirectSink``, once per token at GPU pace)."""
+        self.completion += len(ids)
+        return self.detok.push(ids)
+
     def delta(self, chunks: list[TokenChunk]) -> ChoiceDelta:
         """The delta of a batch of chunks; finished when the worker finished or a stop string matched."""
         last = chunks[-1]

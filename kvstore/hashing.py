@@ -152,10 +152,10 @@ def chain_hashes(
     if sys.byteorder != "little":
         packed.byteswap()
     iv = seed.iv if state is None else state
+    row = 4 * block_size
     if n_full <= SMALL_BLOCKS:
         # A growing sequence names one block at a time: bytes and ints, no numpy (a few us
         # instead of ~10, and far less code to run cold between two paced steps).
-        row = 4 * block_size
         data = memoryview(packed).cast("B")[: n_full * row]
         if row % STATE_BYTES:
             pad = _PAD_BYTES[: -row % STATE_BYTES]
@@ -165,7 +165,6 @@ def chain_hashes(
         return [int.from_bytes(ct[end - STATE_BYTES: end - 8], "little")
                 for end in range(row, len(ct) + 1, row)], ct[-STATE_BYTES:]
     words = np.frombuffer(packed, dtype="<u4", count=n_full * block_size)
-    row = 4 * block_size
     if row % STATE_BYTES:
         width = -(-block_size // 4) * 4  # words per padded block
         padded = np.full((n_full, width), PAD_WORD, dtype="<u4")
