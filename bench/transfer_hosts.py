@@ -6,8 +6,9 @@ KV pool with the real ``NatsReceiver`` and ``NixlReceiver``, and a TCP server th
 a buffer); host B runs the sender (the real senders; ``sendall`` for the socket). One transfer
 moves N MB of consecutive blocks (256 KB each: 8 layers x 4 KV heads x 64 dims x 16 tokens,
 fp32). Each is timed as the mesh pays it: from the sender starting until the receiver knows the
-bytes are in its blocks (nats, nixl: the receiver's ``finish`` returned, after a one-way message
-like the PrefillDone the real path sends) or in its buffer (socket: its last ``recv_into``). The
+bytes are in its blocks (nats: the receiver's ``finish`` returned, after a one-way message like
+the PrefillDone the real path sends; nixl: the PrefillDone came in the notification after the
+bytes, as the decode worker takes it) or in its buffer (socket: its last ``recv_into``). The
 receiver reads the clock there (CLOCK_MONOTONIC: one kernel, so one clock for both namespaces)
 and says when in its untimed answer. nixl's write grant is asked before, as the prefill worker
 asks it when it takes a job, and ``--compute-ms`` pass before the send as the prefill's compute
@@ -77,6 +78,7 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
     from kvstore.cache import KVCache
     from kvstore.transfer import make_receiver
     from mesh.bus import Bus
+    from mesh.protocol import PrefillDone, decode
 
     kv = KVCache(spec(num_blocks), torch.device("cpu"))
     threading.Thread(target=tcp_server, args=(addr, num_blocks * spec(1).block_bytes), daemon=True).start()
@@ -88,6 +90,14 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
     async def on_expect(msg):
         q = json.loads(msg.data)
         await msg.respond(json.dumps(rxs[q["transport"]].params(q["rid"], q["blocks"])).encode())
+
+    def on_carried(rid: str, payload: bytes) -> None:  # nixl: the PrefillDone came in the notification
+        landed = time.perf_counter()
+        decode(payload, PrefillDone)  # as the decode worker does
+        rxs["nixl"].forget(rid)
+        finished[rid] = landed
+
+    rxs["nixl"].on_done = on_carried
 
     async def on_finish(msg):  # the PrefillDone's part: the sender says it is done, one way
         q = json.loads(msg.data)
@@ -124,6 +134,7 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
     from kvstore.cache import KVCache
     from kvstore.transfer import TransferTarget, make_sender
     from mesh.bus import Bus
+    from mesh.protocol import PrefillDone, encode
 
     bb = spec(1).block_bytes
     n_max = max(mbs) * (1 << 20) // bb
@@ -149,10 +160,18 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
         if hasattr(senders[name], "prepare"):  # as the prefill worker does when it takes the job
             senders[name].prepare(target, params, src)
         await asyncio.sleep(compute_s)  # the prefill computes
+        carries = getattr(senders[name], "carries_done", False)
         t0 = time.perf_counter()
-        await senders[name].send(target, params, src, ids)
+        if carries:  # the PrefillDone rides in the notification, as the prefill worker sends it
+            done = PrefillDone(request_id=rid, prefill_worker="bench-prefill", ok=True, token_id=1234,
+                               transport=name, transfer_bytes=len(ids) * bb, compute_ms=compute_s * 1000,
+                               token="0" * 32)
+            await senders[name].send(target, params, src, ids, done=encode(done))
+        else:
+            await senders[name].send(target, params, src, ids)
         sent = time.perf_counter() - t0
-        await bus.nc.publish("bench.finish", json.dumps(q).encode())
+        if not carries:
+            await bus.nc.publish("bench.finish", json.dumps(q).encode())
         landed = json.loads((await bus.nc.request("bench.when", json.dumps(q).encode(), 60)).data)
         assert landed > 0, f"{name}: the receiver's finish failed"
         seconds = landed - t0

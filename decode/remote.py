@@ -2,6 +2,7 @@
 
     admission reserved blocks --> send_job: PrefillJob (token, dest blocks, transports), deadline
     PrefillDone (ok, its token) --> the receiver finishes the bytes --> first token, decode on
+      (nixl carries it in the notification after the bytes: no NATS hop; the NATS one then is late)
     PrefillDone (fail) or the deadline ----------------------------------> prefill locally
 
 Who frees the blocks of a remote prefill: the engine, once ``complete_remote``
@@ -38,7 +39,7 @@ from engine.sequence import SampledToken
 from kvstore.transfer import KvReceiver
 from mesh import metrics
 from mesh.prefill_queue import PrefillQueue
-from mesh.protocol import PrefillDone, PrefillJob
+from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
 from worker.base import engine_logprob
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ class RemoteKv:
         self.drop = drop  # ends a cancelled request once the writer let go of its blocks
         self.fences: dict[str, _Fence] = {}  # request id -> blocks a late copy may still write
         self.jobs = PrefillQueue(ctx.bus, ctx.model)
+        for name, rx in receivers.items():
+            if hasattr(rx, "on_done"):  # it may carry the PrefillDone with the bytes (nixl)
+                rx.on_done = partial(self._carried, name)
 
     def fenced(self, rid: str) -> bool:
         """A late copy of this request's last job may still run (a new job for it must not)."""
@@ -108,6 +112,22 @@ class RemoteKv:
             rec.remote.deadline = None  # this is it firing
             self.ctx.spawn(self._job_ended(rec, ok=False, writer_done=False))
 
+    def _carried(self, transport: str, rid: str, payload: bytes) -> None:
+        """``transport`` brought request ``rid``'s bytes with its PrefillDone (nixl: in the
+        notification after them, from the job's granted writer): go on now, not when the same
+        PrefillDone comes over NATS (that one is then late, and ignored)."""
+        try:
+            done = decode(payload, PrefillDone)
+        except DecodeError as e:
+            self.ctx.refuse("undecodable", rid, f"a PrefillDone carried by {transport} that does not decode: {e}")
+            return
+        if done.request_id != rid or done.transport != transport:
+            self.ctx.refuse("unbound_prefill_done", rid,
+                            f"a PrefillDone carried by {transport} for {done.request_id!r} over {done.transport!r}")
+            return
+        self.ctx.counters.bump("carried_prefill_done")
+        self.ctx.spawn(self.on_kv_ready(done, None))
+
     async def on_kv_ready(self, done: PrefillDone, raw) -> None:
         fence = self.fences.get(done.request_id)
         if fence is not None and done.token == fence.token:
@@ -124,6 +144,8 @@ class RemoteKv:
         ok = done.ok and done.transport in self.receivers
         if ok:
             ok = await self.receivers[done.transport].finish(done.request_id)
+            if rec.state not in _REMOTE:
+                return  # the same PrefillDone came by the other way meanwhile (carried, and over NATS)
         if ok:
             counters.bump("remote_prefill_done")
             counters.bump(f"transport_{done.transport}")

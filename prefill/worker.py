@@ -31,7 +31,7 @@ from mesh.config import settings
 from mesh.errors import RequestError
 from mesh.natsauth import retry_unavailable
 from mesh.prefill_queue import PrefillQueue
-from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode
+from mesh.protocol import DecodeError, PrefillDone, PrefillJob, decode, encode
 from mesh.telemetry import tracer
 from mesh.tracing import child_context, context_from
 from worker.base import Window, WorkerBase, prepare_grammar, sampling_params, wire_logprob
@@ -290,9 +290,13 @@ class PrefillWorker(WorkerBase):
             first = job.num_cached_tokens // job.block_size
             src = j.seq.block_table[first : first + len(job.dest_block_ids)]
             target = TransferTarget(job.request_id, job.decode_worker, job.dest_block_ids, job.block_size)
-            result = await asyncio.wait_for(
-                self.senders[name].send(target, params, self.engine.kv_cache, src), remaining
-            )
+            sender = self.senders[name]
+            carried = {}
+            if getattr(sender, "carries_done", False):  # the PrefillDone rides with the bytes
+                carried["done"] = encode(self._success(job, out, name, compute_ms,
+                                                       len(src) * self.engine.kv_cache.spec.block_bytes))
+            result = await asyncio.wait_for(sender.send(target, params, self.engine.kv_cache, src, **carried),
+                                            remaining)
         except Exception as e:
             if isinstance(e, Refused):
                 metrics.REFUSED_MESSAGES.labels(self.role, "unsafe_transport_params").inc()
@@ -310,16 +314,25 @@ class PrefillWorker(WorkerBase):
             self.counters.bump("prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
             if job.priority < 0:  # batch work: the planner does not grow the pools for it
                 self.counters.bump("deferrable_prefill_tokens", len(job.token_ids) - job.num_cached_tokens)
-            await self._done(
-                job, ok=True, token_id=out.new_token_ids[0],
-                logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
-                transport=name, transfer_bytes=result.bytes, transfer_ms=result.seconds * 1000,
-                compute_ms=compute_ms, num_chunks=result.chunks, span=j.span,
-            )
+            await self._done(job, ok=True, span=j.span, **self._success_fields(
+                out, name, compute_ms, result.bytes, transfer_ms=result.seconds * 1000, num_chunks=result.chunks))
         finally:
             self.jobs.pop(job.request_id, None)
             self._room.set()
             await self.loop.call(lambda e: e.release(job.request_id))
+
+    @staticmethod
+    def _success_fields(out: StepOutput, transport: str, compute_ms: float, nbytes: int, **more) -> dict:
+        """A successful PrefillDone's fields: the first token, how its KV went."""
+        return dict(token_id=out.new_token_ids[0],
+                    logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
+                    transport=transport, transfer_bytes=nbytes, compute_ms=compute_ms, **more)
+
+    def _success(self, job: PrefillJob, out: StepOutput, transport: str, compute_ms: float,
+                 nbytes: int) -> PrefillDone:
+        """The PrefillDone a transport carries with the bytes (sent before the transfer's time is known)."""
+        return PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=True, token=job.token,
+                           **self._success_fields(out, transport, compute_ms, nbytes))
 
     def _check_registered(self) -> None:
         """Write only while the registry surely counts us in (else ``TimeoutError``)."""

@@ -101,7 +101,12 @@ class KvSender(Protocol):
 
     Optional: ``prepare(target, params, src)``, called (not awaited) when the prefill worker
     takes the job, before it computes: a transport starts there what its ``send`` would wait for
-    (nixl: the write grant)."""
+    (nixl: the write grant).
+
+    Optional: ``carries_done = True``: ``send`` takes ``done=bytes``, the job's encoded
+    ``PrefillDone``, and delivers it with the bytes (nixl: in the notification that follows
+    them), so that the receiver learns of the completion without another message (its
+    ``on_done``). The PrefillDone over NATS is sent as well (failures, and fences, rely on it)."""
 
     name: str
 
@@ -127,6 +132,9 @@ class KvReceiver(Protocol):
 
     # Optional: ``writer_left(worker_id)``, the registry's "worker left" (its card deleted or
     # expired): a transport whose fence waits for a writer's word (nixl) lets that writer's jobs go.
+    # Optional: ``on_done``, set by the worker to a callable ``(request_id, payload)``: the
+    # transport calls it on the event loop when a sender's ``done`` came with the job's bytes
+    # (they have landed; the payload is as the sender gave it, not yet checked or decoded).
 
 
 SENDERS: dict[str, Callable[..., KvSender]] = {}

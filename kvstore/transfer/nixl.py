@@ -1,6 +1,9 @@
 """``nixl``: any host, CPU (DRAM) or GPU (VRAM). The sender WRITEs its blocks straight into the
 decode worker's KV pool over NIXL (UCX: TCP between hosts here, RDMA and GPUDirect in a
-datacenter); a NIXL notification tells the receiver the bytes have landed.
+datacenter); a NIXL notification tells the receiver the bytes have landed. It carries the
+job's PrefillDone (``send(..., done=)``): the decode worker goes on when the notification comes
+(``on_done``), with no NATS hop after the write; the PrefillDone over NATS still follows (a
+failure has only that one, and the second of the two is ignored).
 
 Each worker registers its whole KV pool once (``NixlNode.register``); the pool is the
 ``[layers, 2, blocks, ...]`` tensor, so a run of consecutive blocks is one contiguous piece per
@@ -52,7 +55,15 @@ from kvstore.transfer import (
     run_to_end,
 )
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_agent import Grants, NixlNode, Region, WriteJob, notif_key, refuse
+from kvstore.transfer.nixl_agent import (
+    Grants,
+    NixlNode,
+    Region,
+    WriteJob,
+    carrying,
+    notif_key,
+    refuse,
+)
 from kvstore.transfer.nixl_progress import GRANT_FAST_FOR
 
 log = logging.getLogger(__name__)
@@ -149,6 +160,15 @@ class NixlReceiver:
     def revoke(self, request_id: str) -> bool:
         return self.grants.revoke(request_id)
 
+    @property
+    def on_done(self):
+        return self.grants.on_done
+
+    @on_done.setter
+    def on_done(self, take) -> None:
+        """``(request_id, payload)``: a sender's ``done`` came in the notification after its bytes."""
+        self.grants.on_done = take
+
     def writer_left(self, worker_id: str) -> int:
         """The registry's "left" for worker ``worker_id``: its granted jobs write nothing more."""
         return self.grants.writer_left(worker_id)
@@ -163,6 +183,7 @@ class NixlSender:
     grant, so that it ends after the job's deadline."""
 
     name = "nixl"
+    carries_done = True  # ``send(..., done=...)``: in the notification, after the bytes
 
     def __init__(self, bus: Messenger, worker_id: str = "", copy_delay_s: float = 0.0, **_):
         self.bus = bus
@@ -230,7 +251,8 @@ class NixlSender:
         return time.monotonic()
 
     async def send(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache,
-                   src_blocks: list[int]) -> TransferResult:
+                   src_blocks: list[int], done: bytes = b"") -> TransferResult:
+        """Write the blocks; ``done`` (the job's encoded PrefillDone) rides in the notification."""
         p = check_params(params)
         t0 = time.perf_counter()
         tensor = one_tensor(src)
@@ -248,7 +270,8 @@ class NixlSender:
             await self.node.writing(self.bus, p["begin"], "kv", target.request_id, p["gen"])
         # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
         # so that the PrefillDone sent after it means nothing writes the blocks any more.
-        await run_to_end(self._write(peer, mine, local, dst, remote, notif_key("kv", target.request_id, p["gen"])))
+        notif = carrying(notif_key("kv", target.request_id, p["gen"]), done)
+        await run_to_end(self._write(peer, mine, local, dst, remote, notif))
         nbytes = len(src_blocks) * src.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0, len(local))
 

@@ -15,6 +15,7 @@ notifications, and the handshake that grants a peer one write into its memory.
                                                     one-sided WRITE of the descriptors, with the
                                                     notification "{kind}:{job}:{gen}"
     notification from the granted agent -> done <-  (UCX delivers it after the bytes)
+    (with a carried payload: on_done(job, payload))  (the writer's PrefillDone, ``carrying``)
 
 Progress: the agent has no progress thread (UCX's busy-polls a core per worker, idle or not).
 UCX over TCP moves bytes and notifications only while each side's worker is progressed, the
@@ -59,6 +60,7 @@ PEERS_KEPT = 64  # remote agents a sender keeps added (least recently used dropp
 NOTIFS_KEPT = 4096
 MD_TIMEOUT = 5.0  # seconds for a peer's metadata or grant
 POST_INLINE = 256  # descriptors posted on the event loop; more are built in a thread
+CARRY_MAX = 4096  # bytes a notification may carry besides its key (a PrefillDone: ~100-300)
 # UCX settings a worker's agent gets, each group only when its environment names none of them (UCX
 # reads them when the agent is made; an RX segment smaller than the TX one fails the backend):
 # TCP copy-out segments of 256k, not 8k/64k (16 MB writes ran at half the speed with those;
@@ -114,6 +116,22 @@ def notif_key(kind: str, job_id: str, gen: int) -> bytes:
     return f"{kind}:{job_id}:{gen}".encode()
 
 
+def carrying(key: bytes, payload: bytes) -> bytes:
+    """Notification ``key`` with ``payload`` after it: a NUL, the key's length (2 bytes), the key,
+    the payload (a plain key never starts with NUL; job ids and payloads may hold any byte)."""
+    if not payload:
+        return key
+    return b"\0" + len(key).to_bytes(2, "little") + key + payload
+
+
+def carried(notif: bytes) -> tuple[bytes, bytes]:
+    """(key, payload) of a notification (``carrying``'s inverse; payload b"" when none)."""
+    if not notif.startswith(b"\0"):
+        return notif, b""
+    n = int.from_bytes(notif[1:3], "little")
+    return notif[3: 3 + n], notif[3 + n:]
+
+
 class NixlNode:
     """A worker's agent. ``for_worker`` gives every part of one worker (its receiver, its fetch
     channel, its sender) the same node."""
@@ -136,6 +154,7 @@ class NixlNode:
         self.peers: OrderedDict[str, Peer] = OrderedDict()  # remote agents added, by name
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.grants: dict[str, Grant] = {}  # kind -> the part that arms its jobs
+        self.carriers: dict[str, Callable[[bytes, str, bytes], None]] = {}  # kind -> who takes payloads
         self.notifs: dict[bytes, str] = {}  # notification -> the agent it came from, until taken
         self._arrived: dict[bytes, asyncio.Event] = {}  # notifications someone waits for
         self.progress = Progress(self.agent, self._deliver)
@@ -219,13 +238,28 @@ class NixlNode:
         for agent, msgs in got.items():
             who = agent.decode() if isinstance(agent, bytes) else str(agent)
             for m in msgs:
-                key = bytes(m)
+                key, payload = carried(bytes(m))
                 self.notifs[key] = who
                 self.progress.unexpect(key)
                 if (event := self._arrived.pop(key, None)) is not None:
                     event.set()
+                if payload:
+                    self._carried(key, who, payload)
         while len(self.notifs) > NOTIFS_KEPT:  # late ones of jobs long forgotten
             self.notifs.pop(next(iter(self.notifs)))
+
+    def _carried(self, key: bytes, who: str, payload: bytes) -> None:
+        kind = key.partition(b":")[0].decode(errors="replace")
+        take = self.carriers.get(kind)
+        if take is None:
+            return  # nobody takes payloads of this kind: the notification alone counts
+        if len(payload) > CARRY_MAX:
+            refuse("oversized", f"a {kind} notification from {who!r} carries {len(payload)} bytes")
+            return
+        try:
+            take(key, who, payload)
+        except Exception:  # the sender's message over NATS still comes
+            log.exception("nixl: a carried payload of %r was not taken", key)
 
     async def arrival(self, key: bytes, timeout: float) -> bool:
         """Wait (up to ``timeout``) until notification ``key`` has come; it stays in ``notifs``."""
@@ -364,7 +398,9 @@ class Grants(Generic[J]):
         self.node, self.kind = node, kind
         self.jobs: dict[str, J] = {}
         self._gen = 0
+        self.on_done: Callable[[str, bytes], None] | None = None  # (job id, payload) of a carried write
         node.grants[kind] = self._grant
+        node.carriers[kind] = self._carried
 
     def next_gen(self) -> int:
         self._gen = self._gen % (1 << 62) + 1
@@ -378,6 +414,19 @@ class Grants(Generic[J]):
             return f"the {self.kind} job is {job.state.name.lower()}"
         job.state, job.writer = JobState.WRITING, agent
         return None
+
+    def _carried(self, key: bytes, who: str, payload: bytes) -> None:
+        """A notification with a payload came: if it ends a job of ours, granted to ``who``, the
+        job is DONE and ``on_done`` gets the payload (a forged or late one is dropped here; a
+        writer's word over NATS still counts)."""
+        if self.on_done is None:
+            return
+        job_id = key.decode(errors="replace").removeprefix(f"{self.kind}:").rpartition(":")[0]
+        job = self.jobs.get(job_id)
+        if job is None or notif_key(self.kind, job_id, job.gen) != key or job.state is not JobState.WRITING:
+            return  # not ours (late, or forged): as a plain notification, it ends nothing
+        if self.landed(job_id, job):
+            self.on_done(job_id, payload)
 
     def landed(self, job_id: str, job: J) -> bool:
         """Has the writer's notification come (then the job is DONE)?"""

@@ -90,6 +90,8 @@ async def test_greedy_output_over_nixl_and_forged_descriptors_refused(cluster, t
         long_ones = sum(1 for n in LENGTHS if n >= THRESHOLD)
         dec, pre = await w.fresh_load("dec-nx"), await w.fresh_load("pre-nx")
         assert dec.counters.get("transport_nixl") == long_ones, dec.counters
+        # each PrefillDone came in the write's notification (the one over NATS came second)
+        assert dec.counters.get("carried_prefill_done") == long_ones, dec.counters
         assert pre.counters.get("transport_nixl") == long_ones and not pre.counters.get("transport_nats"), pre.counters
         assert dec.kv_blocks_used == 0 and dec.running == 0
 
@@ -215,6 +217,51 @@ async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(
         await wait_until(lambda: rx.revoke("r3"), 5, "the write's notification")
         with pytest.raises(Refused):  # a block past the pool
             tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
+
+
+async def test_the_prefill_done_rides_in_the_notification_after_the_bytes(nats_server):
+    """``send(..., done=)``: the receiver's ``on_done`` gets the payload, byte for byte (NULs and
+    colons in the job id and the payload included), once the bytes are in its blocks and the job
+    is done; a carried payload for a job that is not ours, or one too large, is dropped (the
+    NATS PrefillDone still counts); a plain notification calls nothing."""
+    import torch
+
+    from kvstore.transfer import TransferTarget
+    from kvstore.transfer.nixl_agent import CARRY_MAX, REFUSED, carried, carrying, notif_key
+    from tests.helpers.cluster import wait_until
+
+    async with agents_in_one_process(nats_server.url, "carry") as (_, _s, dst, src, rx, tx):
+        got: list[tuple[str, bytes, bool]] = []
+        rx.on_done = lambda rid, payload: got.append((rid, payload, torch.equal(dst.tensor[:, :, [2, 3]],
+                                                                                  src.tensor[:, :, [5, 6]])))
+        rid, payload = "c:1\0x", b"\0done:" + bytes(range(256))
+        target = TransferTarget(rid, "carry-dec", [2, 3], 4)
+        params = rx.params(rid, [2, 3])
+        await tx.send(target, params, src, [5, 6], done=payload)
+        await wait_until(lambda: got, 5, "the carried PrefillDone")
+        assert got == [(rid, payload, True)]  # the bytes were in the blocks when it came
+        assert rx.revoke(rid) and await rx.finish(rid)  # done: the job is over on both counts
+
+        params = rx.params("c2", [7])
+        await tx.send(TransferTarget("c2", "carry-dec", [7], 4), params, src, [1])  # no payload
+        assert await rx.finish("c2") and len(got) == 1
+
+        key = notif_key("kv", "nobody", 1)  # not a job of ours: nothing is called
+        assert carried(carrying(key, b"x")) == (key, b"x") and carried(key) == (key, b"")
+        rx.node._deliver({tx.node.name: [carrying(key, b"x")]})
+        before = REFUSED.labels("oversized")._value.get()
+        params = rx.params("c3", [8])
+        rx.grants.jobs["c3"].state = rx.grants.jobs["c3"].state.WRITING
+        rx.grants.jobs["c3"].writer = tx.node.name
+        rx.node._deliver({tx.node.name: [carrying(notif_key("kv", "c3", params["gen"]), b"y" * (CARRY_MAX + 1))]})
+        assert len(got) == 1 and REFUSED.labels("oversized")._value.get() == before + 1
+        before = REFUSED.labels("unknown_agent")._value.get()
+        params = rx.params("c4", [9])  # granted to another agent: a payload from us ends nothing
+        rx.grants.jobs["c4"].state = rx.grants.jobs["c4"].state.WRITING
+        rx.grants.jobs["c4"].writer = "carry-other-1234"
+        rx.node._deliver({tx.node.name: [carrying(notif_key("kv", "c4", params["gen"]), b"z")]})
+        assert len(got) == 1 and REFUSED.labels("unknown_agent")._value.get() == before + 1
+        assert not rx.revoke("c4")  # still writing: its own writer's word is awaited
 
 
 async def test_a_grant_asked_ahead_holds_the_blocks_until_its_write_or_its_writer_leaving(nats_server):
