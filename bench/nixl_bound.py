@@ -23,7 +23,7 @@ environment once), in ``--rounds`` passes so that each setting meets the machine
 several moments. Every setting carries ``UCX_TLS=tcp``: without it UCX takes its shared-memory
 transports between the namespaces (one kernel), which is not two hosts.
 
-    sudo python bench/nixl_bound.py [--mb 1] [--descs 1 16] [--polls-us 0 50] [--repeat 60] [--slack-ns 1000]
+    sudo python bench/nixl_bound.py [--mb 1] [--descs 1 16] [--polls-us 0 50] [--repeat 60] [--slack-ns 1000] [--idle-ms 50 [--busy]]
     sudo python bench/nixl_bound.py --sweep [--rounds 2] [--repeat 60]
 """
 
@@ -121,7 +121,8 @@ def receiver(addr: str, size: int, slack_ns: int) -> None:
         send_json(ctl, {"t": time.perf_counter()})
 
 
-def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repeat: int, slack_ns: int) -> dict:
+def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repeat: int, slack_ns: int,
+           idle_s: float = 0.0, busy: bool = False) -> dict:
     import numpy as np
 
     timer_slack(slack_ns)
@@ -136,8 +137,17 @@ def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repe
     tcp = socket.create_connection((addr, TCP_PORT), timeout=30)
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def pause(s: float) -> None:
+        if busy:  # a compute-bound prefill: the core stays busy
+            end = time.perf_counter() + s
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(s)
+
     def socket_once(n: int) -> float:
         send_json(ctl, {"op": "socket", "n": n})
+        pause(idle_s)  # --idle-ms: as a prefill worker's compute before its send
         t0 = time.perf_counter()
         tcp.sendall(memoryview(src)[:n])
         return json.loads(lines.readline())["t"] - t0
@@ -145,6 +155,7 @@ def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repe
     def nixl_once(n: int, d: int, poll: float, key: str) -> float:
         piece = n // d
         send_json(ctl, {"op": "nixl", "key": key, "poll": poll})
+        pause(idle_s)
         t0 = time.perf_counter()
         local = ag.get_xfer_descs([(src.ctypes.data + i * piece, piece, 0) for i in range(d)], "DRAM")
         remote = ag.get_xfer_descs([(peer["addr"] + i * piece, piece, 0) for i in range(d)], "DRAM")
@@ -173,7 +184,8 @@ def sender(addr: str, mbs: list[int], descs: list[int], polls: list[float], repe
 
 
 def run_pair(env: dict[str, str], mbs: list[int], descs: list[int], polls: list[float], repeat: int,
-             cpus: tuple[str, str] | None = None, slack_ns: int = 0) -> dict:
+             cpus: tuple[str, str] | None = None, slack_ns: int = 0, idle_s: float = 0.0,
+             busy: bool = False) -> dict:
     sys.path.insert(0, str(HERE.parent))
     from netns_pair import HostPair
 
@@ -189,7 +201,8 @@ def run_pair(env: dict[str, str], mbs: list[int], descs: list[int], polls: list[
             else:
                 raise SystemExit("the receiver did not start")
             tx = pair.run(pair.ns_b, [*pin_tx, sys.executable, str(HERE), "sender", pair.addr_a, json.dumps(mbs),
-                                      json.dumps(descs), json.dumps(polls), str(repeat), str(slack_ns)],
+                                      json.dumps(descs), json.dumps(polls), str(repeat), str(slack_ns),
+                                      str(idle_s), str(int(busy))],
                           env=env, stdout=subprocess.PIPE, text=True)
             try:
                 out, _ = tx.communicate(timeout=600)
@@ -241,6 +254,10 @@ def main() -> None:
                    help="pin the receiver and the sender to these CPU lists (taskset -c)")
     p.add_argument("--slack-ns", type=int, default=1000,
                    help="each side's timer slack (prctl), as the mesh's progress thread; 0: Linux's 50 us")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="the sender sleeps this long before each transfer, socket and nixl alike (as the mesh "
+                        "bench's --compute-ms: a process that idled runs its next millisecond slower)")
+    p.add_argument("--busy", action="store_true", help="with --idle-ms: spin instead of sleeping (a CPU-bound prefill)")
     p.add_argument("--json", type=Path, default=None, help="append every run's raw times here (one JSON line each)")
     args = p.parse_args()
     polls = [u / 1e6 for u in args.polls_us]
@@ -259,9 +276,12 @@ def main() -> None:
         load = loadavg()
         name += f", cpus rx {args.cpus[0]} tx {args.cpus[1]}" if args.cpus else ""
         name += f", slack {args.slack_ns} ns" if args.slack_ns else ", default slack"
+        if args.idle_ms:
+            name += f", sender {'spins' if args.busy else 'sleeps'} {args.idle_ms:g} ms before each"
         settings = " ".join(f"{k}={v}" for k, v in env.items())
         try:
-            rows = run_pair(env, args.mb, args.descs, polls, args.repeat, args.cpus, args.slack_ns)
+            rows = run_pair(env, args.mb, args.descs, polls, args.repeat, args.cpus, args.slack_ns, args.idle_ms / 1e3,
+                            args.busy)
         except RuntimeError as e:  # e.g. UCX_PROTO_ENABLE=n: NIXL's UCX backend refuses to post
             print(f"== {name}: {settings}: {e}", flush=True)
             continue
@@ -277,6 +297,8 @@ if __name__ == "__main__":
         receiver(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "sender":
         print(json.dumps(sender(sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),
-                                json.loads(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))), flush=True)
+                                json.loads(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), float(sys.argv[8]),
+                                bool(int(sys.argv[9])))),
+              flush=True)
     else:
         main()

@@ -21,6 +21,7 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -42,8 +43,7 @@ class KVCacheSpec:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _elem(self.dtype)
 
     @property
     def total_bytes(self) -> int:
@@ -300,5 +300,7 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@cache
 def _elem(dtype: torch.dtype) -> int:
+    """Bytes per element (cached: a tensor made to ask costs ~10-20 us, and a transfer asks per job)."""
     return torch.empty((), dtype=dtype).element_size()

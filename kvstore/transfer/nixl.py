@@ -271,11 +271,13 @@ class NixlSender:
         # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
         # so that the PrefillDone sent after it means nothing writes the blocks any more.
         notif = carrying(notif_key("kv", target.request_id, p["gen"]), done)
-        await run_to_end(self._write(peer, mine, local, dst, remote, notif))
+        if self.copy_delay_s:  # fault injection: a write that ends after the deadline
+            await run_to_end(self._late_write(peer, mine, local, dst, remote, notif))
+        else:  # the post comes before the first yield; the wait is shielded (``NixlNode.write``)
+            await self.node.write(peer, mine, local, dst, remote, notif)
         nbytes = len(src_blocks) * src.spec.block_bytes
         return TransferResult(self.name, nbytes, time.perf_counter() - t0, len(local))
 
-    async def _write(self, peer, mine: Region, local, dst: Region, remote, notif: bytes) -> None:
-        if self.copy_delay_s:  # fault injection: a write that ends after the deadline
-            await asyncio.sleep(self.copy_delay_s)
+    async def _late_write(self, peer, mine: Region, local, dst: Region, remote, notif: bytes) -> None:
+        await asyncio.sleep(self.copy_delay_s)
         await self.node.write(peer, mine, local, dst, remote, notif)
