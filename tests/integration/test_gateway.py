@@ -10,6 +10,7 @@ reference is the in-process engine, which is what ``mesh generate`` runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from contextlib import asynccontextmanager
@@ -461,9 +462,18 @@ async def test_client_disconnect_while_waiting_for_a_whole_response(mesh):
     async with watching(mesh) as watch:
         before = await _idle(watch)
         body = {"model": "tiny", "prompt": random_ids(30, 9), "max_tokens": 4000, "ignore_eos": True, "n": 2}
-        async with httpx.AsyncClient(base_url=mesh.url, timeout=1.5) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post("/v1/completions", json=body)
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as http:
+            # the client leaves once both choices run on workers (a fixed client timeout raced the
+            # second choice reaching its worker: then only one was there to cancel)
+            post = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            try:
+                await watch.wait_for(lambda: sum(watch.loads[x].running for x in DECODE_WORKERS if x in watch.loads) == 2,
+                                     30, "both choices running on workers")
+                assert not post.done()  # a whole response of 2 x 4000 tokens is still being made
+            finally:
+                post.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await post
         after = await _idle(watch)
         cancelled = sum(after[x]["cancelled"] - before[x]["cancelled"] for x in DECODE_WORKERS)
         assert cancelled == 2
