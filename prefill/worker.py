@@ -293,8 +293,8 @@ class PrefillWorker(WorkerBase):
             sender = self.senders[name]
             carried = {}
             if getattr(sender, "carries_done", False):  # the PrefillDone rides with the bytes
-                carried["done"] = encode(self._success(job, out, name, compute_ms,
-                                                       len(src) * self.engine.kv_cache.spec.block_bytes))
+                nbytes = len(src) * self.engine.kv_cache.spec.block_bytes
+                carried["done"] = encode(self._message(job, True, **self._success_fields(out, name, compute_ms, nbytes)))
             result = await asyncio.wait_for(sender.send(target, params, self.engine.kv_cache, src, **carried),
                                             remaining)
         except Exception as e:
@@ -328,11 +328,10 @@ class PrefillWorker(WorkerBase):
                     logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
                     transport=transport, transfer_bytes=nbytes, compute_ms=compute_ms, **more)
 
-    def _success(self, job: PrefillJob, out: StepOutput, transport: str, compute_ms: float,
-                 nbytes: int) -> PrefillDone:
-        """The PrefillDone a transport carries with the bytes (sent before the transfer's time is known)."""
-        return PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=True, token=job.token,
-                           **self._success_fields(out, transport, compute_ms, nbytes))
+    def _message(self, job: PrefillJob, ok: bool, **fields) -> PrefillDone:
+        """The job's PrefillDone (a transport may carry a successful one with the bytes, built
+        before the transfer's time is known)."""
+        return PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, token=job.token, **fields)
 
     def _check_registered(self) -> None:
         """Write only while the registry surely counts us in (else ``TimeoutError``)."""
@@ -347,7 +346,7 @@ class PrefillWorker(WorkerBase):
         else:
             self.counters.errors += 1
         metrics.WORKER_REQUESTS.labels(job.model, self.role, "finished" if ok else "error").inc()
-        msg = PrefillDone(request_id=job.request_id, prefill_worker=self.worker_id, ok=ok, token=job.token, **fields)
+        msg = self._message(job, ok, **fields)
         try:
             await self.bus.publish(self.bus.subjects.kv_ready(job.model, job.decode_worker), msg, span=span)
         except Exception as e:  # the decode worker falls back on its own timeout

@@ -108,9 +108,6 @@ class Peer:
     regions: list[Region]
 
 
-Grant = Callable[[str, int, str], str | None]  # (job id, gen, writer agent) -> None, or why not
-
-
 def notif_key(kind: str, job_id: str, gen: int) -> bytes:
     """The notification that ends a granted write (the writer sends it after its bytes)."""
     return f"{kind}:{job_id}:{gen}".encode()
@@ -153,8 +150,7 @@ class NixlNode:
         self._registering = threading.Lock()  # registration runs in threads
         self.peers: OrderedDict[str, Peer] = OrderedDict()  # remote agents added, by name
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self.grants: dict[str, Grant] = {}  # kind -> the part that arms its jobs
-        self.carriers: dict[str, Callable[[bytes, str, bytes], None]] = {}  # kind -> who takes payloads
+        self.writes: dict[str, Grants] = {}  # kind -> the writes of that kind into our memory
         self.notifs: dict[bytes, str] = {}  # notification -> the agent it came from, until taken
         self._arrived: dict[bytes, asyncio.Event] = {}  # notifications someone waits for
         self.progress = Progress(self.agent, self._deliver)
@@ -213,8 +209,8 @@ class NixlNode:
             if self.progress.expected(notif_key(msg.kind, msg.job_id, msg.gen)):
                 self.progress.kick()
             return
-        grant = self.grants.get(msg.kind)
-        why = "no such kind of job" if grant is None else grant(msg.job_id, msg.gen, msg.agent)
+        writes = self.writes.get(msg.kind)
+        why = "no such kind of job" if writes is None else writes.grant(msg.job_id, msg.gen, msg.agent)
         if why is not None:
             log.info("nixl: no write grant for %s %s: %s", msg.kind, msg.job_id, why)
         else:  # its write may come soon (a short prefill's): poll fast for a while
@@ -250,14 +246,16 @@ class NixlNode:
 
     def _carried(self, key: bytes, who: str, payload: bytes) -> None:
         kind = key.partition(b":")[0].decode(errors="replace")
-        take = self.carriers.get(kind)
-        if take is None:
-            return  # nobody takes payloads of this kind: the notification alone counts
+        writes = self.writes.get(kind)
+        if writes is None:
+            return  # no writes of this kind: the notification alone counts
         if len(payload) > CARRY_MAX:
             refuse("oversized", f"a {kind} notification from {who!r} carries {len(payload)} bytes")
             return
+        if writes.on_done is None:
+            return  # nobody takes payloads of this kind
         try:
-            take(key, who, payload)
+            writes.carried(key, who, payload)
         except Exception:  # the sender's message over NATS still comes
             log.exception("nixl: a carried payload of %r was not taken", key)
 
@@ -397,7 +395,7 @@ J = TypeVar("J", bound=WriteJob)
 class Grants(Generic[J]):
     """The writes of one kind into a node's memory ("kv": the decode worker's pool; "fetch": a
     requester's fetch buffer). A job is armed with a fresh generation (``arm``), granted once to
-    one writer (``NixlBegin``: the node asks ``_grant``), and done when that writer's
+    one writer (``NixlBegin``: the node asks ``grant``), and done when that writer's
     notification came (``landed``). Who holds the memory: the caller, until ``landed`` or a
     revoke before any grant (``revoke``)."""
 
@@ -406,14 +404,14 @@ class Grants(Generic[J]):
         self.jobs: dict[str, J] = {}
         self._gen = 0
         self.on_done: Callable[[str, bytes], None] | None = None  # (job id, payload) of a carried write
-        node.grants[kind] = self._grant
-        node.carriers[kind] = self._carried
+        node.writes[kind] = self
 
     def next_gen(self) -> int:
         self._gen = self._gen % (1 << 62) + 1
         return self._gen
 
-    def _grant(self, job_id: str, gen: int, agent: str) -> str | None:
+    def grant(self, job_id: str, gen: int, agent: str) -> str | None:
+        """Grant the job's write to ``agent``: None, or why not."""
         job = self.jobs.get(job_id)
         if job is None or job.gen != gen:
             return f"no such {self.kind} job armed (late, or forged)"
@@ -422,12 +420,10 @@ class Grants(Generic[J]):
         job.state, job.writer = JobState.WRITING, agent
         return None
 
-    def _carried(self, key: bytes, who: str, payload: bytes) -> None:
-        """A notification with a payload came: if it ends a job of ours, granted to ``who``, the
-        job is DONE and ``on_done`` gets the payload (a forged or late one is dropped here; a
-        writer's word over NATS still counts)."""
-        if self.on_done is None:
-            return
+    def carried(self, key: bytes, who: str, payload: bytes) -> None:
+        """A notification with a payload came (``on_done`` is set): if it ends a job of ours,
+        granted to ``who``, the job is DONE and ``on_done`` gets the payload (a forged or late one
+        is dropped here; a writer's word over NATS still counts)."""
         job_id = key.decode(errors="replace").removeprefix(f"{self.kind}:").rpartition(":")[0]
         job = self.jobs.get(job_id)
         if job is None or notif_key(self.kind, job_id, job.gen) != key or job.state is not JobState.WRITING:
