@@ -52,7 +52,7 @@ async def one(client: httpx.AsyncClient, url: str, args, t_run: float, out: list
                 if "[DONE]" in line:
                     done = time.perf_counter()
     end = time.perf_counter()
-    out.append({"start": t0 - t_run, "sent": (sent[0] if sent else t0) - t0, "ttft": first - t0,
+    out.append({"sent": (sent[0] if sent else t0) - t0, "ttft": first - t0,
                 "open": (first - t_run, (done or end) - t_run)})
 
 
