@@ -72,16 +72,20 @@ async def start_two_decode_hosts(bed, tiny_model) -> tuple[str, object]:
 
 async def test_a_decode_host_killed_mid_stream_loses_no_token(hostbed, tiny_model, engine):
     prompts = prompts_of([30, 41, 52, 63, 35, 47], 4096, 11, low=3)
-    n = 600  # long enough that the kill lands mid-stream (it follows the first load report of a running stream)
+    # Long enough that the kill lands mid-stream: it follows host 3's first load report (one a
+    # second) of a running stream, and 600 tokens (0.8 s here) ended before it on a loaded CI box.
+    n = 2000
     expected = greedy(engine, prompts, n)
     url, w = await start_two_decode_hosts(hostbed, tiny_model)
     try:
         out = Outcome()
         async with httpx.AsyncClient(timeout=120) as client:
+            sent = time.time()
             runs = [asyncio.create_task(checked_request(client, url, p, e, out, 120.0))
                     for p, e in zip(prompts, expected, strict=True)]
-            await w.wait_for(lambda: (r := w.loads.get("dec-3")) and r.running >= 1 and r.timestamp > time.time() - 1,
+            await w.wait_for(lambda: (r := w.loads.get("dec-3")) and r.running >= 1 and r.timestamp > sent,
                              30, "streams running on host 3")
+            assert out.total == 0, "a stream ended before the kill: it would not test a migration"
             hostbed.kill_host(3)
             await asyncio.gather(*runs)
         assert out.correct == len(prompts), (out.error_kinds, out.incorrect_samples, out.hung)
