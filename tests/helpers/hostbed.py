@@ -249,8 +249,7 @@ class HostBed:
             if self._stopped:
                 return
             self._stopped = True
-        for host in self.hosts.values():
-            self._terminate(host)
+        self._terminate(list(self.hosts.values()))
         for host in self.hosts.values():
             _ip("netns", "del", host.ns, check=False)
             _ip("link", "del", host.veth, check=False)
@@ -259,15 +258,19 @@ class HostBed:
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
 
-    def _terminate(self, host: Host) -> None:
-        """Roles get SIGTERM (a graceful stop) and a few seconds; then everything left is killed."""
-        for p in host.procs:
+    def _terminate(self, hosts: list[Host]) -> None:
+        """Every host's roles get SIGTERM (a graceful stop) at once, while every nats-server is still
+        up, and a few seconds; then everything left is killed. (Host by host, a later host's roles
+        stopped with an earlier host's server already gone: seconds more per bed.)"""
+        procs = [p for host in hosts for p in host.procs]
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in host.procs:
+        for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
-        self._kill_all(host)
+        for host in hosts:
+            self._kill_all(host)
 
     def _kill_all(self, host: Host) -> None:
         _kill_pids(_ns_pids(host.ns))
