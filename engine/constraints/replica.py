@@ -250,6 +250,9 @@ def main() -> None:
     args[2] = tuple(args[2])
     spin = args.pop()
     serve(_Frames(int(sys.argv[1]), spin), Connection(int(sys.argv[2]), readable=False), *args)
+    # Nothing is left to flush or release (the engine unlinks the shared buffer): skip the
+    # interpreter's teardown of numpy, llguidance and the tokenizer, ~0.4 s the engine's close waited.
+    os._exit(0)
 
 
 class _Replica:
