@@ -61,9 +61,37 @@ def open_over_time(spans: list[tuple[float, float]], until: float, step: float =
     return [sum(1 for a, b in spans if a <= t < b) for t in (i * step for i in range(int(until / step)))]
 
 
+def pool_state(client: httpx.AsyncClient) -> tuple[int, int, int] | None:
+    """httpcore's pool as it stands: (requests in it, the connections they are assigned to, its idle
+    connections); None where the pool's internals are not httpcore 1.0's."""
+    try:
+        pool = client._transport._pool
+        held = {id(r.connection) for r in pool._requests if r.connection is not None}
+        return len(pool._requests), len(held), sum(1 for c in pool._connections if c.is_idle())
+    except AttributeError:
+        return None
+
+
+def piled_figures(pool: list[tuple[int, int, int]]) -> dict:
+    piled = [p for p in pool if p[0] > 2 * max(1, p[1])]
+    return {"pool_samples": len(pool), "pool_piled_share": round(len(piled) / len(pool), 2) if pool else None,
+            "piled_requests_connections_idle": [round(statistics.fmean(p[i] for p in piled), 1) for i in range(3)]
+            if piled else None}
+
+
+async def sample_pool(client: httpx.AsyncClient, seen: list, every: float = 0.25) -> None:
+    while True:
+        await asyncio.sleep(every)
+        state = pool_state(client)
+        if state is None:
+            return
+        seen.append(state)
+
+
 async def main(args) -> None:
     res: list[dict] = []
     sem = asyncio.Semaphore(args.c)
+    pool: list[tuple[int, int, int]] = []
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.c)) as client:  # as load.py
         async def w(t_run: float, sink: list) -> None:
             async with sem:
@@ -73,8 +101,10 @@ async def main(args) -> None:
         now = time.perf_counter()
         await asyncio.gather(*[w(now, warm) for _ in range(min(args.c, 20))])  # load.py's warm-up
         t_run = time.perf_counter()
+        sampler = asyncio.create_task(sample_pool(client, pool))
         await asyncio.gather(*[w(t_run, res) for _ in range(args.n)])
         seconds = time.perf_counter() - t_run
+        sampler.cancel()
     counts = open_over_time([r["open"] for r in res], seconds)
     low = sum(1 for k in counts if k < args.c / 2) / len(counts)
     waits = sorted(r["sent"] for r in res)
@@ -86,6 +116,12 @@ async def main(args) -> None:
         "client_wait_p99_ms": round(1000 * waits[int(len(waits) * 0.99)], 1),
         "requests_waiting_over_1s": sum(1 for x in waits if x > 1.0),
         "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1), "ttft_p99_ms": round(1000 * ttfts[int(len(ttfts) * 0.99)], 1),
+        # httpcore 1.0's pool hands every request queued in one pass the same idle connection
+        # (encode/httpcore#822; the review of #1111): they wait on it one after another while
+        # other connections sit idle. Sampled every 0.25 s: the share of samples where the pool's
+        # requests were piled (more than 2 per connection they are assigned to), and the means of
+        # requests, connections they are on, and idle connections over those samples.
+        **piled_figures(pool),
     }))
 
 

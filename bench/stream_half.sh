@@ -4,12 +4,13 @@
 # load (C streams, N requests, T tokens each), then one line: the load average, host CPU us per
 # generated token of the three together, CPU ms per request of each, pdmesh_gateway_direct_deltas_total,
 # and load.py's figures.
-#   bash bench/stream_half.sh [TREE]   (TREE: the source tree to run, default this one; env N C T, PEERS_DIR)
+#   bash bench/stream_half.sh [TREE]   (TREE: the source tree to run, default this one; env N C T, PEERS_DIR,
+#   LOAD: another load.py, e.g. one whose client keeps C streams open: docs/benchmarks.md, s42)
 # Alternate two trees (e.g. a `git worktree` of main and a branch) and compare several runs of each.
 set -u
 TREE=$(cd "${1:-$(dirname "$0")/..}" && pwd); export PYTHONPATH=$TREE
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/pdmesh-peers}; D=$PEERS_DIR/dynamo; TOK=${TOK:-$PEERS_DIR/tok32k}
-LOAD=$(cd "$(dirname "$0")/.." && pwd)/../shared/peers/load.py
+LOAD=${LOAD:-$(cd "$(dirname "$0")/.." && pwd)/../shared/peers/load.py}
 BIN=${PDMESH_BIN:-$(dirname "$(command -v mesh)")}
 W=$(mktemp -d); PIDS=
 cleanup() { for g in $PIDS; do kill -9 -- -$g 2>/dev/null; done; for g in $PIDS; do wait $g 2>/dev/null; done; }
