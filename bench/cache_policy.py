@@ -24,12 +24,16 @@ worker fetches the prefix from whichever worker holds the longest run of it, any
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 from pathlib import Path
 
 import trace_replay as tr
+
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
 
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -28,6 +29,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
 
 import httpx
 

@@ -27,6 +27,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
+
 import torch
 
 from engine.config import EngineConfig

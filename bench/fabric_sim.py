@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from pathlib import Path
 
 import trace_replay as tr
 from replay_report import attribution, balance, issue_table, reuse_table, summarize, table
+
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
 
 from engine.sampling import SamplingParams
 from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed

@@ -35,10 +35,14 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
 
 import torch
 

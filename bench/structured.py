@@ -56,6 +56,9 @@ import sys
 import time
 from pathlib import Path
 
+if sys.path and os.path.basename(sys.path[0]) == "bench":  # run as a script: the packages before bench/engine.py
+    sys.path.insert(0, os.path.dirname(sys.path[0]))
+
 import torch
 
 from engine.constraints.backend import BACKENDS, bitmask_words, create_backend

