@@ -57,7 +57,8 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND within LIMIT and the time le
 }
 
 pytest_gpu() {  # pytest exits 5 when nothing is collected: no GPU tests there yet is fine
-    "$py" -m pytest -q -rs -p no:cacheprovider "$@"
+    # -v: each test named as it ends, so a step cut off by its time limit still says which failed
+    "$py" -m pytest -v -rs -p no:cacheprovider "$@"
     local rc=$?
     ((rc == 5)) && return 0
     return "$rc"

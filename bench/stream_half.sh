@@ -5,7 +5,8 @@
 # generated token of the three together, CPU ms per request of each, pdmesh_gateway_direct_deltas_total,
 # and load.py's figures.
 #   bash bench/stream_half.sh [TREE]   (TREE: the source tree to run, default this one; env N C T, PEERS_DIR,
-#   LOAD: another load.py, e.g. one whose client keeps C streams open: docs/benchmarks.md, s42)
+#   LOAD: another load.py, e.g. one whose client keeps C streams open: docs/benchmarks.md, s42;
+#   GW_ARGS: more `mesh gateway` flags, e.g. GW_ARGS="--router round-robin")
 # Alternate two trees (e.g. a `git worktree` of main and a branch) and compare several runs of each.
 set -u
 TREE=$(cd "${1:-$(dirname "$0")/..}" && pwd); export PYTHONPATH=$TREE
@@ -36,7 +37,7 @@ per_req() { python3 -c "print(round(($1-$2)*1000/$N,2))"; }
 NP=$(port); P2=$(port)
 setsid $BIN/nats-server -js -sd $W/js -a 127.0.0.1 -p $NP >$W/nats.log 2>&1 & NS=$!; PIDS="$PIDS $NS"
 sleep 1
-setsid $BIN/mesh gateway --nats nats://127.0.0.1:$NP --model $TOK --served-name tiny --port $P2 >$W/gw.log 2>&1 & GW=$!; PIDS="$PIDS $GW"
+setsid $BIN/mesh gateway --nats nats://127.0.0.1:$NP --model $TOK --served-name tiny --port $P2 ${GW_ARGS:-} >$W/gw.log 2>&1 & GW=$!; PIDS="$PIDS $GW"
 WK=
 for k in 1 2; do
   setsid $BIN/mesh worker mock --nats nats://127.0.0.1:$NP --served-name tiny --block-size 16 --mock-speedup 1 >$W/mock$k.log 2>&1 & WK="$WK $!"
