@@ -48,6 +48,7 @@ sleep 2
 g0=$(cpu $GW); w0=$(cpu $WK); n0=$(cpu $NS)
 ours=$($D/bin/python $LOAD http://127.0.0.1:$P2 $N $C $T tiny | tail -1)
 direct=$(curl -s 127.0.0.1:$P2/metrics | awk '/^pdmesh_gateway_direct_deltas_total/ {print $2}')
+linked=$(curl -s 127.0.0.1:$P2/metrics | awk '/^pdmesh_gateway_link_batches_total/ {print $2}')
 ogw=$(per_req $(cpu $GW) $g0); owk=$(per_req $(cpu $WK) $w0); ons=$(per_req $(cpu $NS) $n0)
 tot=$(python3 -c "print(round(($ogw+$owk+$ons)/$T*1000,1))")
-echo "$TREE load=$(cut -d' ' -f1 /proc/loadavg) us/token=$tot gateway=$ogw workers=$owk nats=$ons direct=${direct:-0} $ours"
+echo "$TREE load=$(cut -d' ' -f1 /proc/loadavg) us/token=$tot gateway=$ogw workers=$owk nats=$ons direct=${direct:-0} link_batches=${linked:-0} $ours"

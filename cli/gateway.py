@@ -19,6 +19,7 @@ from cli.flags import (
     nats_config,
 )
 from mesh.natsauth import NatsConfig
+from mesh.tokenlink import listen_address
 
 
 def add_parser(sub) -> None:
@@ -45,6 +46,10 @@ def add_parser(sub) -> None:
                    help="seconds a started stream may go silent before it ends with a timeout error")
     p.add_argument("--drain-timeout", type=float, default=3.0,
                    help="seconds open streams may run after SIGTERM or SIGINT before they are cut")
+    p.add_argument("--token-link", default="auto", metavar="auto|off|HOST[:PORT]",
+                   help="where workers send this gateway's token batches over TCP instead of through NATS "
+                        "(default auto: this host's address toward the NATS server, any free port; off "
+                        "where the bus runs over TLS, as the link is plain TCP)")
     p.add_argument("--responses-ttl", type=float, default=None, metavar="SECONDS",
                    help="how long a stored response (/v1/responses) lives in the {ns}_responses bucket "
                         "(default: 30 days); the gateway that creates the bucket sets it")
@@ -78,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-inflight must be >= 1, the timeouts > 0 and --drain-timeout >= 0")
     if args.responses_ttl is not None and args.responses_ttl <= 0:
         raise CliError("--responses-ttl must be > 0")
+    if args.token_link not in ("auto", "off"):
+        try:
+            listen_address(args.token_link)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     workers = default_workers() if args.workers is None else args.workers
     if workers < 1:
         raise CliError("--workers must be >= 1")
@@ -119,6 +129,7 @@ def gateway_config(args: argparse.Namespace, nats: NatsConfig, ns: str, models: 
         default_max_tokens=args.default_max_tokens, first_token_timeout=args.first_token_timeout,
         idle_timeout=args.idle_timeout, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, insecure_admin=args.insecure_admin, batch=batch_config(args),
+        token_link=args.token_link,
         router=RouterConfig(mode=args.router, temperature=args.router_temperature, peer_fetch=args.router_peer_fetch,
                             hash_key=hash_key(args), **{k: v for k, v in weights if v is not None}),
         **({"responses_ttl": args.responses_ttl} if args.responses_ttl is not None else {}),

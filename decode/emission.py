@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from decode.context import WorkerContext
 from decode.lifecycle import Event, ReqState
-from decode.request import DecodeRequest
+from decode.request import UNDECIDED, DecodeRequest
 from engine.scheduler import StepOutput
 from mesh import metrics
-from mesh.protocol import TokenBatch, TokenChunk, Usage
+from mesh.protocol import TokenBatch, TokenChunk, Usage, encode
+from mesh.tokenlink import TokenLinks
 from worker.base import Window, wire_logprob
 
 METRICS_FLUSH_S = 0.1
@@ -54,6 +55,7 @@ class Emission:
         self.ttft = Window()
         self.itl = Window()
         self.step_metrics = metrics.StepMetrics.of(ctx.model, ctx.role)
+        self.links = TokenLinks(ctx.worker_id)  # to gateways that run a token link (mesh.tokenlink)
         self._unflushed: list[_StepStats] = []  # steps whose figures Prometheus has not had yet
         self._flushed_at = 0.0
 
@@ -65,6 +67,7 @@ class Emission:
         singles: list[tuple[str, TokenChunk]] = []
         step = _StepStats()
         active = self.active
+        links = self.links
         for out in _per_request(outs):
             rec = active.get(out.request_id)
             if rec is None:
@@ -76,22 +79,41 @@ class Emission:
                 # come from the engine thread; the step's outputs can be handled first).
                 self.admitted_locally(rec)
             chunk = self._chunk(rec, out, now, step)
-            to = rec.request.batch_to
+            req = rec.request
+            to = req.batch_to
             if to:
-                chunk.stream = rec.request.stream
-                batch = batches.get(to)
+                chunk.stream = req.stream
+                link = rec.link
+                if link is UNDECIDED:  # its first chunk: the path its chunks keep
+                    link = rec.link = links.sender(req.batch_link, req.batch_link_key, to) if req.batch_link else None
+                dest = to if link is None else link
+                batch = batches.get(dest)
                 if batch is None:
-                    batches[to] = [chunk]
+                    batches[dest] = [chunk]
                 else:
                     batch.append(chunk)
             else:
                 singles.append((rec.reply, chunk))
         self._record(step, now)
         publish = self.bus.publish
-        for subject, chunks in batches.items():
-            await publish(subject, TokenBatch(self.worker_id, chunks), traced=False)
+        for dest, chunks in batches.items():
+            batch = TokenBatch(self.worker_id, chunks)
+            if type(dest) is str:
+                await publish(dest, batch, traced=False)
+            elif not dest.send(encode(batch)):  # the link dropped: the bus, as its gateway's fallback
+                await publish(dest.subject, batch, traced=False)
         for reply, chunk in singles:
             await publish(reply, chunk, traced=False)
+
+    async def send_last(self, rec: DecodeRequest, chunk: TokenChunk) -> None:
+        """A request's last chunk sent outside a step (an abort): the way its others went, so that
+        it cannot overtake them (a link and the bus keep no order between them)."""
+        link = rec.link
+        if link is not UNDECIDED and link is not None and rec.request.batch_to:
+            chunk.stream = rec.request.stream
+            if link.send(encode(TokenBatch(self.worker_id, [chunk]))):
+                return
+        await self.bus.publish(rec.reply, chunk, traced=False)
 
     def _chunk(self, rec: DecodeRequest, out: StepOutput, now: float, step: _StepStats) -> TokenChunk:
         """The request's next chunk; moves its state and counts the step's figures."""

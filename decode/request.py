@@ -30,6 +30,9 @@ class RemoteJob:
     deadline: asyncio.TimerHandle | None = None  # while WAITING_FOR_KV / CANCELLING: when it is too late
 
 
+UNDECIDED = object()  # DecodeRequest.link before the request's first chunk
+
+
 @dataclass(slots=True)
 class DecodeRequest:
     """Everything the worker knows of one request; ``state`` moves only through ``move``."""
@@ -45,6 +48,8 @@ class DecodeRequest:
     span: trace.Span | None = None  # decode.request: arrival to the last token
     phase: trace.Span | None = None  # its current child: prefill.local | prefill.remote | decode
     overflow: bool = False  # prefilled here although meant for the prefill pool (no room, or a fallback)
+    # the token link its chunks take (mesh.tokenlink), chosen at its first chunk; None: the bus
+    link: object = UNDECIDED
 
     @property
     def request_id(self) -> str:

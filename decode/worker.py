@@ -104,6 +104,7 @@ class DecodeWorker(WorkerBase):
         self.admission = Admission(ctx, self.active, self.remote, self.peer_fetch,
                                    accepting=lambda: self.status == "ready")
         self.emission = Emission(ctx, self.active, self.admission.admitted_locally)
+        stack.callback(self.emission.links.close)  # after the drain's last chunks went out on them
         await self.admission.start(stack)
         self.admission.membership.on_change(self._on_member)
         s = bus.subjects
@@ -199,7 +200,7 @@ class DecodeWorker(WorkerBase):
             chunk = TokenChunk(rec.request_id, rec.chunks_sent, finish_reason="error", error=message,
                                error_status=status, worker=self.worker_id)
             with contextlib.suppress(Exception):
-                await self.bus.publish(rec.reply, chunk, traced=False)
+                await self.emission.send_last(rec, chunk)
 
 
 async def _close(rx) -> None:

@@ -34,6 +34,10 @@ CHOICES = Counter("pdmesh_gateway_choices", "Choices that ended, by final state 
                   ["state"], registry=REGISTRY)
 TOKEN_BATCHES = Counter("pdmesh_gateway_token_batches", "TokenBatch messages received (one per worker step)",
                         registry=REGISTRY)
+LINK_BATCHES = Counter("pdmesh_gateway_link_batches", "TokenBatch messages that came over token links "
+                       "(mesh.tokenlink) rather than through NATS", registry=REGISTRY)
+TOKEN_LINKS = Gauge("pdmesh_gateway_token_links", "Workers connected to this gateway over token links",
+                    registry=REGISTRY, multiprocess_mode="livesum")
 BATCHED_CHUNKS = Counter("pdmesh_gateway_batched_chunks", "Token chunks that arrived inside TokenBatch messages",
                          registry=REGISTRY)
 LIVE_CHOICES = Gauge("pdmesh_gateway_live_choices", "Choices routing, waiting or streaming (not final)",

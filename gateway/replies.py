@@ -113,13 +113,22 @@ class ReplyStreams:
             return
         stream.push(chunk)
 
-    def _on_batch(self, data: bytes) -> None:
+    def on_link_batch(self, data: bytes, worker: str) -> None:
+        """A TokenBatch from the token link bound to ``worker`` (``mesh.tokenlink``)."""
+        metrics.LINK_BATCHES.inc()
+        self._on_batch(data, worker)
+
+    def _on_batch(self, data: bytes, bound: str | None = None) -> None:
         try:
             batch = decode(data, TokenBatch)
         except DecodeError as e:
             self.dropped += 1
             BUS_DROPPED.labels("TokenBatch", e.reason).inc()
             log.warning("dropped a malformed token batch: %s", e)
+            return
+        if bound is not None and batch.worker != bound:  # a link speaks for the worker it proved to be
+            log.warning("refused a token batch naming %r on %s's link", batch.worker, bound)
+            REFUSED_MESSAGES.labels("gateway", "link_other_worker").inc()
             return
         metrics.TOKEN_BATCHES.inc()
         metrics.BATCHED_CHUNKS.inc(len(batch.chunks))

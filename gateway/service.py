@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 from opentelemetry import trace
@@ -24,7 +25,7 @@ from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPol
 from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
 from gateway.direct import DeltaWriter, DirectSink
 from gateway.errors import APIError
-from gateway.metrics import ChoiceFigures, GatewayStats, workers_registry
+from gateway.metrics import TOKEN_LINKS, ChoiceFigures, GatewayStats, workers_registry
 from gateway.outputs import OutputPlan
 from gateway.replies import ReplyStream, ReplyStreams
 from mesh import client, metrics
@@ -45,6 +46,7 @@ from mesh.router.policy import Decision, RouterConfig
 from mesh.router.router import KvRouter
 from mesh.telemetry import setup_tracing, tracer
 from mesh.tokenizer import Tokenizer
+from mesh.tokenlink import LinkServer, listen_address, local_address_toward
 from mesh.tracing import child_context
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class GatewayConfig:
     insecure_admin: bool = False  # without API keys the admin routes serve everyone (default: closed)
     responses_ttl: float = 30 * 24 * 3600.0  # seconds a stored response lives (the bucket's max age)
     batch: BatchConfig = field(default_factory=BatchConfig)  # /v1/files and /v1/batches: limits, pacing
+    # mesh.tokenlink: "auto" (listen on this host's address toward the NATS server), "off", HOST or
+    # HOST:PORT. Off where the bus runs over TLS: the link is plain TCP.
+    token_link: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class Gateway:
             self.token_texts[name] = TokenTexts(self.tokenizers[name], d)
         self.bus: Bus | None = None
         self.replies: ReplyStreams | None = None
+        self.link: LinkServer | None = None
         self.membership: Membership | None = None
         self.router: KvRouter | None = None
         self.inflight = 0
@@ -125,12 +131,33 @@ class Gateway:
                                      config=self.config.nats, no_echo=True)
         self.replies = ReplyStreams(self.bus, self.config.max_inflight)
         await self.replies.start()
+        self.link = await self._start_link()
         self.membership = Membership(self.bus)
         self.membership.on_change(self._on_member)
         await self.membership.start(wait=2.0)
         self.router = KvRouter(self.bus, self.membership, self.config.router)
         await self.router.start()
         await self.bus.subscribe(self.bus.subjects.planner_decisions(), self._on_planner, PlannerDecision)
+
+    async def _start_link(self) -> LinkServer | None:
+        """The token link (``mesh.tokenlink``) as configured; None: the bus carries every batch."""
+        want = self.config.token_link
+        nats = self.config.nats
+        tls = getattr(nats, "wants_tls", False) or urlsplit(self.config.nats_url).scheme in ("tls", "wss")
+        if want == "off" or (want == "auto" and tls):
+            return None
+        if want == "auto":
+            url = self.bus.nc.connected_url
+            host, port = await asyncio.to_thread(local_address_toward, url.hostname, url.port or 4222), 0
+        else:
+            host, port = listen_address(want)
+        link = LinkServer(self.replies.on_link_batch, host, port, on_bound=TOKEN_LINKS.inc)
+        try:
+            await link.start()
+        except OSError as e:
+            log.warning("no token link (%s:%s: %s): the bus carries every batch", host, port, e)
+            return None
+        return link
 
     def _on_member(self, worker_id: str, card: WorkerCard | None) -> None:
         if card is None and self.replies is not None and self.replies.worker_gone(worker_id):
@@ -147,6 +174,8 @@ class Gateway:
             await self.router.stop()
         if self.membership:
             await self.membership.stop()
+        if self.link:
+            await self.link.stop()
         if self.replies:
             await self.replies.stop()
         if self.bus:
@@ -362,6 +391,8 @@ class Gateway:
         req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
                               batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter,
                               cache_scope=cache_scope)
+        if self.link is not None:
+            req.batch_link, req.batch_link_key = self.link.address, self.link.key_for(worker_id)
         if d.fetch_source:  # the worker fetches these prefix blocks from a peer before prefilling
             req.peer_fetch = PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks)
         if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs

@@ -164,6 +164,10 @@ class GenerateRequest(Message):
     # each chunk tagged with ``stream``; empty: one ``TokenChunk`` message per chunk to the reply subject.
     batch_to: str = ""
     stream: str = ""
+    # The gateway's token link (mesh.tokenlink), for batch_to's batches: its host:port and this
+    # worker's key on it. Empty: the bus only.
+    batch_link: str = ""
+    batch_link_key: str = ""
     # The LoRA adapter the request runs (a name the worker's card lists in ``adapters``); "": the base model
     adapter: str = ""
     # The router's plan (issue 20): fetch ``fetch_blocks`` blocks after the first ``hit_blocks``
@@ -215,6 +219,18 @@ class TokenBatch(Message):
 
     worker: str
     chunks: list[TokenChunk] = field(default_factory=list)
+
+
+class LinkHello(Message):
+    """Decode worker -> gateway, first on a token link (``mesh.tokenlink``): who it is, and the key
+    its requests carried (``GenerateRequest.batch_link_key``)."""
+
+    worker: str
+    key: str
+
+
+class LinkReady(Message):
+    """Gateway -> decode worker on a token link: the hello was good; TokenBatches may follow."""
 
 
 class Cancel(Message):

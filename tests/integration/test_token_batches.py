@@ -145,8 +145,12 @@ async def token_events(http: httpx.AsyncClient, url: str, model: str, prompt: li
     return events
 
 
+def figure(metrics: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
+
+
 def direct_deltas(metrics: str) -> float:
-    return float(re.search(r"^pdmesh_gateway_direct_deltas_total (\S+)$", metrics, re.M).group(1))
+    return figure(metrics, "pdmesh_gateway_direct_deltas_total")
 
 
 async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
@@ -159,14 +163,27 @@ async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
         wait_http_ok(gateway + "/health", 60)
         prompts = [[(29 * i + j) % 900 + 3 for j in range(16 + i)] for i in range(8)]
         async with httpx.AsyncClient(timeout=60) as http:
-            before = direct_deltas((await http.get(gateway + "/metrics")).text)
+            # the worker connects its token link (mesh.tokenlink) at the first request it serves
+            # for this gateway; that request's chunks keep the bus
+            links = figure((await http.get(gateway + "/metrics")).text, "pdmesh_gateway_token_links")
+            assert await token_events(http, gateway, "paced", [5, 6, 7], 2) == [[t] for t in mocker_tokens([5, 6, 7], 2)]
+            deadline = time.monotonic() + 10
+            while figure((await http.get(gateway + "/metrics")).text, "pdmesh_gateway_token_links") <= links:
+                assert time.monotonic() < deadline, "the workers' token links never came up"
+                await asyncio.sleep(0.05)
+            before = (await http.get(gateway + "/metrics")).text
             results = await asyncio.gather(*(token_events(http, gateway, "paced", p, 16) for p in prompts))
-            direct = direct_deltas((await http.get(gateway + "/metrics")).text) - before
+            after = (await http.get(gateway + "/metrics")).text
+        direct = direct_deltas(after) - direct_deltas(before)
+        linked = figure(after, "pdmesh_gateway_link_batches_total") - figure(before, "pdmesh_gateway_link_batches_total")
         for p, events in zip(prompts, results, strict=True):
             assert [len(e) for e in events] == [1] * 16, events  # one token per chunk, none merged
             assert [t for e in events for t in e] == mocker_tokens(p, 16)
         # behind uvicorn the mid-stream tokens (not the first, not the last) are written from the
         # reply handler (gateway/direct.py); a 25 ms step leaves the reader waiting for nearly all
         assert 8 * 14 // 2 <= direct <= 8 * 14, direct
+        # every step's batch came over the link, not through NATS: 16 steps at least (more when
+        # the streams' prefills took steps of their own)
+        assert 16 <= linked <= 8 * 16, linked
     finally:
         await w.close()

@@ -1,0 +1,171 @@
+"""The token link (``mesh.tokenlink``) over real loopback sockets: a worker's ``TokenLinks`` and a
+gateway's ``LinkServer``, without NATS. Who may send, what is refused, and the fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mesh.protocol import LinkHello, TokenBatch, TokenChunk, encode
+from mesh.subjects import max_bytes
+from mesh.tokenlink import LinkServer, TokenLinks, frame, listen_address
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def serving():
+    got: list[tuple[bytes, str]] = []
+    bound: list[int] = []
+    server = LinkServer(lambda data, worker: got.append((data, worker)), "127.0.0.1", on_bound=bound.append)
+    await server.start()
+    return server, got, bound
+
+
+def batch(worker: str, n: int = 3) -> bytes:
+    return encode(TokenBatch(worker, [TokenChunk(f"r{i}", 0, [i], stream=format(i, "x")) for i in range(n)]))
+
+
+async def test_a_worker_proves_its_id_then_its_batches_arrive_in_order():
+    server, got, bound = await serving()
+    links = TokenLinks("w-1")
+    try:
+        key = server.key_for("w-1")
+        assert links.sender(server.address, key, "inbox.batch") is None  # not connected yet: the bus
+        await until(lambda: links.sender(server.address, key, "inbox.batch") is not None)
+        link = links.sender(server.address, key, "inbox.batch")
+        assert link.subject == "inbox.batch"
+        for n in (1, 2, 3):
+            assert link.send(batch("w-1", n))
+        await until(lambda: len(got) == 3)
+        assert got == [(batch("w-1", n), "w-1") for n in (1, 2, 3)]  # bound to the worker it proved
+        assert bound == [1] and server.refused == 0 and links.sent == 3
+    finally:
+        links.close()
+        await until(lambda: bound == [1, -1])
+        await server.stop()
+
+
+async def test_a_key_for_another_worker_is_refused_and_the_bus_stays():
+    server, got, bound = await serving()
+    links = TokenLinks("w-2")
+    try:
+        # w-2 presents the key the gateway gave w-1: it cannot speak for w-1, nor as itself
+        assert links.sender(server.address, server.key_for("w-1"), "s") is None
+        await until(lambda: links.failed == 1)
+        assert server.refused == 1 and bound == [] and got == []
+        assert links.sender(server.address, server.key_for("w-1"), "s") is None  # no retry before RETRY_AFTER
+        await asyncio.sleep(0.05)
+        assert links.failed == 1
+    finally:
+        links.close()
+        await server.stop()
+
+
+async def raw(server: LinkServer):
+    return await asyncio.open_connection("127.0.0.1", server.port)
+
+
+async def test_a_connection_that_says_anything_else_first_or_too_much_is_closed():
+    server, got, _ = await serving()
+    try:
+        # a TokenBatch before any hello
+        r, w = await raw(server)
+        w.write(frame(batch("w-1")))
+        assert await r.read() == b""  # closed
+        # a hello frame claiming more bytes than a hello may have: closed before they come
+        r, w = await raw(server)
+        w.write((max_bytes("LinkHello") + 1).to_bytes(4, "big"))
+        assert await r.read() == b""
+        # after a good hello, a frame over a TokenBatch's bound
+        r, w = await raw(server)
+        w.write(frame(encode(LinkHello("w-1", server.key_for("w-1")))))
+        assert len(await r.readexactly(4 + 16)) == 20  # LinkReady
+        w.write((max_bytes("TokenBatch") + 1).to_bytes(4, "big"))
+        assert await r.read() == b""
+        assert server.refused == 3 and got == []
+    finally:
+        await server.stop()
+
+
+async def test_a_silent_connection_is_closed(monkeypatch):
+    monkeypatch.setattr("mesh.tokenlink.HELLO_TIMEOUT", 0.1)
+    server, _, _ = await serving()
+    try:
+        r, _ = await raw(server)
+        async with asyncio.timeout(5):
+            assert await r.read() == b""
+        assert server.refused == 1
+    finally:
+        await server.stop()
+
+
+async def test_nobody_listening_means_the_bus():
+    server, _, _ = await serving()
+    address = server.address
+    await server.stop()  # the port is closed now
+    links = TokenLinks("w-1")
+    try:
+        assert links.sender(address, "k", "s") is None
+        await until(lambda: links.failed == 1)
+        assert links.sender(address, "k", "s") is None
+    finally:
+        links.close()
+
+
+async def test_a_link_the_gateway_drops_stops_taking_frames():
+    server, _, _ = await serving()
+    links = TokenLinks("w-1")
+    try:
+        key = server.key_for("w-1")
+        links.sender(server.address, key, "s")
+        await until(lambda: links.sender(server.address, key, "s") is not None)
+        link = links.sender(server.address, key, "s")
+        for conn in list(server.connections):
+            conn.close()
+        await until(lambda: not link.ready)
+        assert not link.send(batch("w-1")) and links.failed == 1
+        assert links.sender(server.address, key, "s") is None  # the bus until RETRY_AFTER
+    finally:
+        links.close()
+        await server.stop()
+
+
+def test_listen_addresses():
+    assert listen_address("10.1.2.3") == ("10.1.2.3", 0)
+    assert listen_address("10.1.2.3:9000") == ("10.1.2.3", 9000)
+    assert listen_address("[::1]:80") == ("::1", 80)
+    assert listen_address("::1") == ("::1", 0)
+    for bad in ("", ":80", "a:b", "1.2.3.4:99999", "0.0.0.0", "[::]:5"):
+        with pytest.raises(ValueError, match="--token-link"):
+            listen_address(bad)
+
+
+class _Replies:
+    def on_link_batch(self, data: bytes, worker: str) -> None:
+        pass
+
+
+def _gateway(token_link: str, nats_url: str = "nats://127.0.0.1:4222"):
+    from gateway.service import Gateway, GatewayConfig
+
+    gw = Gateway(GatewayConfig(nats_url=nats_url, token_link=token_link))
+    gw.replies = _Replies()
+    return gw
+
+
+async def test_the_gateway_runs_a_link_as_configured_and_none_over_tls():
+    assert await _gateway("off")._start_link() is None
+    assert await _gateway("auto", "tls://127.0.0.1:4222")._start_link() is None  # the link is plain TCP
+    link = await _gateway("127.0.0.1")._start_link()
+    try:
+        assert link is not None and link.host == "127.0.0.1" and link.port > 0
+        assert link.address == f"127.0.0.1:{link.port}"
+        # a port already taken: no link (a warning), the bus carries everything
+        assert await _gateway(f"127.0.0.1:{link.port}")._start_link() is None
+    finally:
+        await link.stop()
