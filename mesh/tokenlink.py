@@ -14,8 +14,9 @@ requests on that worker's own subject. A connection opens with ``LinkHello(worke
 gateway checks the key, binds the connection to that worker and answers ``LinkReady``; a batch
 naming another worker is refused, as on the bus (``gateway.replies``). A connection that says
 anything else first, sends a frame over its type's bound, or stays silent past ``HELLO_TIMEOUT``
-is logged, counted and closed. The link carries what the bus carries in the clear, so a gateway
-whose bus runs over TLS runs no link (``GatewayConfig.token_link``).
+is logged, counted and closed, as is any beyond ``MAX_UNPROVEN`` still to say who they are. The
+link carries what the bus carries in the clear, so a gateway whose bus runs over TLS runs no link
+unless told to (``GatewayConfig.token_link``).
 
 Wire: each frame is a 4-byte big-endian length, then a ``mesh.protocol`` message.
 
@@ -44,6 +45,7 @@ from mesh.subjects import max_bytes
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 5.0  # seconds a new connection has to say who it is
+MAX_UNPROVEN = 256  # connections that have not said who they are yet; more are closed at once
 CONNECT_TIMEOUT = 2.0  # a worker's connect and hello, before it gives up (and uses the bus)
 RETRY_AFTER = 10.0  # seconds before a worker tries a link that failed again
 MAX_BUFFERED = 16 << 20  # bytes a worker lets queue on a link (a gateway not reading) before dropping it
@@ -174,6 +176,10 @@ class _GatewaySide(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
+        if sum(1 for c in self.server.connections if c.worker is None) >= MAX_UNPROVEN:
+            self.server.refuse("busy", self.peer, f"{MAX_UNPROVEN} connections yet to say who they are")
+            transport.close()
+            return
         self.server.connections.add(self)
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._silent)
 

@@ -169,3 +169,25 @@ async def test_the_gateway_runs_a_link_as_configured_and_none_over_tls():
         assert await _gateway(f"127.0.0.1:{link.port}")._start_link() is None
     finally:
         await link.stop()
+
+
+async def test_connections_yet_to_say_who_they_are_are_capped(monkeypatch):
+    monkeypatch.setattr("mesh.tokenlink.MAX_UNPROVEN", 2)
+    server, _, bound = await serving()
+    links = TokenLinks("w-1")
+    try:
+        held = [await raw(server), await raw(server)]
+        r, _ = await raw(server)
+        assert await r.read() == b""  # a third before the first two said anything: closed
+        assert server.refused == 1
+        # a worker with its key still gets in once the silent ones are gone
+        for _, w in held:
+            w.close()
+        await until(lambda: not server.connections)
+        key = server.key_for("w-1")
+        links.sender(server.address, key, "s")
+        await until(lambda: links.sender(server.address, key, "s") is not None)
+        assert bound == [1]
+    finally:
+        links.close()
+        await server.stop()
