@@ -55,6 +55,56 @@ class _Inflight:
     new_blocks: int  # still to prefill; 0 once the first token is out
 
 
+class _InflightQueue:
+    """One worker's routed requests, oldest first, and their sums: a route reads a worker's load
+    without walking its requests (at C=128 that walk was a quarter of a route's time)."""
+
+    __slots__ = ("items", "new_blocks", "prompt_blocks")
+
+    def __init__(self):
+        self.items: OrderedDict[str, _Inflight] = OrderedDict()
+        self.prompt_blocks = 0
+        self.new_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, request_id: str, d: _Inflight) -> None:
+        old = self.items.get(request_id)
+        if old is not None:
+            self._less(old)
+        self.items[request_id] = d
+        self.prompt_blocks += d.prompt_blocks
+        self.new_blocks += d.new_blocks
+
+    def get(self, request_id: str) -> _Inflight | None:
+        return self.items.get(request_id)
+
+    def pop(self, request_id: str) -> None:
+        d = self.items.pop(request_id, None)
+        if d is not None:
+            self._less(d)
+
+    def prefilled(self, request_id: str) -> None:
+        d = self.items.get(request_id)
+        if d is not None:
+            self.new_blocks -= d.new_blocks
+            d.new_blocks = 0
+
+    def drop_before(self, timestamp: float) -> None:
+        """Forget the oldest ones, up to the first at or after ``timestamp``."""
+        items = self.items
+        while items and next(iter(items.values())).timestamp < timestamp:
+            self._less(items.popitem(last=False)[1])
+
+    def _less(self, d: _Inflight) -> None:
+        self.prompt_blocks -= d.prompt_blocks
+        self.new_blocks -= d.new_blocks
+
+
+_NO_INFLIGHT = _InflightQueue()  # read-only: the load of a worker nothing was routed to
+
+
 class KvRouter:
     def __init__(self, bus: Bus, membership: Membership, config: RouterConfig, router_id: str | None = None):
         self.bus = bus
@@ -65,7 +115,7 @@ class KvRouter:
         self.indexes: dict[str, KvIndex] = {}
         self.loads: dict[str, LoadReport] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
-        self.inflight: dict[str, OrderedDict[str, _Inflight]] = {}  # worker -> request id -> load
+        self.inflight: dict[str, _InflightQueue] = {}  # worker -> its routed requests (request id -> load)
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
         self._rr = 0
@@ -142,8 +192,8 @@ class KvRouter:
         self.loads[report.worker_id] = report
         self._heard[report.worker_id] = time.monotonic()
         queue = self.inflight.get(report.worker_id)
-        while queue and next(iter(queue.values())).timestamp < report.timestamp - REPORT_MARGIN:
-            queue.popitem(last=False)
+        if queue is not None:
+            queue.drop_before(report.timestamp - REPORT_MARGIN)
 
     async def _on_decision(self, d: RouterDecision, raw) -> None:
         if d.router_id != self.router_id and self.membership.vouches(d.worker_id, "decode", d.model):
@@ -256,8 +306,11 @@ class KvRouter:
 
     def _load_of(self, card: WorkerCard, now: float, adapter: str = "") -> WorkerLoad:
         report = self.loads.get(card.worker_id)
-        queue = self.inflight.get(card.worker_id, {})
-        fresh = [d for d in queue.values() if now - d.timestamp < INFLIGHT_TTL]
+        queue = self.inflight.get(card.worker_id)
+        if queue is None:
+            queue = _NO_INFLIGHT
+        else:
+            queue.drop_before(now - INFLIGHT_TTL)  # decisions no load report ever showed
         pending = 0
         active = 0
         if report is not None:
@@ -266,8 +319,8 @@ class KvRouter:
         return WorkerLoad(
             card.worker_id,
             active_blocks=active,
-            pending_prefill_blocks=pending + sum(d.new_blocks for d in fresh),
-            inflight_blocks=sum(d.prompt_blocks for d in fresh),
+            pending_prefill_blocks=pending + queue.new_blocks,
+            inflight_blocks=queue.prompt_blocks,
             total_blocks=card.kv_blocks,
             adapter_cold=bool(adapter) and (report is None or adapter not in report.hot_adapters),
             costs=self._costs_of(card),
@@ -283,10 +336,11 @@ class KvRouter:
         return got[1]
 
     def _count(self, worker: str, request_id: str, d: _Inflight) -> None:
-        queue = self.inflight.setdefault(worker, OrderedDict())
-        queue[request_id] = d
-        while queue and d.timestamp - next(iter(queue.values())).timestamp > INFLIGHT_TTL:
-            queue.popitem(last=False)
+        queue = self.inflight.get(worker)
+        if queue is None:
+            queue = self.inflight[worker] = _InflightQueue()
+        queue.add(request_id, d)
+        queue.drop_before(d.timestamp - INFLIGHT_TTL)
 
     def suspect(self, worker: str) -> None:
         """A request to ``worker`` found nobody there or went silent: no new work for it until
@@ -295,13 +349,15 @@ class KvRouter:
 
     def first_token(self, worker: str, request_id: str) -> None:
         """The request's prefill is done: it no longer counts as pending prefill."""
-        d = self.inflight.get(worker, {}).get(request_id)
-        if d is not None:
-            d.new_blocks = 0
+        queue = self.inflight.get(worker)
+        if queue is not None:
+            queue.prefilled(request_id)
 
     def finished(self, worker: str, request_id: str) -> None:
         """The request ended: its blocks are free again (whatever the next load report says)."""
-        self.inflight.get(worker, {}).pop(request_id, None)
+        queue = self.inflight.get(worker)
+        if queue is not None:
+            queue.pop(request_id)
 
     async def _publish(self, d: RouterDecision) -> None:
         with contextlib.suppress(Exception):

@@ -415,3 +415,37 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     cards[0].serves_kv_fetch = False  # nor does anyone fetch from a worker that does not serve
     d = router.route("m", tokens, "r4", exclude={"a", "c", "d"})
     assert (d.worker_id, d.fetch_source) == ("b", "")
+
+
+def test_a_workers_inflight_sums_are_those_of_its_requests_through_any_sequence_of_events():
+    """The router keeps each worker's in-flight prompt and prefill blocks as running sums: after
+    every add, first token, finish, re-route and pruning they equal the sums over what is left."""
+    from mesh.router.router import _Inflight, _InflightQueue
+
+    rng = random.Random(7)
+    q, model, t = _InflightQueue(), {}, 0.0
+    for _ in range(5000):
+        op = rng.random()
+        rid = f"r{rng.randrange(60)}"
+        if op < 0.45:
+            t += rng.random()
+            d = _Inflight(t, rng.randrange(1, 40), rng.randrange(0, 40))
+            q.add(rid, d)
+            model[rid] = d  # a re-route of the same request replaces it, in place
+        elif op < 0.65:
+            q.prefilled(rid)
+            if rid in model:
+                model[rid].new_blocks = 0
+        elif op < 0.85:
+            q.pop(rid)
+            model.pop(rid, None)
+        else:
+            cut = t - rng.random() * 10
+            q.drop_before(cut)
+            for k in list(model):  # the oldest first, up to the first at or after the cut
+                if model[k].timestamp >= cut:
+                    break
+                del model[k]
+        assert list(q.items) == list(model)
+        assert q.prompt_blocks == sum(d.prompt_blocks for d in model.values())
+        assert q.new_blocks == sum(d.new_blocks for d in model.values())
