@@ -16,7 +16,8 @@ deep), and input nested past the decoder's recursion limit is a ``DecodeError`` 
 
 The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
 ``NcclConnect``, ``NcclBegin``, ``NcclReply``, the ``Nixl*`` handshake) are defined below the mesh, in
-``kvstore/transfer/messages.py``, the embed pool's in ``mesh/embed_messages.py``. All are re-exported here, and the transports' messages
+``kvstore/transfer/messages.py``, the embed pool's in ``mesh/embed_messages.py``, the token link's and the LoRA admin's in
+``mesh/side_messages.py``. All are re-exported here, and the transports' messages
 go through this codec like every other.
 
 ``docs/protocol.md`` documents the same table for writers of custom workers.
@@ -44,6 +45,11 @@ from mesh.embed_messages import MESSAGES as EMBED_MESSAGES
 from mesh.embed_messages import EmbedReply as EmbedReply
 from mesh.embed_messages import EmbedRequest as EmbedRequest
 from mesh.params import Transports, checked_transports
+from mesh.side_messages import MESSAGES as SIDE_MESSAGES
+from mesh.side_messages import LinkHello as LinkHello
+from mesh.side_messages import LinkReady as LinkReady
+from mesh.side_messages import LoraReply as LoraReply
+from mesh.side_messages import LoraRequest as LoraRequest
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import max_bytes
 from mesh.subjects import subject_token as subject_token
@@ -95,7 +101,7 @@ class Part(msgspec.Struct, omit_defaults=True):
         MESSAGE_TYPES[cls.__name__] = cls
 
 
-for _message in (*TRANSPORT_MESSAGES, *EMBED_MESSAGES):  # a Message's form, defined in their own modules
+for _message in (*TRANSPORT_MESSAGES, *EMBED_MESSAGES, *SIDE_MESSAGES):  # a Message's form, defined in their own modules
     register(_message)
 
 
@@ -219,18 +225,6 @@ class TokenBatch(Message):
 
     worker: str
     chunks: list[TokenChunk] = field(default_factory=list)
-
-
-class LinkHello(Message):
-    """Decode worker -> gateway, first on a token link (``mesh.tokenlink``): who it is, and the key
-    its requests carried (``GenerateRequest.batch_link_key``)."""
-
-    worker: str
-    key: str
-
-
-class LinkReady(Message):
-    """Gateway -> decode worker on a token link: the hello was good; TokenBatches may follow."""
 
 
 class Cancel(Message):
@@ -414,25 +408,6 @@ class PlannerDecision(Message):
     capacity: float = 0.0
     latency_ms: float = 0.0
     connector: str = ""
-
-class LoraRequest(Message):
-    """Admin -> every worker of a model, request on ``lora``: load a PEFT adapter directory (each
-    worker reads it from its own file system) under ``name``, or unload ``name``."""
-
-    action: str  # load | unload
-    name: str
-    path: str = ""  # load: the adapter directory
-
-
-class LoraReply(Message):
-    """A worker's answer to a ``LoraRequest``; ``adapters``: what it holds afterwards."""
-
-    worker_id: str
-    ok: bool
-    error: str = ""
-    status: int = 0  # on failure: 400 (a broken adapter, a bad name), 404 (unload of an unknown name)
-    adapters: list[str] = field(default_factory=list)
-
 
 class KvFetchRequest(Message):
     """Requester -> holder, request on ``kv_fetch.{holder}``: send me the leading run of these

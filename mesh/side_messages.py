@@ -1,0 +1,51 @@
+"""Messages off the request path: a token link's handshake (``mesh.tokenlink``) and the LoRA admin's.
+
+They have the form of every message of the mesh (msgspec Structs: a msgpack map of their fields
+plus ``"type"``, the class name; fields at their default left out), like the embed pool's
+(``mesh/embed_messages.py``): ``mesh.protocol`` registers them with its one codec and re-exports
+them, and ``docs/protocol.md`` documents them with the rest. Their own module keeps
+``mesh/protocol.py`` on one screen's budget.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import field
+
+
+class SideMessage(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
+    """A message sent on its own (the form of ``mesh.protocol.Message``)."""
+
+
+class LinkHello(SideMessage):
+    """Decode worker -> gateway, first on a token link (``mesh.tokenlink``): who it is, and the key
+    its requests carried (``GenerateRequest.batch_link_key``)."""
+
+    worker: str
+    key: str
+
+
+class LinkReady(SideMessage):
+    """Gateway -> decode worker on a token link: the hello was good; TokenBatches may follow."""
+
+
+class LoraRequest(SideMessage):
+    """Admin -> every worker of a model, request on ``lora``: load a PEFT adapter directory (each
+    worker reads it from its own file system) under ``name``, or unload ``name``."""
+
+    action: str  # load | unload
+    name: str
+    path: str = ""  # load: the adapter directory
+
+
+class LoraReply(SideMessage):
+    """A worker's answer to a ``LoraRequest``; ``adapters``: what it holds afterwards."""
+
+    worker_id: str
+    ok: bool
+    error: str = ""
+    status: int = 0  # on failure: 400 (a broken adapter, a bad name), 404 (unload of an unknown name)
+    adapters: list[str] = field(default_factory=list)
+
+
+MESSAGES = (LinkHello, LinkReady, LoraRequest, LoraReply)
