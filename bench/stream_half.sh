@@ -6,7 +6,7 @@
 # and load.py's figures.
 #   bash bench/stream_half.sh [TREE]   (TREE: the source tree to run, default this one; env N C T, PEERS_DIR,
 #   LOAD: another load.py, e.g. one whose client keeps C streams open: docs/benchmarks.md, s42;
-#   GW_ARGS: more `mesh gateway` flags, e.g. GW_ARGS="--router round-robin";
+#   GW_ARGS: more `mesh gateway` flags, e.g. GW_ARGS="--router round-robin"; WK_ARGS: more `mesh worker mock` flags;
 #   PROBE=1: also sample, every 0.25 s, the gateway's in-flight requests and the load client's CPU,
 #   and time one more streamed request (64 tokens) each second from curl: one more line says whether
 #   the run was bound by the client (docs/benchmarks.md, "The harness's client in its pile-up"); the
@@ -44,7 +44,7 @@ sleep 1
 setsid $BIN/mesh gateway --nats nats://127.0.0.1:$NP --model $TOK --served-name tiny --port $P2 ${GW_ARGS:-} >$W/gw.log 2>&1 & GW=$!; PIDS="$PIDS $GW"
 WK=
 for k in 1 2; do
-  setsid $BIN/mesh worker mock --nats nats://127.0.0.1:$NP --served-name tiny --block-size 16 --mock-speedup 1 >$W/mock$k.log 2>&1 & WK="$WK $!"
+  setsid $BIN/mesh worker mock --nats nats://127.0.0.1:$NP --served-name tiny --block-size 16 --mock-speedup 1 ${WK_ARGS:-} >$W/mock$k.log 2>&1 & WK="$WK $!"
 done
 PIDS="$PIDS $WK"
 for i in $(seq 90); do curl -sf 127.0.0.1:$P2/v1/models | grep -q tiny && curl -sf 127.0.0.1:$P2/health >/dev/null && break; sleep 1; done

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
     p.add_argument("--stream-interval-ms", type=float, default=1.0,
                    help="decode: at most one token message per gateway per this many ms (0: as soon as the event loop is free)")
-    p.add_argument("--kv-event-interval-ms", type=float, default=5.0,
+    p.add_argument("--kv-event-interval-ms", type=float, default=100.0,
                    help="decode: at most one KV event batch per this many ms (the router hears of a block at most "
                         "this much later; 0: as soon as the last batch is sent)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port, -1: off)")

@@ -5,7 +5,7 @@ every command (``flush``). It numbers a batch and hands it to the event loop,
 which publishes batches in order; until the loop has sent the last batch, new
 events wait and go out with the next one (a busy loop sends one batch for
 several steps, not one each). At most one batch is numbered per
-``interval`` (5 ms by default, ``--kv-event-interval-ms``): a router hears of a
+``interval`` (100 ms by default, ``--kv-event-interval-ms``): a router hears of a
 block at most that much later, and a worker publishes a few batches per
 request instead of one per step that touched the cache. The interval is kept
 by the flush itself (events that come sooner wait, with a timer for an engine
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_PAGE = 50_000  # hashes per reply page (~450 KB of msgpack)
 SNAPSHOT_TTL = 30.0  # seconds a snapshot's later pages stay available
-INTERVAL = 0.005  # seconds: at most one batch per interval
+INTERVAL = 0.1  # seconds: at most one batch per interval (why 100 ms: docs/benchmarks.md, s47)
 
 
 def to_wire(events: list[BlockEvent]) -> list[KvEvent]:
