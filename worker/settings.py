@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from engine.core import EngineCore
+from mesh.kvevents import INTERVAL as KV_EVENT_INTERVAL
 from mesh.registry import DEFAULT_TTL
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class WorkerSettings:
     # (nothing, when steps are longer than it, as a GPU's are), and the bus carries at most
     # 1000/interval messages per second per gateway however short the steps (docs/operations.md).
     stream_interval_ms: float = 1.0
-    kv_event_interval_ms: float = 100.0  # decode: at most one KV event batch per this many ms (mesh/kvevents.py)
+    kv_event_interval_ms: float = KV_EVENT_INTERVAL * 1000  # decode: at most one KV event batch per this many ms
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
     nats: NatsConfig | None = None  # servers, credentials, TLS (None: nats_url + environment)
