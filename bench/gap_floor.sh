@@ -20,7 +20,7 @@ cleanup() {  # TERM first: dynamo_up.sh stops its own process groups on it
   for g in $PIDS; do kill -TERM -- -$g 2>/dev/null; done; sleep 1; for g in $PIDS; do kill -9 -- -$g 2>/dev/null; done; for g in $PIDS; do wait $g 2>/dev/null; done; rm -rf $W; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+. "$here/pdmesh_half.sh"  # port, start_pdmesh
 up() { for i in $(seq 90); do curl -sf 127.0.0.1:$1/v1/models | grep -q tiny && return 0; sleep 1; done; echo "$2 did not come up"; exit 1; }
 PI=$(port); setsid python "$here/ideal_stream.py" $PI $STEP_MS $T >$W/ideal.log 2>&1 & PIDS="$PIDS $!"
 SERVERS="ideal_${STEP_MS}ms:$PI"
@@ -29,17 +29,10 @@ if [ -n "${IDEAL2_MS:-}" ]; then
   SERVERS="$SERVERS ideal_${IDEAL2_MS}ms:$PI2"
 fi
 PD=$(port); setsid bash $PEERS/dynamo_up.sh $PD 2 1 >$W/dynamo.log 2>&1 & PIDS="$PIDS $!"
-NP=$(port); PP=$(port)
-setsid $BIN/nats-server -js -sd $W/js -a 127.0.0.1 -p $NP >$W/nats.log 2>&1 & PIDS="$PIDS $!"
-sleep 1
-setsid $BIN/mesh gateway --nats nats://127.0.0.1:$NP --model $TOK --served-name tiny --port $PP >$W/gw.log 2>&1 & PIDS="$PIDS $!"
-for k in 1 2; do
-  setsid $BIN/mesh worker mock --nats nats://127.0.0.1:$NP --served-name tiny --block-size 16 --mock-speedup 1 >$W/mock$k.log 2>&1 & PIDS="$PIDS $!"
-done
-up $PI ideal; up $PD dynamo; up $PP pdmesh
-for i in $(seq 90); do curl -sf 127.0.0.1:$PP/health >/dev/null && break; sleep 1; done
+start_pdmesh
+up $PI ideal; up $PD dynamo; up $P2 pdmesh
 sleep 2
-SERVERS="$SERVERS dynamo:$PD pdmesh:$PP"
+SERVERS="$SERVERS dynamo:$PD pdmesh:$P2"
 for r in $(seq $R); do
   for s in $SERVERS; do
     name=${s%%:*}; p=${s##*:}

@@ -28,19 +28,19 @@ def _event(obj: dict) -> bytes:
 
 
 def _events(tokens: int) -> tuple[bytes, bytes, bytes]:
-    """(first, middle, last): the chunked-encoding bytes a step writes."""
+    """(role, token, end): the chunked-encoding bytes of the role event (before a stream's first
+    token), of one token's event, and of the finish, usage and ``[DONE]`` events (after its last)."""
     base = {"id": "chatcmpl-ideal", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
 
     def chunk(delta: dict, finish=None) -> bytes:
         return _event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
                        "usage": None})
 
-    token = chunk({"content": " tok123"})
     usage = _event({**base, "choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": tokens,
                                                      "total_tokens": 100 + tokens}})
     done = b"data: [DONE]\n\n"
     end = chunk({}, "length") + usage + b"%x\r\n%b\r\n" % (len(done), done) + b"0\r\n\r\n"
-    return chunk({"role": "assistant", "content": ""}) + token, token, token + end
+    return chunk({"role": "assistant", "content": ""}), chunk({"content": " tok123"}), end
 
 
 _HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -89,7 +89,7 @@ async def _serve(port: int, step_s: float, tokens: int, workers: int) -> None:
 
 
 async def _worker(streams: list, step_s: float, tokens: int, due: float) -> None:
-    first, middle, last = _events(tokens)
+    role, token, end = _events(tokens)
     loop = asyncio.get_running_loop()
     while True:
         due += step_s
@@ -99,12 +99,11 @@ async def _worker(streams: list, step_s: float, tokens: int, due: float) -> None
             transport, sent = s
             if transport.is_closing():
                 continue
-            s[1] = sent + 1
-            if s[1] >= tokens:
-                transport.write(last)
-                continue
-            transport.write(first if sent == 0 else middle)
-            kept.append(s)
+            s[1] = sent = sent + 1
+            ended = sent >= tokens
+            transport.write((role if sent == 1 else b"") + token + (end if ended else b""))  # one write a step
+            if not ended:
+                kept.append(s)
         streams[:] = kept
 
 

@@ -22,7 +22,7 @@ cleanup() { for g in $PIDS; do kill -9 -- -$g 2>/dev/null; done; for g in $PIDS;
 trap 'cleanup; rm -rf $W' EXIT
 trap 'exit 130' INT TERM  # through the EXIT trap: a stopped run stops, not just its processes
 C=${C:-128}; N=${N:-500}; T=${T:-64}
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+. "$(dirname "$0")/pdmesh_half.sh"  # port, start_pdmesh
 cpu() { python3 - "$@" <<'PY'
 import os, sys
 groups, t = set(sys.argv[1:]), 0
@@ -38,16 +38,7 @@ print(t / os.sysconf("SC_CLK_TCK"))
 PY
 }
 per_req() { python3 -c "print(round(($1-$2)*1000/$N,2))"; }
-NP=$(port); P2=$(port)
-setsid $BIN/nats-server -js -sd $W/js -a 127.0.0.1 -p $NP >$W/nats.log 2>&1 & NS=$!; PIDS="$PIDS $NS"
-sleep 1
-setsid $BIN/mesh gateway --nats nats://127.0.0.1:$NP --model $TOK --served-name tiny --port $P2 ${GW_ARGS:-} >$W/gw.log 2>&1 & GW=$!; PIDS="$PIDS $GW"
-WK=
-for k in 1 2; do
-  setsid $BIN/mesh worker mock --nats nats://127.0.0.1:$NP --served-name tiny --block-size 16 --mock-speedup 1 ${WK_ARGS:-} >$W/mock$k.log 2>&1 & WK="$WK $!"
-done
-PIDS="$PIDS $WK"
-for i in $(seq 90); do curl -sf 127.0.0.1:$P2/v1/models | grep -q tiny && curl -sf 127.0.0.1:$P2/health >/dev/null && break; sleep 1; done
+start_pdmesh
 sleep 2
 g0=$(cpu $GW); w0=$(cpu $WK); n0=$(cpu $NS)
 [ -n "${PROBE:-}" ] && { python3 - "$P2" "$LOAD" "$W/probe.stop" >"$W/probe.txt" 2>&1 <<'PY' &
