@@ -4,7 +4,7 @@ return wrong tokens."""
 
 from __future__ import annotations
 
-from bench.chaos import report, run_chaos
+from bench.mesh.chaos import report, run_chaos
 
 
 async def test_chaos_loses_nothing_and_hangs_nothing():

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from bench.chaos import Outcome
+from bench.mesh.chaos import Outcome
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
