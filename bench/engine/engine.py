@@ -56,7 +56,7 @@ BENCHMARK = Benchmark(
     name="engine",
     measures="decode and prefill tok/s of our engine against transformers `generate` on the same model and "
              "cores (CPU, the `small` model), batch 1, 8 and 32 and mixed lengths",
-    target="decode at batch 32 >= 3x transformers (CPU; issue 21)",
+    target="decode at batch 32 >= 3x transformers (CPU)",
     minutes=4,
     smoke=("--model", "tiny", "--quick", "--reps", "1", "--threads", "1"),
 )
