@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib
 import shlex
 from dataclasses import dataclass
@@ -50,8 +51,9 @@ class Benchmark:
         return importlib.import_module(self.module)
 
 
-def collect() -> list[Benchmark]:
-    """Every declared benchmark, by area then name."""
+@functools.cache
+def collect() -> tuple[Benchmark, ...]:
+    """Every declared benchmark, by area then name (read once per process)."""
     found = []
     for path in sorted(BENCH.glob("*/*.py")):
         area = path.parent.name
@@ -64,7 +66,7 @@ def collect() -> list[Benchmark]:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise RuntimeError(f"benchmark names declared twice: {', '.join(sorted(dup))}")
-    return sorted(found, key=lambda b: (AREAS.index(b.area), b.name))
+    return tuple(sorted(found, key=lambda b: (AREAS.index(b.area), b.name)))
 
 
 def find(name: str) -> Benchmark | None:

@@ -92,6 +92,7 @@ def main(argv: list[str]) -> int:
         print(f"python -m bench --smoke: no benchmark named {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     chosen = [b for b in benches if not argv or b.name in argv]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads would warn after a fork
     t0 = time.monotonic()
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="pdmesh-bench-smoke-") as tmp:
@@ -121,5 +122,3 @@ def _torch_threads(n: int | None = None) -> int | None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
 
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

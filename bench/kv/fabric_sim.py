@@ -45,9 +45,8 @@ from mocker.engine import MockConfig, MockEngine
 
 BENCHMARK = Benchmark(
     name="fabric-sim",
-    measures="the trace replay's KV fabric (tiers, peer fetch) in simulated time: the real router, block pools "
-             "and mocker engines on a discrete-event clock, no processes",
-    target="the trace replay's (issue 20)",
+    measures="the trace replay's KV fabric (tiers, peer fetch) in simulated time, against trace-replay's targets: "
+             "the real router, block pools and mocker engines on a discrete-event clock, no processes",
     minutes=45,
     smoke=("--limit", "30", "--modes", "kv", "--phases", "free"),
 )
