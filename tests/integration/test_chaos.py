@@ -1,4 +1,4 @@
-"""A short chaos run (12 s; `python bench/chaos.py --seconds 120` is the long one): steady load
+"""A short chaos run (12 s; `python -m bench chaos --seconds 120` is the long one): steady load
 while workers are killed and restarted at random and NATS restarts once. No request may hang or
 return wrong tokens."""
 
