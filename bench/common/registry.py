@@ -39,7 +39,8 @@ class Benchmark:
 
     @property
     def area(self) -> str:
-        return self.module.split(".")[1]
+        """Its folder (``collect`` knows it; a module's own ``BENCHMARK`` does not)."""
+        return self.module.split(".")[1] if self.module else ""
 
     def line(self) -> str:
         """Its line in ``--list``."""
