@@ -15,11 +15,11 @@
 # default 480), so the whole check ends inside 8 minutes even when a step hangs.
 #
 # Parts (GPU_CHECK_PARTS, space-separated; default: all):
-#   transfer   the KV transport tests and bench/transfer_gpu.py
+#   transfer   the KV transport tests and python -m bench transfer-gpu
 #   kernels    JIT-build every FlashInfer module the tests and benchmarks use, in parallel
 #              (attention FA2 per dtype/head size; fused norm, activation, rope, sampling, merge)
 #   tests      tests/gpu except the transports (GPU_TESTS: other paths or a -k expression)
-#   bench      bench/engine.py --gpu: issue 21's table (GPU_BENCH_ARGS: extra arguments)
+#   bench      python -m bench engine-gpu: issue 21's table (GPU_BENCH_ARGS: extra arguments)
 #   (flashinfer and engine are the old names of tests and bench)
 # Built kernels go to bench/out/flashinfer, which the device tool keeps between
 # calls while the machine stays warm: a rerun of one part skips the builds, and
@@ -171,7 +171,7 @@ main() {
         step gpu-transfer-tests 180 bash -c 'pytest_gpu tests/gpu/test_transfer_gpu.py -m gpu --junitxml "$0"' "$logdir/gpu_transfer_tests.xml"
         # GPU tests outside tests/gpu, by file: collecting all of tests/ needs the CPU suite's dev extras
         step gpu-marked-elsewhere 90 bash -c 'pytest_gpu -m gpu $(grep -rl --include="test_*.py" "mark.gpu" tests | grep -v "^tests/gpu/")'
-        step bench-transfer-gpu 120 "$py" bench/transfer_gpu.py --json "$logdir/bench_transfer_gpu.json"
+        step bench-transfer-gpu 120 "$py" -m bench transfer-gpu --json "$logdir/bench_transfer_gpu.json"
     fi
     if [[ -n "$warm_pid" ]]; then
         wait "$warm_pid" || failed+=("warm-kernels")
@@ -183,7 +183,7 @@ main() {
     fi
     if want bench; then
         # shellcheck disable=SC2086
-        step bench-engine 240 "$py" bench/engine.py --gpu --gpu-new-tokens 64 --gpu-profile 8 ${GPU_BENCH_ARGS:-} --json "$logdir/bench_engine.json"
+        step bench-engine 240 "$py" -m bench engine-gpu --gpu-new-tokens 64 --gpu-profile 8 ${GPU_BENCH_ARGS:-} --json "$logdir/bench_engine.json"
     fi
     echo "== done in ${SECONDS}s; failed: ${failed[*]:-none}"
     ((${#failed[@]} == 0))

@@ -22,7 +22,7 @@ A holder on the requester's host whose KV pool and host tier are files in /dev/s
 worker with the shm transport) writes nothing: it *lends* the pinned run (``KvFetchDone.lent``:
 its files, and where each block is in them), and the requester copies the blocks out itself
 (``take``), then releases the pins (``KvFetchRelease``). The holder's cores do no copying at
-all, which is what keeps its own steps' pace (bench/peer_serve.py): a copy on the holder's
+all, which is what keeps its own steps' pace (python -m bench peer-serve): a copy on the holder's
 engine thread lengthens its steps, and a copy thread beside it takes a core from the step's
 own threads. Only blocks of the holder's disk tier are written (into the requester's buffer,
 on a thread), their bytes being in no shared file. The lent blocks are pinned until the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.stream_costs import collecting_cycle
+from bench.serving.stream_costs import collecting_cycle
 from gateway.choice import ChoiceRun, ChoiceState, RetryPolicy
 from gateway.direct import DirectSink
 from gateway.formats import ChatFormat, CompletionFormat
