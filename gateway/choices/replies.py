@@ -166,7 +166,7 @@ class ReplyStream:
         # gateway's samples at C=128, real pace, when next_batch called it per token)
         self._loop = asyncio.get_running_loop()
         self._timeout = 0.0  # of the current wait
-        # gateway.direct.DirectSink: takes the next chunk in order, while the reader waits with
+        # choices.direct.DirectSink: takes the next chunk in order, while the reader waits with
         # nothing queued, and returns True when it has handled it (the reader never sees it)
         self.sink: Callable[[TokenChunk], bool] | None = None
 
