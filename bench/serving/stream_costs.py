@@ -7,7 +7,7 @@
    alone), through ASGI ``send`` per event (what the gateway does) and through a raw writer of
    the same HTTP/1.1 chunks straight to the transport (what bypassing uvicorn would save); checks
    both wrote the same bytes.
-2. Incremental detokenization per token: ``gateway.detok.IncrementalDetokenizer`` (a
+2. Incremental detokenization per token: ``gateway.outputs.detok.IncrementalDetokenizer`` (a
    ``DecodeStream`` step per token since 2026-12-03; before, two decodes of a short window per
    push) against a bare ``tokenizers.decoders.DecodeStream``,
    on random 64-token streams of the side-by-side tokenizer (``--tokenizer``: the peers' tok32k
@@ -108,7 +108,7 @@ def random_streams(tok, rng: random.Random, n: int) -> list[list[int]]:
 def detok_costs(model_dir: str, repeat: int) -> dict:
     from tokenizers.decoders import DecodeStream
 
-    from gateway.detok import IncrementalDetokenizer
+    from gateway.outputs.detok import IncrementalDetokenizer
     from mesh.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
@@ -145,11 +145,11 @@ def detok_costs(model_dir: str, repeat: int) -> dict:
 async def sink_costs(model_dir: str, repeat: int) -> dict:
     from types import SimpleNamespace
 
-    from gateway.choice import ChoiceRun, RetryPolicy
-    from gateway.direct import DirectSink
-    from gateway.formats import ChatFormat
+    from gateway.choices.choice import ChoiceRun, RetryPolicy
+    from gateway.choices.direct import DirectSink
+    from gateway.choices.replies import ReplyStream
+    from gateway.completions.formats import ChatFormat
     from gateway.metrics import GatewayStats
-    from gateway.replies import ReplyStream
     from gateway.service import _ChoiceText
     from mesh.protocol import TokenChunk
     from mesh.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ client sends can overflow the wire codec or the sampler further in.
 Structured output (``response_format``, ``tools``, ``tool_choice``,
 ``parallel_tool_calls``) is parsed into typed fields and checked here: schemas
 the grammar engine cannot enforce, unknown tool names, tool choices without
-tools are 400s. ``gateway.outputs`` turns them into the request's output plan.
+tools are 400s. ``gateway.outputs.plan`` turns them into the request's output plan.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.output_schemas import (
+from gateway.requests.output_schemas import (
     MAX_TOOLS,
     FunctionDefinition,
     MessageToolCall,

@@ -25,7 +25,8 @@ from pydantic import ValidationError
 
 from gateway import errors
 from gateway.errors import APIError
-from gateway.responses_schema import (
+from gateway.requests.schemas import ChatCompletionRequest
+from gateway.responses.schema import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
@@ -34,7 +35,6 @@ from gateway.responses_schema import (
     ResponsesRequest,
     TextFormat,
 )
-from gateway.schemas import ChatCompletionRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # a chat field named in a validation error -> the Responses field the client sent

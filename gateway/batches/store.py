@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 from nats.js.api import KeyValueConfig, ObjectStoreConfig
@@ -48,25 +47,6 @@ BATCH_PRIORITY = -(1 << 31)  # the lowest a request may have: batch lines yield 
 # statuses: not finished (a runner works on it) and final
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """The Batch API's limits and pacing (``mesh gateway`` flags, docs/operations.md)."""
-
-    max_files: int = 100  # --batch-max-files: batch input files a tenant may keep
-    max_file_bytes: int = 200 << 20  # --batch-max-file-bytes: one file's size, and a tenant's total
-    max_queued_requests: int = 50_000  # --batch-max-queued-requests: lines of a tenant's unfinished batches
-    max_inflight: int = 32  # --batch-max-inflight: lines one gateway runs at once, at most
-    headroom: float = 0.25  # --batch-headroom: the share of worker capacity batch lines leave free
-    lease_s: float = 15.0  # --batch-lease: a dead gateway's batches are taken over after this
-    line_timeout: float = 600.0  # seconds one line may take
-
-    def __post_init__(self) -> None:
-        if min(self.max_files, self.max_file_bytes, self.max_queued_requests, self.max_inflight) < 1:
-            raise ValueError("the --batch-max-* limits must be >= 1")
-        if self.lease_s <= 0 or self.line_timeout <= 0 or not 0.0 <= self.headroom < 1.0:
-            raise ValueError("need --batch-lease > 0 and 0 <= --batch-headroom < 1")
 
 
 class RunAs(msgspec.Struct, frozen=True):

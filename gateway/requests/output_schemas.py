@@ -1,6 +1,6 @@
 """Request models of structured output: response formats, tools, tool choices, tool calls in a
-conversation's history, and the fields we refuse (``REFUSED``). ``gateway.schemas`` builds the
-request bodies from them."""
+conversation's history, and the fields we refuse (``REFUSED``). ``gateway.requests.schemas``
+builds the request bodies from them."""
 
 from __future__ import annotations
 

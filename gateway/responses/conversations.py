@@ -6,7 +6,7 @@ max age is the TTL (``--responses-ttl``; whoever creates the bucket sets it, an 
 keeps its own), so nobody sweeps: an old response ages out.
 
 A record is one JSON value: the Response object as the client got it, and the conversation's
-history up to and including it as chat messages (``gateway.responses_items``), so continuing a
+history up to and including it as chat messages (``gateway.responses.items``), so continuing a
 conversation is one read however long it is, and no ancestor's expiry breaks it.
 
 Keys are ``{tenant}.{response id}``. The tenant part is a keyed digest of the API key's tenant

@@ -31,9 +31,9 @@ from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import errors
-from gateway.bodies import parse_body
 from gateway.errors import APIError
-from gateway.schemas import TokenId, openapi_body
+from gateway.requests.bodies import parse_body
+from gateway.requests.schemas import TokenId, openapi_body
 from gateway.service import Gateway
 from gateway.tenancy import clamp_priority, header_priority
 from mesh.protocol import DecodeError, EmbedReply, EmbedRequest, WorkerCard

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from gateway.choices.replies import NoResponders
 from gateway.errors import APIError, upstream
-from gateway.replies import NoResponders
 from mesh.client import StreamError
 
 UNREACHABLE_BACKOFF = 0.5  # seconds between rounds over workers nobody answers for
@@ -87,7 +87,7 @@ class ChoiceRun:
 
     def more(self, token_ids: list[int]) -> None:
         """``streamed(token_ids, False)`` for a caller that has seen the state is STREAMING
-        (``gateway.direct.DirectSink``, once per token at GPU pace)."""
+        (``gateway.choices.direct.DirectSink``, once per token at GPU pace)."""
         self.generated.extend(token_ids)
 
     def refused(self, status: int, message: str, untried: bool) -> ChoiceState:

@@ -1,9 +1,10 @@
 """Streaming tool-call extraction: text in, content and OpenAI ``tool_calls`` deltas out.
 
 One state machine serves every format (``CallSyntax`` says where calls start, how they are
-separated and what the envelope's keys are; ``gateway.tools`` has the formats) and both uses: a
-whole message is the stream fed at once, so a parsed message and the deltas of any split of the
-same text add up to the same thing by construction (the tests split at every character and byte).
+separated and what the envelope's keys are; ``gateway.outputs.tools`` has the formats) and both
+uses: a whole message is the stream fed at once, so a parsed message and the deltas of any split
+of the same text add up to the same thing by construction (the tests split at every character and
+byte).
 
     start/content --marker, or "{" opening the message--> calls --end, "]", other text--> after
     after: content again; the blanks before a block, and those after the last one, are dropped
@@ -22,7 +23,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.tooljson import WS, Envelope
+from gateway.outputs.tooljson import WS, Envelope
 
 _ALNUM = string.ascii_letters + string.digits
 

@@ -1,7 +1,7 @@
 """``/v1/files``: upload (multipart, purpose ``batch``), list, retrieve, download, delete.
 
 Files live in JetStream's object store and their records in the batches bucket
-(``gateway.batch_store``); a file belongs to the tenant whose key uploaded it: another tenant's
+(``gateway.batches.store``); a file belongs to the tenant whose key uploaded it: another tenant's
 ids are 404. Uploads are capped by ``--batch-max-file-bytes`` (not the request body cap of the
 completion routes: ``gateway.auth.BodyCap`` leaves this route to its own), and a tenant keeps at
 most ``--batch-max-files`` batch inputs of at most ``--batch-max-file-bytes`` in all (429 past
@@ -18,7 +18,7 @@ import uuid
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
-from gateway.batch_store import BatchStore, FileRecord, RunAs
+from gateway.batches.store import BatchStore, FileRecord, RunAs
 from gateway.errors import APIError
 from mesh import metrics
 

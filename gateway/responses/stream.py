@@ -1,9 +1,10 @@
 """A response's output as Responses objects: the whole ``Response``, or its typed stream events.
 
 One ``ResponseFormat`` per request, a ``gateway.formats.Format`` that the chat path drives
-(``_complete`` in gateway/app.py): ``full`` for a whole response, ``opening``/``chunks``/
-``closing`` for a stream. Both feed the choice's deltas to the same ``OutputItems``, so a stream's
-events add up to the whole response by construction. A delta's parts open items in order:
+(``_complete`` in gateway/completions/routes.py): ``full`` for a whole response,
+``opening``/``chunks``/``closing`` for a stream. Both feed the choice's deltas to the same
+``OutputItems``, so a stream's events add up to the whole response by construction. A delta's
+parts open items in order:
 
     reasoning text  -> a ``reasoning`` item    (reasoning_text.delta)
     content text    -> a ``message`` item      (output_text.delta)

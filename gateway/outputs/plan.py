@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.errors import APIError
-from gateway.reasoning import ReasoningFormat, ReasoningParser, reasoning_format
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.toolcalls import ToolCallParser
-from gateway.tools import FunctionSpec, ToolFormat, forcing_constraint, tool_format
+from gateway.outputs.reasoning import ReasoningFormat, ReasoningParser, reasoning_format
+from gateway.outputs.toolcalls import ToolCallParser
+from gateway.outputs.tools import FunctionSpec, ToolFormat, forcing_constraint, tool_format
+from gateway.requests.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.constraints.spec import Constraint
 from mesh.tokenizer import Tokenizer
 

@@ -1,14 +1,15 @@
 """The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
 No second generation path: a Responses request becomes the chat request it means
-(``gateway.responses_items``), the chat path serves it (template, output plan, admission,
-routing, streaming: ``ChatRunner``, which gateway/app.py hands over), and a ``ResponseFormat``
-(``gateway.responses_stream``) writes what comes back as a Response or its stream events.
+(``gateway.responses.items``), the chat path serves it (template, output plan, admission,
+routing, streaming: a ``ChatRunner`` from ``gateway.completions``, which gateway/app.py hands
+over), and a ``ResponseFormat`` (``gateway.responses.stream``) writes what comes back as a
+Response or its stream events.
 
     parse (400s) --> tenant --> previous_response_id: the stored history (404 if none for the
     tenant) --> chat request --> the chat path --> Response / events
-    store: the finished response and its conversation go to the bucket (``gateway.conversations``)
-           before the client sees it complete: whole, before the body is sent; streamed, before
+    store: the finished response and its conversation go to the bucket (``conversations``) before
+           the client sees it complete: whole, before the body is sent; streamed, before
            response.completed. Not stored: store false, a failed or abandoned response.
 
 The routes sit behind the gateway's API keys like every other; the key in
@@ -20,24 +21,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
-from gateway.bodies import parse_json, read_body
-from gateway.conversations import Conversations, not_found, tenant_of
 from gateway.errors import APIError
-from gateway.formats import Format
-from gateway.responses_items import chat_request, new_messages, output_messages, renamed
-from gateway.responses_schema import FunctionChoice, ResponsesRequest
-from gateway.responses_stream import ResponseFormat
-from gateway.schemas import ChatCompletionRequest, openapi_body
+from gateway.formats import ChatRunner, Format
+from gateway.requests.bodies import parse_json, read_body
+from gateway.requests.schemas import ChatCompletionRequest, openapi_body
+from gateway.responses.conversations import Conversations, not_found, tenant_of
+from gateway.responses.items import chat_request, new_messages, output_messages, renamed
+from gateway.responses.schema import FunctionChoice, ResponsesRequest
+from gateway.responses.stream import ResponseFormat
 from gateway.service import Gateway, Target
-
-# what gateway/app.py gives: make the chat request's format, run it through the chat path
-FormatFactory = Callable[[Gateway, ChatCompletionRequest, Target, list[int]], Format]
-ChatRunner = Callable[[Request, ChatCompletionRequest, int, FormatFactory], Awaitable[Response]]
 
 
 def install_responses_routes(app: FastAPI, gateway: Gateway, run_chat: ChatRunner) -> None:

@@ -4,7 +4,7 @@
         take its lease (compare-and-set) and run it:
             validating  -> read and check the input file, count its lines -> in_progress
             in_progress -> every line without a kept result, through the governor, as an
-                           in-process request (``batch_dispatch``); keep each result once
+                           in-process request (``dispatch``); keep each result once
             -> finalizing -> output and error files from the kept results -> completed
     while running: renew the lease every lease/3, read the batch's status (a cancel stops new
     lines and cancels the ones in flight; the 24 h window ending expires it), publish the counts.
@@ -31,9 +31,9 @@ import uuid
 
 import msgspec
 
-from gateway.batch_dispatch import call_route
-from gateway.batch_governor import TICK, Governor
-from gateway.batch_lines import (
+from gateway.batches.dispatch import call_route
+from gateway.batches.governor import TICK, Governor
+from gateway.batches.lines import (
     Line,
     LineResult,
     count_kept,
@@ -42,7 +42,8 @@ from gateway.batch_lines import (
     parse_lines,
     render_files,
 )
-from gateway.batch_store import FINAL, BatchConfig, BatchRecord, BatchStore, FileRecord, Lease
+from gateway.batches.store import FINAL, BatchRecord, BatchStore, FileRecord, Lease
+from gateway.limits import BatchConfig
 from gateway.metrics import BATCH_INFLIGHT, BATCH_LINES, BATCH_RUNNING, BATCHES
 from mesh.procutil import cancel_and_wait
 

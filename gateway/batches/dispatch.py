@@ -14,7 +14,7 @@ import asyncio
 import logging
 
 from gateway.auth import ApiKey
-from gateway.batch_store import BATCH_PRIORITY
+from gateway.batches.store import BATCH_PRIORITY
 from gateway.errors import APIError
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from gateway.choice import ChoiceRun, ChoiceState
+from gateway.choices.choice import ChoiceRun, ChoiceState
 from gateway.metrics import ChoiceFigures
 from mesh.protocol import TokenChunk
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.batch_store import BATCH_PRIORITY
+from gateway.batches.store import BATCH_PRIORITY
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 MAX_CUSTOM_ID = 512

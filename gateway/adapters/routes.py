@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.bodies import parse_body
 from gateway.errors import APIError
+from gateway.requests.bodies import parse_body
 from mesh import metrics
 from mesh.adapters import broadcast
 from mesh.protocol import LoraReply, LoraRequest

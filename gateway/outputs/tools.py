@@ -21,7 +21,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.toolcalls import CallSyntax, ToolCallParser, openai_call_id
+from gateway.outputs.toolcalls import CallSyntax, ToolCallParser, openai_call_id
 from mesh.constraints.spec import Constraint, lark_json
 
 _ALNUM = string.ascii_letters + string.digits

@@ -1,5 +1,5 @@
-"""The Responses API's request body (``POST /v1/responses``), validated as ``gateway.schemas``
-validates chat: strict types, bounded numbers, a 400 naming the field.
+"""The Responses API's request body (``POST /v1/responses``), validated as
+``gateway.requests.schemas`` validates chat: strict types, bounded numbers, a 400 naming the field.
 
 Stricter than chat about fields it does not know, as OpenAI's Responses endpoint is: an unknown
 field is a 400 (``unknown_parameter``), a known one we do not implement and that would change the
@@ -7,7 +7,7 @@ output is a 400 naming it (``REFUSED``), unless its value is the default. Built-
 search, file search, code interpreter, computer use, MCP, ...) run on OpenAI's side; pdmesh runs
 only the client's function tools, so any other tool type is a 400 naming it.
 
-``gateway.responses_items`` turns a valid body into the chat request the chat path serves.
+``gateway.responses.items`` turns a valid body into the chat request the chat path serves.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.output_schemas import MAX_TOOLS, FunctionDefinition, field_error
-from gateway.schemas import INT64_MAX
+from gateway.requests.output_schemas import MAX_TOOLS, FunctionDefinition, field_error
+from gateway.requests.schemas import INT64_MAX
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 MAX_ITEMS = 4096  # input items of one request

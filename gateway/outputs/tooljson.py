@@ -2,8 +2,8 @@
 
 Strings, escapes and nesting are tracked so that the ``name`` value is known the moment it closes
 and the ``arguments`` value can be handed on as it arrives (a JSON string holding JSON is decoded
-when it closes). ``gateway.toolcalls`` drives it, with the keys its format uses for the name and
-the arguments.
+when it closes). ``gateway.outputs.toolcalls`` drives it, with the keys its format uses for the
+name and the arguments.
 """
 
 from __future__ import annotations

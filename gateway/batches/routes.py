@@ -1,5 +1,5 @@
 """``/v1/batches``: create, retrieve, cancel, list; and ``install_batch_routes``, which installs
-these, ``/v1/files`` and the runner (``gateway.batch_runner``) on the app.
+these, ``/v1/files`` and the runner (``gateway.batches.runner``) on the app.
 
 A batch runs the lines of an uploaded JSONL file (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/responses`` and ``/v1/embeddings`` requests, mixed as the lines like) within a 24 h window:
@@ -9,7 +9,7 @@ A batch runs the lines of an uploaded JSONL file (``/v1/chat/completions``, ``/v
                       v
                  cancelling -> cancelled                          (expired: the window ended)
 
-Its state lives in JetStream (``gateway.batch_store``), so any gateway of the mesh answers for it
+Its state lives in JetStream (``gateway.batches.store``), so any gateway of the mesh answers for it
 and runs it. A batch belongs to the tenant whose key created it (another tenant's ids are 404);
 a tenant's unfinished batches hold at most ``--batch-max-queued-requests`` lines (429 past it).
 """
@@ -23,13 +23,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.batch_lines import BATCH_URLS
-from gateway.batch_runner import BatchRunner
-from gateway.batch_store import OPEN, BatchRecord
-from gateway.bodies import parse_body
+from gateway.batches.files import install_file_routes, owner_of, page, store_of
+from gateway.batches.lines import BATCH_URLS
+from gateway.batches.runner import BatchRunner
+from gateway.batches.store import OPEN, BatchRecord
 from gateway.errors import APIError
-from gateway.files import install_file_routes, owner_of, page, store_of
 from gateway.metrics import BATCHES
+from gateway.requests.bodies import parse_body
 from mesh import metrics
 
 WINDOW_S = 24 * 3600

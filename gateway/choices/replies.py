@@ -158,7 +158,7 @@ class ReplyStream:
         self._pending: deque[TokenChunk | StreamError | object] = deque()
         self._waiter: asyncio.Future | None = None
         # One timer per stream, re-armed only when it fires early or a shorter wait begins: a
-        # call_later and a cancel per wait (per token, at GPU pace) cost ~1.6 us (bench/stream_costs.py).
+        # call_later and a cancel per wait (per token, at GPU pace) cost ~1.6 us (docs/benchmarks.md, "What the probes found").
         self._deadline = 0.0  # when the current wait times out (loop time)
         self._timer: asyncio.TimerHandle | None = None
         self._armed_for = 0.0  # when the timer fires
@@ -166,7 +166,7 @@ class ReplyStream:
         # gateway's samples at C=128, real pace, when next_batch called it per token)
         self._loop = asyncio.get_running_loop()
         self._timeout = 0.0  # of the current wait
-        # gateway.direct.DirectSink: takes the next chunk in order, while the reader waits with
+        # choices.direct.DirectSink: takes the next chunk in order, while the reader waits with
         # nothing queued, and returns True when it has handled it (the reader never sees it)
         self.sink: Callable[[TokenChunk], bool] | None = None
 
