@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.model import CausalLM, Rotary, pack_cpu_linears
-from engine.moe import SparseMoE, default_experts
+from engine.moe import GroupedTopKRouter, SparseMoE, default_experts
 from engine.tp import Shard
 from mesh.errors import ModelError
 
@@ -35,6 +35,7 @@ class _Target:
     shape: tuple[int, ...]  # the whole tensor's shape in the checkpoint
     src: Index = ()  # the part this rank reads (all of it by default)
     dst: Index = ()  # where that part goes in ``param`` (all of it by default)
+    origin: str = ""  # which config fields make ``shape`` (named when the checkpoint disagrees)
 
 
 def _span(start: int, count: int) -> slice:
@@ -59,7 +60,7 @@ def _targets(model: CausalLM, cfg: ModelConfig, name: str) -> list[_Target]:
     if i >= cfg.num_layers:
         return []
     layer = model.layers[i]
-    table = _attention_table(layer, cfg, model.shard)
+    table = _mla_table(layer, cfg, model.shard) if cfg.mla else _attention_table(layer, cfg, model.shard)
     mlp = layer.mlp
     table |= _moe_table(mlp, cfg, model.shard, rest) if isinstance(mlp, SparseMoE) else _mlp_table(mlp, cfg, model.shard)
     return table.get(rest, [])
@@ -92,6 +93,56 @@ def _attention_table(layer, cfg: ModelConfig, shard: Shard) -> dict[str, list[_T
             "self_attn.q_norm.weight": [_Target(attn.q_norm.weight, (d,))],
             "self_attn.k_norm.weight": [_Target(attn.k_norm.weight, (d,))],
         }
+    return table
+
+
+def _mla_table(layer, cfg: ModelConfig, shard: Shard) -> dict[str, list[_Target]]:
+    """Latent attention (``engine.mla``): the query's, the latent's and the output's projections.
+    Per-head tensors are this rank's heads' rows (``q_b_proj``/``q_proj``, ``kv_b_proj``) or
+    columns (``o_proj``); the latent ones are whole."""
+    attn, mla, hidden = layer.self_attn, cfg.mla, cfg.hidden_size
+    heads = cfg.num_heads
+    h0, h = shard.part(heads)
+    qk, kv_b, v = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
+    heads_of = f"num_attention_heads {heads}"
+    origin = {
+        "q": f"{heads_of} x (qk_nope_head_dim {mla.qk_nope_head_dim} + qk_rope_head_dim {mla.qk_rope_head_dim})",
+        "q_lora": f"q_lora_rank {mla.q_lora_rank}",
+        "kv_lora": f"kv_lora_rank {mla.kv_lora_rank}",
+        "kv_a": f"kv_lora_rank {mla.kv_lora_rank} + qk_rope_head_dim {mla.qk_rope_head_dim}",
+        "kv_b": f"{heads_of} x (qk_nope_head_dim {mla.qk_nope_head_dim} + v_head_dim {v}), kv_lora_rank "
+                f"{mla.kv_lora_rank}",
+        "o": f"{heads_of} x v_head_dim {v}",
+    }
+
+    def whole(param, shape, key):
+        return [_Target(param, shape, origin=origin[key])]
+
+    def head_rows(param, per_head, cols, key):
+        return [_Target(param, (heads * per_head, cols), (_span(h0 * per_head, h * per_head),), origin=origin[key])]
+
+    table = {
+        "input_layernorm.weight": [_Target(layer.input_layernorm.weight, (hidden,))],
+        "post_attention_layernorm.weight": [_Target(layer.post_attention_layernorm.weight, (hidden,))],
+        "self_attn.kv_a_proj_with_mqa.weight": whole(attn.kv_a_proj_with_mqa.weight, (mla.latent_dim, hidden), "kv_a"),
+        "self_attn.kv_a_layernorm.weight": whole(attn.kv_a_layernorm.weight, (mla.kv_lora_rank,), "kv_lora"),
+        "self_attn.kv_b_proj.weight": head_rows(attn.kv_b_proj.weight, kv_b, mla.kv_lora_rank, "kv_b"),
+        "self_attn.o_proj.weight": [_Target(attn.o_proj.weight, (hidden, heads * v), (slice(None), _span(h0 * v, h * v)),
+                                            origin=origin["o"])],
+    }
+    if mla.q_lora_rank is None:
+        table["self_attn.q_proj.weight"] = head_rows(attn.q_proj.weight, qk, hidden, "q")
+    else:
+        table |= {
+            "self_attn.q_a_proj.weight": whole(attn.q_a_proj.weight, (mla.q_lora_rank, hidden), "q_lora"),
+            "self_attn.q_a_layernorm.weight": whole(attn.q_a_layernorm.weight, (mla.q_lora_rank,), "q_lora"),
+            "self_attn.q_b_proj.weight": head_rows(attn.q_b_proj.weight, qk, mla.q_lora_rank, "q"),
+        }
+    if mla.attention_bias:  # o_proj's bias is whole: with one rank (check_tp refuses more for MLA)
+        table["self_attn.kv_a_proj_with_mqa.bias"] = whole(attn.kv_a_proj_with_mqa.bias, (mla.latent_dim,), "kv_a")
+        table["self_attn.o_proj.bias"] = [_Target(attn.o_proj.bias, (hidden,))]
+        if mla.q_lora_rank is not None:
+            table["self_attn.q_a_proj.bias"] = whole(attn.q_a_proj.bias, (mla.q_lora_rank,), "q_lora")
     return table
 
 
@@ -146,11 +197,16 @@ def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dic
         ]
         table[f"{prefix}experts.down_proj"] = [
             _Target(moe.w2, (n, hidden, inter_all), (every, every, _span(i0, inter)))]
+    if isinstance(moe.router, GroupedTopKRouter):  # DeepSeek: the bias that balances the choice
+        table["mlp.gate.e_score_correction_bias"] = [_Target(moe.router.e_score_correction_bias, (n,))]
     if moe.shared_expert is not None:
         shared = moe.shared_expert
-        table |= _swiglu_table("mlp.shared_expert.", shared.gate_up_proj.weight, shared.down_proj.weight,
+        # Qwen2-MoE: one gated ``shared_expert``; DeepSeek: ``shared_experts``, stored as one MLP
+        prefix = "mlp.shared_expert." if shared.gate is not None else "mlp.shared_experts."
+        table |= _swiglu_table(prefix, shared.gate_up_proj.weight, shared.down_proj.weight,
                                shared.inter, mc.shared_expert_intermediate_size, hidden, shard)
-        table["mlp.shared_expert_gate.weight"] = [_Target(shared.gate.weight, (1, hidden))]
+        if shared.gate is not None:
+            table["mlp.shared_expert_gate.weight"] = [_Target(shared.gate.weight, (1, hidden))]
     return table
 
 
@@ -160,6 +216,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
+    for moe in model.modules():
+        if isinstance(moe, SparseMoE):
+            moe.keep_router_fp32()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg, max_positions).to(device)
@@ -208,8 +267,10 @@ def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.devi
             part = f.get_slice(name)
             shape = tuple(part.get_shape())
             if shape != targets[0].shape:
+                origin = targets[0].origin
                 raise ModelError(
                     f"weight {name} has shape {shape}, expected ({', '.join(map(str, targets[0].shape))})"
+                    + (f" from config.json's {origin}" if origin else "")
                 )
             for target in targets:
                 tensor = part[target.src] if target.src else part[:]

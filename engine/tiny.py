@@ -8,7 +8,8 @@ choices are not knife-edge ties that float noise could flip).
 
 ``--size moe`` and ``small-moe`` write a ``Qwen3MoeForCausalLM`` instead (q/k norms, every
 MLP a mixture of experts), with the same tokenizer and chat template (Qwen2.5's: it renders tools); ``small-moe`` runs as
-many MLP columns per token as ``small`` (top-2 of 8 experts of half its width).
+many MLP columns per token as ``small`` (top-2 of 8 experts of half its width). ``deepseek`` and
+``deepseek-yarn`` write a ``DeepseekV3ForCausalLM`` (``engine.tiny_deepseek``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from engine.tiny_deepseek import DEEPSEEK_SIZES, deepseek_checkpoint
 
 SIZES = {
     # ~0.2M params: the test model
@@ -64,11 +67,27 @@ _TOKENIZER_CONFIG = {
 }
 
 
+ALL_SIZES = (*SIZES, *DEEPSEEK_SIZES)
+
+
 def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
+    if size not in ALL_SIZES:
+        raise ValueError(f"unknown size {size!r} (choose from {', '.join(ALL_SIZES)})")
     out = Path(out)
+    if size in DEEPSEEK_SIZES:
+        config, weights = deepseek_checkpoint(size, seed, VOCAB_SIZE, MAX_POSITIONS, EOS_IDS)
+    else:
+        config = _llama_config(size)
+        weights = _random_weights(config, seed)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(out)
+    return out
+
+
+def _llama_config(size: str) -> dict:
     shape = SIZES[size]
     moe = "num_experts" in shape
     config = {
@@ -89,11 +108,7 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
     }
     if moe:
         config |= QWEN3_MOE | {"head_dim": shape["hidden_size"] // shape["num_attention_heads"]}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
-    save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out)
-    return out
+    return config
 
 
 def write_tokenizer(out: Path) -> bool:

@@ -1,11 +1,17 @@
 """Latent KV blocks (MLA: one plane, one vector per token and layer) through the parts of the KV
-fabric that copy blocks: the spec, the cache's whole-block operations, the host tier's copier."""
+fabric that copy blocks: the spec, the cache's whole-block operations, the host tier's copier,
+and an engine on the tiny DeepSeek-V3 whose blocks go out to the host and disk tiers and back."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from kvstore.cache import KVCache, KVCacheSpec, copy_blocks
 from kvstore.tiers import BlockCopier, DeviceBlock
 
@@ -61,3 +67,31 @@ def test_the_host_tiers_copier_moves_latent_blocks():
     copier2 = BlockCopier(dst, num_slots=1)
     copier2.onboard([0, 1, 2], staged)
     assert torch.equal(dst.tensor[:, :, [0, 1, 2]], src.tensor[:, :, [3, 2, 7]])
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def conversation_turns(engine: Engine, turns: int = 3) -> tuple[list[list[int]], list[int]]:
+    """Three conversations, each turn re-sending its history: (outputs, cached tokens) per request."""
+    rng = random.Random(4)
+    histories = [[rng.randrange(3, 4096) for _ in range(90)] for _ in range(3)]
+    outs, cached = [], []
+    for _ in range(turns):
+        for i, h in enumerate(histories):
+            (s,) = engine.generate([h], GREEDY)
+            outs.append(s.output_token_ids)
+            cached.append(s.num_cached_tokens)
+            histories[i] = [*h, *s.output_token_ids, *[rng.randrange(3, 4096) for _ in range(20)]]
+    return outs, cached
+
+
+def test_latent_blocks_go_to_the_host_and_disk_tiers_and_come_back(deepseek_models, tmp_path):
+    path = deepseek_models["deepseek"]
+    expected, expected_cached = conversation_turns(Engine(EngineConfig(path, num_kv_blocks=512)))
+    engine = Engine(EngineConfig(path, num_kv_blocks=12, host_kv_blocks=8, disk_kv_dir=str(tmp_path), disk_min_hits=0))
+    outs, cached = conversation_turns(engine)
+    assert outs == expected and cached == expected_cached  # every history found again, in some tier
+    c = engine.kv_counters()
+    assert c["hit_blocks_host"] > 0 and c["disk_written_blocks"] > 0 and c["hit_blocks_disk"] > 0
+    assert engine.tiers.copier.block_bytes == engine.kv_spec.block_bytes == 3 * 16 * 48 * 4
