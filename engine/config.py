@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from engine.attention import backend_names
+from engine.fp8 import Fp8Scheme
 from engine.kernels import FUSED_KERNELS
 from engine.mla_config import MlaConfig
 from engine.moe_config import MoeConfig
@@ -87,6 +88,7 @@ class ModelConfig:
     # multi-head latent attention (DeepSeek-V3); then ``head_dim`` is the rope dims and
     # ``num_kv_heads`` 1: the cache holds one latent vector per token, not K and V per head
     mla: MlaConfig | None = None
+    fp8: Fp8Scheme | None = None  # FP8 weights in DeepSeek's block-scaled format (``engine.fp8``)
 
     def is_sparse(self, layer: int) -> bool:
         """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
@@ -144,6 +146,7 @@ class ModelConfig:
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
                 moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
                 mla=mla,
+                fp8=Fp8Scheme.from_config(cfg),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):

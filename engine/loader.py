@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.fp8 import FP8_DTYPE, Fp8Reader, block_index
+from engine.fp8_linear import BlockFp8Gemm, Fp8Linear, resident_gemm
 from engine.model import CausalLM, Rotary, pack_cpu_linears
 from engine.moe import GroupedTopKRouter, SparseMoE, default_experts
 from engine.tp import Shard
@@ -232,11 +234,15 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_p
     if not files:
         raise ModelError(f"{cfg.path} has no *.safetensors weights")
     model = build_model(cfg, device, dtype, max_positions, shard)
+    fp8 = Fp8Reader(cfg.fp8, files)
+    gemm = resident_gemm(device, cfg.fp8.block, dtype) if cfg.fp8 else None
+    if gemm is not None:
+        _keep_fp8_resident(model, cfg, fp8, gemm)
     expected = _expected_elements(model)
     loaded: dict[int, int] = {}
     for file in files:
         try:
-            _load_file(model, cfg, file, device, loaded)
+            _load_file(model, cfg, file, device, loaded, fp8)
         except ModelError:
             raise
         except Exception as e:  # safetensors raises its own types for truncated or corrupt files
@@ -250,6 +256,28 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_p
     return model
 
 
+def _keep_fp8_resident(model: CausalLM, cfg: ModelConfig, fp8: Fp8Reader, gemm: BlockFp8Gemm) -> None:
+    """Swap for an ``Fp8Linear`` every linear layer whose whole weight comes from FP8 tensors in
+    block-aligned parts (``fp8.resident`` then names its scales); the others stay in the model's
+    dtype and their FP8 tensors are dequantized as they load."""
+    block = cfg.fp8.block
+    feeds: dict[int, list[_Target]] = {}
+    for name in fp8.fp8_names:
+        for t in _targets(model, cfg, name):
+            feeds.setdefault(id(t.param), []).append(t)
+    for parent in list(model.modules()):
+        for attr, linear in list(parent.named_children()):
+            parts = feeds.get(id(getattr(linear, "weight", None)))
+            if not isinstance(linear, torch.nn.Linear) or not parts or linear.in_features % block[1]:
+                continue
+            shape = tuple(linear.weight.shape)
+            whole = sum(linear.weight[t.dst].numel() for t in parts) == linear.weight.numel()
+            if whole and all(block_index(t.src, t.shape, block) and block_index(t.dst, shape, block) for t in parts):
+                layer = Fp8Linear.like(linear, block, gemm)
+                setattr(parent, attr, layer)
+                fp8.resident[id(layer.weight)] = layer.weight_scale_inv
+
+
 def use_default_experts(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
     """Give every MoE layer the experts backend of this device and dtype (see ``engine.moe``)."""
     for moe in model.modules():
@@ -257,7 +285,8 @@ def use_default_experts(model: CausalLM, device: torch.device, dtype: torch.dtyp
             moe.use(default_experts(device, dtype))
 
 
-def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.device, loaded: dict[int, int]) -> None:
+def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.device, loaded: dict[int, int],
+               fp8: Fp8Reader) -> None:
     dev = str(device) if device.type == "cuda" else "cpu"
     with safe_open(str(file), framework="pt", device=dev) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -266,6 +295,9 @@ def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.devi
                 continue
             part = f.get_slice(name)
             shape = tuple(part.get_shape())
+            whole = fp8.read(f, name, part, targets[0].param.dtype)  # FP8: dequantized (or as stored), then sliced
+            if whole is not None:
+                part = whole
             if shape != targets[0].shape:
                 origin = targets[0].origin
                 raise ModelError(
@@ -282,6 +314,8 @@ def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.devi
                     dst.copy_(tensor)
                 # every element of every parameter is written once: count them
                 loaded[id(target.param)] = loaded.get(id(target.param), 0) + tensor.numel()
+            if whole is not None and whole.dtype == FP8_DTYPE:  # a resident FP8 weight: its scales beside it
+                fp8.place_scales(f, name, targets, loaded)
 
 
 def _expected_elements(model: CausalLM) -> dict[int, tuple[str, int]]:

@@ -10,6 +10,10 @@ choices are not knife-edge ties that float noise could flip).
 MLP a mixture of experts), with the same tokenizer and chat template (Qwen2.5's: it renders tools); ``small-moe`` runs as
 many MLP columns per token as ``small`` (top-2 of 8 experts of half its width). ``deepseek`` and
 ``deepseek-yarn`` write a ``DeepseekV3ForCausalLM`` (``engine.tiny_deepseek``).
+
+``fp8``: the same weights in DeepSeek's FP8 format (``engine.fp8``): the attention and MLP
+projections block-quantized to e4m3 with a float32 ``weight_scale_inv`` per block, in blocks
+that divide the model's dimensions (``FP8_BLOCKS``; DeepSeek's own are 128x128).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.fp8 import is_quantized_name, quantize, scale_name
 from engine.tiny_deepseek import DEEPSEEK_SIZES, deepseek_checkpoint
 
 SIZES = {
@@ -53,6 +58,7 @@ QWEN3_MOE = {
     "use_sliding_window": False,
 }
 
+FP8_BLOCKS = {"small": (128, 128), "small-moe": (128, 128)}  # the others: 16x16
 VOCAB_SIZE = 4096
 EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
 MAX_POSITIONS = 16384
@@ -70,7 +76,7 @@ _TOKENIZER_CONFIG = {
 ALL_SIZES = (*SIZES, *DEEPSEEK_SIZES)
 
 
-def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, fp8: bool = False) -> Path:
     if size not in ALL_SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(ALL_SIZES)})")
     out = Path(out)
@@ -79,11 +85,27 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
     else:
         config = _llama_config(size)
         weights = _random_weights(config, seed)
+    if fp8:
+        block = FP8_BLOCKS.get(size, (16, 16))
+        weights = quantize_checkpoint(weights, block)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                         "activation_scheme": "dynamic"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out)
+    return out
+
+
+def quantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The weights in DeepSeek's FP8 format: each projection e4m3 with its ``weight_scale_inv``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if is_quantized_name(name) and w.dim() == 2:
+            out[name], out[scale_name(name)] = quantize(w, block)
+        else:
+            out[name] = w
     return out
 
 

@@ -42,10 +42,11 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def deepseek_models(tmp_path_factory) -> dict[str, Path]:
-    """``mesh model tiny --size deepseek`` (q_lora_rank set) and ``deepseek-yarn`` (q_lora_rank null,
-    YaRN): tiny DeepSeek-V3 checkpoints made with transformers."""
+    """``mesh model tiny --size deepseek`` (q_lora_rank set), ``deepseek-yarn`` (q_lora_rank null,
+    YaRN) and ``deepseek --fp8``: tiny DeepSeek-V3 checkpoints made with transformers."""
     from engine.tiny import write_tiny_model
 
     root = tmp_path_factory.mktemp("deepseek")
     return {"deepseek": write_tiny_model(root / "deepseek", size="deepseek"),
-            "deepseek-yarn": write_tiny_model(root / "deepseek-yarn", size="deepseek-yarn")}
+            "deepseek-yarn": write_tiny_model(root / "deepseek-yarn", size="deepseek-yarn"),
+            "deepseek-fp8": write_tiny_model(root / "deepseek-fp8", size="deepseek", fp8=True)}
