@@ -149,6 +149,20 @@ def test_ngram_speculation_is_token_identical(deepseek_models):
     assert engine.scheduler.spec.drafted > 0
 
 
+def test_yarn_on_a_llama_checkpoint_matches_transformers(hf_checkpoints, tmp_path):
+    """YaRN is the rope's, not DeepSeek's: a Llama with it (cos/sin scaled by its attention
+    factor; no mscale_all_dim, so the softmax scale stays 1/sqrt(head_dim))."""
+    path = tmp_path / "llama-yarn"
+    shutil.copytree(hf_checkpoints["llama"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 256}
+    (path / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_dir(path)
+    assert mc.rope.kind == "yarn" and mc.rope.attention_factor > 1 and mc.attention_scale == mc.head_dim**-0.5
+    assert_logits_match_transformers(path, "llama-yarn")
+
+
 # -- the router ----------------------------------------------------------------------------
 
 
