@@ -59,9 +59,9 @@ class ScaledMmGemm:
         xs = x.float().view(m, k // group, group)
         x_scale = (xs.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)  # [M, K / 128]: per token and group
         xq = (xs / x_scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
-        # 1x128 and 128x128 blockwise scales go in "outer-dim-major" (column-major) layout
+        # 1x128 scales go in "outer-dim-major" (column-major) layout, 128x128 ones as stored
         return torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(),
-                                scale_b=scale_inv.t().contiguous().t(), out_dtype=x.dtype)
+                                scale_b=scale_inv.contiguous(), out_dtype=x.dtype)
 
 
 GEMMS: dict[str, type] = {"dequant": DequantGemm, "scaled_mm": ScaledMmGemm}
@@ -87,14 +87,18 @@ def resident_gemm(device: torch.device, block: tuple[int, int], dtype: torch.dty
 
 
 def probe(gemm: BlockFp8Gemm, device: torch.device, dtype: torch.dtype) -> bool:
-    """Does ``gemm`` reproduce the dequantized matmul (to FP8 activation rounding) on random data?"""
+    """Does ``gemm`` reproduce the dequantized matmul (to FP8 activation rounding) on random data,
+    for one row (a decode step) and for many?"""
     g = torch.Generator().manual_seed(0)
     w, scale = quantize(torch.randn(256, 512, generator=g), (128, 128))
-    x = torch.randn(32, 512, generator=g).to(device, dtype)
     w, scale = w.to(device), scale.to(device)
-    want = F.linear(x.float(), dequantize(w, scale, (128, 128)))
-    got = gemm(x, w, scale, (128, 128)).float()
-    return bool(((got - want).norm() / want.norm()).item() < 0.05)
+    for rows in (1, 33):
+        x = torch.randn(rows, 512, generator=g).to(device, dtype)
+        want = F.linear(x.float(), dequantize(w, scale, (128, 128)))
+        got = gemm(x, w, scale, (128, 128)).float()
+        if not ((got - want).norm() / want.norm()).item() < 0.05:
+            return False
+    return True
 
 
 class Fp8Linear(nn.Module):
