@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 
 class BlockFp8Gemm(Protocol):
     """``y = x @ dequantize(weight, scale_inv).T``: ``x [M, K]`` (bf16/fp16/fp32), ``weight [N, K]``
-    e4m3, ``scale_inv [ceil(N / bn), ceil(K / bk)]`` float32; ``[M, N]`` in ``x``'s dtype."""
+    e4m3, ``scale_inv [ceil(N / bn), ceil(K / bk)]`` float32; ``[M, N]`` in ``x``'s dtype.
+    ``supports(N, K, block)``: whether it runs a weight of that shape (else the layer dequantizes)."""
 
     name: str
+
+    def supports(self, out_features: int, in_features: int, block: tuple[int, int]) -> bool: ...
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                  block: tuple[int, int]) -> torch.Tensor: ...
@@ -46,12 +49,20 @@ class BlockFp8Gemm(Protocol):
 class DequantGemm:
     name = "dequant"
 
+    def supports(self, out_features, in_features, block):
+        return True
+
     def __call__(self, x, weight, scale_inv, block):
         return F.linear(x, dequantize(weight, scale_inv, block, x.dtype))
 
 
 class ScaledMmGemm:
     name = "scaled_mm"
+
+    def supports(self, out_features, in_features, block):
+        # whole blocks only: activations are grouped by the weight's column blocks, and the
+        # kernel takes no partial scale blocks (DeepSeek-V3's 576-row kv_a_proj dequantizes)
+        return out_features % block[0] == 0 and in_features % block[1] == 0
 
     def __call__(self, x, weight, scale_inv, block):
         group = block[1]

@@ -268,7 +268,8 @@ def _keep_fp8_resident(model: CausalLM, cfg: ModelConfig, fp8: Fp8Reader, gemm: 
     for parent in list(model.modules()):
         for attr, linear in list(parent.named_children()):
             parts = feeds.get(id(getattr(linear, "weight", None)))
-            if not isinstance(linear, torch.nn.Linear) or not parts or linear.in_features % block[1]:
+            if (not isinstance(linear, torch.nn.Linear) or not parts
+                    or not gemm.supports(linear.out_features, linear.in_features, block)):
                 continue
             shape = tuple(linear.weight.shape)
             whole = sum(linear.weight[t.dst].numel() for t in parts) == linear.weight.numel()

@@ -184,8 +184,9 @@ def test_resident_fp8_layers_give_the_dequantized_models_tokens(deepseek_models,
 
 
 def test_only_block_aligned_layers_stay_resident(hf_checkpoints, tmp_path, monkeypatch):
-    """In 24x40 blocks Llama's fused qkv (q's 64 rows) and every layer reading 64 inputs are not
-    block-aligned: only down_proj (160 inputs, its 64 rows whole) stays FP8; the rest dequantize."""
+    """In 24x40 blocks the fused layers are not block-aligned (qkv: q's 64 rows end inside a block;
+    gate_up: gate's 160 rows too), so they dequantize; o_proj and down_proj, each one whole tensor
+    (partial edge blocks are fine for the dequant GEMM), stay FP8."""
     src = hf_checkpoints["llama"]
     fp8 = tmp_path / "fp8"
     shutil.copytree(src, fp8)
@@ -197,5 +198,5 @@ def test_only_block_aligned_layers_stay_resident(hf_checkpoints, tmp_path, monke
     monkeypatch.setattr(loader, "resident_gemm", lambda *args: DequantGemm())
     engine = Engine(EngineConfig(fp8, num_kv_blocks=32))
     resident = [name for name, m in engine.model.named_modules() if isinstance(m, Fp8Linear)]
-    assert resident == ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]
+    assert resident == [f"layers.{i}.{p}" for i in (0, 1) for p in ("self_attn.o_proj", "mlp.down_proj")]
     assert engine.generate([[1, 2, 3, 4, 5]], GREEDY)[0].output_token_ids == expected
