@@ -29,6 +29,7 @@ from engine.eagle3_drafter import Eagle3Drafter, eagle3_drafter
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.lora import start_lora
+from engine.mla import check_latent_support
 from engine.model import use_kernels
 from engine.overlap import OverlappedSteps
 from engine.runner import ModelRunner, PendingStep
@@ -36,7 +37,7 @@ from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken
 from engine.tp import TensorParallel, shard_spec
-from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache
+from kvstore.cache import KVCache, ShardedKVCache
 from kvstore.disk import HEADER, DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
 
@@ -50,13 +51,14 @@ class Engine(EngineCore):
         self.config = config
         self.model_config = mc = ModelConfig.from_dir(config.model)
         mc.check_tp(config.tp)
+        check_latent_support(mc, config)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.fused_kernels and self.device.type != "cuda":
             raise ValueError(f"fused kernels ({', '.join(config.fused_kernels)}) run on CUDA only, not {self.device}")
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims)
         # EAGLE-3 reads each step's auxiliary hidden states, which decode graphs do not hand out
         eagle = (config.speculative or "").startswith("eagle3:")
         want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1 and not eagle
@@ -75,7 +77,7 @@ class Engine(EngineCore):
         if config.has_host_tier:
             self._enable_tiers()
         use_kernels(self.model, kernels)
-        self.attention = create_backend(backend, self._own_kv, mc.head_dim**-0.5)
+        self.attention = create_backend(backend, self._own_kv, mc.attention_scale, mc.latent_value_dim)
         self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
         if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
             self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
@@ -188,7 +190,8 @@ class Engine(EngineCore):
         if cuda_graphs and graphs is None:
             raise ValueError("this engine was built without CUDA graphs (cuda_graphs=True, on CUDA)")
         if attention_backend is not None and attention_backend != self.attention.name:
-            self.attention = create_backend(attention_backend, self._own_kv, self.model_config.head_dim**-0.5)
+            mc = self.model_config
+            self.attention = create_backend(attention_backend, self._own_kv, mc.attention_scale, mc.latent_value_dim)
             self.runner = ModelRunner(self.model, self.attention, self.sampler, self.block_size,
                                       graphs=self.runner.graphs)
             if graphs is not None:
@@ -251,9 +254,7 @@ class Engine(EngineCore):
 
     def _auto_num_blocks(self, max_len: int, graphs: bool = False) -> int:
         mc = self.model_config
-        block_bytes = KVCacheSpec(
-            mc.num_layers, 1, self.config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        ).block_bytes
+        block_bytes = mc.kv_cache_spec(1, self.config.block_size, self.dtype).block_bytes
         if self.device.type == "cuda":
             block_bytes //= self.config.tp  # each GPU holds its share of the heads
             free, total = torch.cuda.mem_get_info(self.device)

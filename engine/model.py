@@ -1,10 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch.
+Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3 with its latent attention) over a flat token batch.
 
 Tokens of all scheduled sequences are concatenated (``[T]``); attention is the
 backend's business, so the model itself has no notion of sequences or padding.
 QKV and gate/up projections are fused into one matmul each. A layer's MLP is dense
-(``MLP``) or sparse (``engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says.
+(``MLP``) or sparse (``engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says; its
+attention per head (``Attention``) or latent (``engine.mla.LatentAttention``) as ``ModelConfig.mla`` says.
 The residual stream runs beside the hidden states (``residual``) so that its add and
 the next norm can be one kernel; which operations run fused kernels is the model's
 ``Kernels`` (``engine.kernels``; plain PyTorch unless ``use_kernels`` chose others).
@@ -22,6 +23,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import PLAIN, Kernels, torch_rmsnorm
+from engine.mla import LatentAttention
 from engine.moe import SparseMoE
 from engine.tp import Shard
 
@@ -50,8 +52,9 @@ class Rotary(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = cfg.rope.attention_factor  # YaRN's; 1 otherwise
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, head_dim]`` of the step's positions: once per step, shared by every layer."""
@@ -114,7 +117,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, shard)
+        self.self_attn = LatentAttention(cfg, layer, shard) if cfg.mla else Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, shard) if cfg.is_sparse(layer) else MLP(cfg, shard)
 

@@ -99,8 +99,7 @@ class RankSetup:
 
 def shard_spec(mc, config, num_blocks: int, dtype: torch.dtype) -> KVCacheSpec:
     """The KV spec of one rank's share of the heads."""
-    return KVCacheSpec(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads // config.tp,
-                       mc.head_dim, dtype)
+    return mc.kv_cache_spec(num_blocks, config.block_size, dtype, config.tp)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

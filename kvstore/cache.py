@@ -1,10 +1,14 @@
 """The KV cache tensor: where the bytes of the block pool live.
 
-Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
-(layer-major): each layer's K and V are contiguous ``[num_blocks, block_size,
-heads, dim]`` pages, the layout paged attention kernels take as is, and the
-blocks of a request move between pools (transfer, offload) with one gather
-over ``[:, :, block_ids]``.
+Layout ``[num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]``
+(layer-major). A plane is one cached vector per token and head: two planes, K and V, for
+the attention of every family but one; one plane for multi-head latent attention (MLA,
+DeepSeek-V3), whose cache holds one latent vector per token (``num_kv_heads`` 1,
+``head_dim`` the latent and rope-key values). Each layer's planes are contiguous
+``[num_blocks, block_size, heads, dim]`` pages, the layout paged attention kernels take as
+is, and the blocks of a request move between pools (transfer, offload) with one gather over
+``[:, :, block_ids]``. Whatever copies blocks takes their shape and bytes from the spec
+(``block_shape``, ``block_bytes``), never from an assumed K/V pair.
 
 On CPU the tensor can live in a shared-memory file so that a prefill worker on
 the same host writes a decode worker's blocks in place (the ``shm`` transport).
@@ -26,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+KV_PLANES = 2  # K and V
+LATENT_PLANES = 1  # MLA's latent vector (with its rope key)
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -35,15 +42,27 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_planes: int = KV_PLANES
+
+    def __post_init__(self) -> None:
+        if self.num_planes not in (KV_PLANES, LATENT_PLANES):
+            raise ValueError(f"a KV cache has 1 (latent) or 2 (K, V) planes, not {self.num_planes}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block in the block-major layout the transports and tiers move: ``[layers, planes,
+        block_size, heads, dim]``."""
+        return (self.num_layers, self.num_planes, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _elem(self.dtype)
+        """Bytes of one block across all layers and planes."""
+        return (self.num_planes * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * _elem(self.dtype))
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +72,7 @@ class KVCacheSpec:
         return {
             "num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.dtype).removeprefix("torch."), "num_planes": self.num_planes,
         }
 
     @classmethod
@@ -61,13 +80,14 @@ class KVCacheSpec:
         dtype = getattr(torch, str(d["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown KV dtype {d['dtype']!r}")
+        # a spec written before planes were part of it is K/V
         return cls(int(d["num_layers"]), int(d["num_blocks"]), int(d["block_size"]),
-                   int(d["num_kv_heads"]), int(d["head_dim"]), dtype)
+                   int(d["num_kv_heads"]), int(d["head_dim"]), dtype, int(d.get("num_planes", KV_PLANES)))
 
     def same_layout(self, other: KVCacheSpec) -> bool:
         """Blocks of one can be copied into the other (dtype may differ: the copy converts)."""
-        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim) == (
-            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
+        return (self.num_layers, self.num_planes, self.block_size, self.num_kv_heads, self.head_dim) == (
+            other.num_layers, other.num_planes, other.block_size, other.num_kv_heads, other.head_dim)
 
 
 def map_file(path: str, size: int, create: bool) -> mmap.mmap:
@@ -99,7 +119,7 @@ class _BlockIO:
         raise NotImplementedError
 
     def read_block_major(self, block_ids: list[int]) -> torch.Tensor:
-        """``[n, layers, 2, block_size, heads, dim]``, contiguous: each block's bytes in one piece."""
+        """``[n, *spec.block_shape]``, contiguous: each block's bytes in one piece."""
         return self.read_blocks(block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write_block_major(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -169,10 +189,18 @@ class KVCache(_BlockIO):
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of layer ``i``: each ``[num_blocks, block_size, heads, dim]``."""
+        if self.spec.num_planes != KV_PLANES:
+            raise ValueError("this KV cache holds latent vectors (MLA), not K and V: use latent()")
         return self.tensor[i, 0], self.tensor[i, 1]
 
+    def latent(self, i: int) -> torch.Tensor:
+        """The latent pages of layer ``i`` (MLA): ``[num_blocks, block_size, 1, latent dim]``."""
+        if self.spec.num_planes != LATENT_PLANES:
+            raise ValueError("this KV cache holds K and V per head, not latent vectors: use layer()")
+        return self.tensor[i, 0]
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy ``[layers, 2, len(ids), block_size, heads, dim]`` of the given blocks."""
+        """A contiguous copy ``[layers, planes, len(ids), block_size, heads, dim]`` of the given blocks."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         return self.tensor.index_select(2, idx)
 
@@ -245,6 +273,8 @@ def copy_blocks(src: _BlockIO, dst: _BlockIO, src_ids: list[int], dst_ids: list[
         raise ValueError("source and destination block lists differ in length")
     if src.spec.num_kv_heads != dst.spec.num_kv_heads:
         raise ValueError("source and destination caches hold different heads")
+    if src.spec.num_planes != dst.spec.num_planes:
+        raise ValueError("source and destination caches hold different planes (K/V against latent)")
     runs = block_runs(src_ids, dst_ids)
     for d_lo, d_hi, d in dst.head_shards():
         for s_lo, s_hi, s in src.head_shards():
@@ -265,7 +295,7 @@ GATHER_BYTES = 256 << 20  # the staging buffer of an indexed copy: this many byt
 
 def copy_block_tensor(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int],
                       runs: list[tuple[int, int, int]] | None = None, indexed: bool | None = None) -> None:
-    """Copy blocks (dim 2 of the ``[layers, 2, blocks, ...]`` layout) between two KV tensors.
+    """Copy blocks (dim 2 of the ``[layers, planes, blocks, ...]`` layout) between two KV tensors.
 
     One strided copy per run of consecutive ids; on CUDA, with many short runs (a
     fragmented pool), an index gather and scatter per group of layers instead: a few
