@@ -7,8 +7,10 @@ every layout refused in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
 import signal
 from pathlib import Path
 
@@ -23,7 +25,9 @@ from engine.parallel.layout import Layout, even_split
 from engine.sampling import SamplingParams
 from engine.spec.adaptive import AcceptancePrior
 from engine.tiny import write_tiny_model
-from kvstore.cache import ShardedKVCache
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_blocks
+from kvstore.transfer import Refused, TransferTarget
+from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 from mesh.tokenizer import Tokenizer
 from tests.helpers.procs import alive
 from tests.helpers.references import prompts_of, run_with_logits
@@ -270,3 +274,69 @@ def test_mesh_up_passes_the_pipeline_flags_to_its_workers(models, monkeypatch):
     flags = plans[0].worker_flags
     assert flags[flags.index("--pp") + 1] == "3" and flags[flags.index("--pp-layers") + 1] == "1,1,3"
     assert main(["up", "--mock", "--pp", "2"]) == 2
+
+
+# -- the KV of a layout: a grid of parts ------------------------------------------------
+
+SPEC = KVCacheSpec(num_layers=5, num_blocks=12, block_size=4, num_kv_heads=4, head_dim=8, dtype=torch.float32)
+
+
+def grid(tp: int, stages: tuple[int, ...], paths: list[str] | None = None) -> KVCache | ShardedKVCache:
+    """A pool of ``tp`` x ``len(stages)`` parts in rank order (stage-major), as rank 0 holds them."""
+    parts = []
+    for layers in stages:
+        for _ in range(tp):
+            spec = KVCacheSpec(layers, SPEC.num_blocks, SPEC.block_size, SPEC.num_kv_heads // tp, SPEC.head_dim,
+                               SPEC.dtype)
+            parts.append(KVCache(spec, torch.device("cpu"), shm_path=paths[len(parts)] if paths else None))
+    return parts[0] if len(parts) == 1 else ShardedKVCache(parts, tp)
+
+
+GRIDS = {"one": (1, (5,)), "pp2": (1, (2, 3)), "pp3": (1, (1, 2, 2)), "tp2": (2, (5,)), "tp2pp2": (2, (3, 2)),
+         "tp4pp2": (4, (1, 4))}
+
+
+@pytest.mark.parametrize(("src", "dst"), [("one", "pp2"), ("pp2", "one"), ("pp3", "tp2pp2"), ("tp2pp2", "pp2"),
+                                          ("tp4pp2", "pp3"), ("tp2", "tp2pp2")])
+def test_blocks_move_between_any_two_layouts(src, dst):
+    """What shm does (a strided copy per overlap of parts) and what nats does (the whole pool
+    block-major, split by the receiver): the same bytes land."""
+    full = torch.randn(SPEC.shape, generator=torch.Generator().manual_seed(1))
+    a = grid(*GRIDS[src])
+    a.write_blocks(list(range(SPEC.num_blocks)), full)
+    assert a.spec == SPEC and torch.equal(a.read_blocks(list(range(SPEC.num_blocks))), full)
+    src_ids, dst_ids = [1, 2, 3, 7, 0], [5, 6, 7, 1, 11]
+    b = grid(*GRIDS[dst])
+    copy_blocks(a, b, src_ids, dst_ids)
+    assert torch.equal(b.read_blocks(dst_ids), full[:, :, src_ids])
+    assert not b.read_blocks([i for i in range(SPEC.num_blocks) if i not in dst_ids]).any()
+    c = grid(*GRIDS[dst])
+    c.write_block_major(dst_ids, a.read_block_major(src_ids))
+    assert torch.equal(c.read_blocks(dst_ids), full[:, :, src_ids])
+
+
+@pytest.mark.parametrize(("src", "dst"), [("one", "tp2pp2"), ("pp3", "one"), ("tp2pp2", "pp3")])
+def test_shm_transport_copies_into_each_stages_rank_files(src, dst):
+    tp, stages = GRIDS[dst]
+    paths = [shm_path(f"test-{secrets.token_hex(3)}-r{r}") for r in range(tp * len(stages))]
+    decode_kv = grid(tp, stages, paths)
+    receiver = ShmReceiver(decode_kv)
+    params = receiver.params("r1", [2, 3])
+    assert ("layers" in params.get("shards", [{}])[0]) == (len(stages) > 1)  # a one-stage pool's params are TP's
+    full = torch.randn(SPEC.shape, generator=torch.Generator().manual_seed(2))
+    source = grid(*GRIDS[src])
+    source.write_blocks(list(range(SPEC.num_blocks)), full)
+    target = TransferTarget(request_id="r1", decode_worker="d", dest_block_ids=[2, 3], block_size=4)
+    try:
+        sender = ShmSender()
+        assert sender.usable(params)
+        result = asyncio.run(sender.send(target, params, source, [8, 9]))
+        assert result.bytes == 2 * SPEC.block_bytes
+        assert torch.equal(decode_kv.read_blocks([2, 3]), full[:, :, [8, 9]])
+        if len(stages) > 1:  # shards that do not tile the layers: refused, nothing written
+            bad = {**params, "shards": [dict(s, layers=[0, 2]) for s in params["shards"]]}
+            with pytest.raises(Refused, match="tile"):
+                asyncio.run(ShmSender().send(target, bad, source, [8, 9]))
+    finally:
+        receiver.close()
+        decode_kv.close(unlink=True)
