@@ -32,7 +32,7 @@ from engine.loader import load_model
 from engine.lora import start_lora
 from engine.model import ModelPart, use_kernels
 from engine.overlap import OverlappedSteps
-from engine.parallel.group import RankGroup, rank_kv_spec
+from engine.parallel.group import ParallelGroupError, RankGroup, rank_kv_spec
 from engine.parallel.layout import Layout
 from engine.parallel.pipeline import Pipeline
 from engine.parallel.stage import StageRunner, StageStats
@@ -188,8 +188,9 @@ class Engine(EngineCore):
         try:
             pending = self.runner.launch(out, prev)
         except Exception as e:
-            if self.ranks is not None:
+            if self.ranks is not None:  # the ranks may be out of step: the group can never step again
                 self.ranks.abort(f"{type(e).__name__}: {e}")
+                raise ParallelGroupError(f"a step over the ranks failed: {type(e).__name__}: {e}") from e
             raise
         if self.eagle3 is not None:  # rank 0's states: the residual stream is whole on every rank
             self.eagle3.capture(out.chunks, self.model.aux_hidden)

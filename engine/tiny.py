@@ -64,14 +64,14 @@ _TOKENIZER_CONFIG = {
 }
 
 
-def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, num_layers: int | None = None) -> Path:
-    """``num_layers``: that many decoder layers instead of the size's (pipeline stages that do not
-    divide them evenly)."""
+def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, **overrides) -> Path:
+    """``overrides``: config keys of the size to change (``num_hidden_layers=5``: pipeline stages
+    that do not divide the layers evenly; heads that tensor parallelism divides)."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = SIZES[size] | ({"num_hidden_layers": num_layers} if num_layers else {})
+    shape = SIZES[size] | overrides
     moe = "num_experts" in shape
     config = {
         "architectures": ["LlamaForCausalLM"],

@@ -4,9 +4,11 @@ layouts.
 
 A prefill worker of one layout feeds a decode worker of another: the KV moves once, straight
 into the rank that holds each layer (shm: the prefill worker copies each overlap of its parts
-with the decode worker's rank files). Greedy output equals the single-process engine's. An aggregated ``--pp 2``
-decode worker does too; its card states its layout, ``mesh top`` shows it, and killing it with
-SIGKILL leaves no rank process behind.
+with the decode worker's rank files). Greedy output equals the single-process engine's. An
+aggregated ``--pp 2`` decode worker does too; its card states its layout, ``mesh top`` shows it,
+and when its second stage dies the next request ends with an error (nothing hangs) and the
+worker exits non-zero and leaves the mesh. (That no rank outlives a killed rank 0 is the rank
+group's, whatever the layout: tests/integration/test_tp_workers.py.)
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from mesh.protocol import WorkerLayout
+from mesh.client import generate
+from mesh.protocol import GenerateRequest, SamplingOptions, WorkerLayout
 from tests.helpers.cluster import Watcher, run_all
-from tests.helpers.procs import alive, stop_processes
+from tests.helpers.procs import stop_processes
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
@@ -97,7 +99,7 @@ async def test_prefill_and_decode_of_different_layouts(cluster, tiny_model, expe
         stop_processes(procs)
 
 
-async def test_aggregated_pp2_worker_its_card_and_no_rank_outlives_a_killed_worker(cluster, tiny_model, expected):
+async def test_aggregated_pp2_worker_its_card_and_a_dead_stage_ends_the_worker(cluster, tiny_model, expected):
     ns, dec = "pp-agg", "dec-pp-agg"
     worker = cluster.worker("decode", "--ns", ns, "--model", str(tiny_model), "--device-kv-blocks", "1024",
                             "--pp", "2", "--max-num-batched-tokens", "128", "--worker-id", dec)
@@ -115,13 +117,14 @@ async def test_aggregated_pp2_worker_its_card_and_no_rank_outlives_a_killed_work
             capture_output=True, text=True, timeout=60)
         assert top.returncode == 0, top.stderr
         assert next(line for line in top.stdout.splitlines() if dec in line).split()[2] == "tp1xpp2"
+        # the second stage dies: the next request fails, nothing hangs, and the worker leaves the mesh
         ranks = rank_processes(worker.pid)
         assert len(ranks) == 1
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait()
-        deadline = time.monotonic() + 15
-        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert not any(alive(r) for r in ranks), "a pipeline rank outlived its worker"
+        os.kill(ranks[0], signal.SIGKILL)
+        req = GenerateRequest("after-the-stage-died", "tiny", prompts()[0], SamplingOptions(max_tokens=4, temperature=0.0))
+        chunks = [c async for c in generate(w.bus, dec, req, first_timeout=60, idle_timeout=60)]
+        assert chunks[-1].finish_reason == "error"
+        assert await asyncio.to_thread(worker.wait, 60) == 1
+        await w.wait_for(lambda: w.membership.get(dec) is None, 15, "the card to go")
     finally:
         await w.close()

@@ -43,7 +43,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     """The tiny dense model and the tiny MoE (``--size moe``), with 5 layers each: 3 stages do
     not split them evenly."""
     root = tmp_path_factory.mktemp("pp-models")
-    return {kind: write_tiny_model(root / kind, size=size, num_layers=5)
+    return {kind: write_tiny_model(root / kind, size=size, num_hidden_layers=5)
             for kind, size in (("dense", "tiny"), ("moe", "moe"))}
 
 
