@@ -318,7 +318,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
     pp: int = 1  # pipeline stages (x tp ranks each): contiguous runs of layers (engine.parallel)
     pp_layers: tuple[int, ...] = ()  # layers per stage; (): as even as they go
-    pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: 2 x pp; 1: off
+    pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: pp; 1: off
     seed: int = 0
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
@@ -404,8 +404,10 @@ class EngineConfig:
 
     @property
     def pipeline_microbatches(self) -> int:
-        """At most this many micro-batches per step (1: micro-batching off)."""
-        return self.pp_microbatches or 2 * self.pp
+        """At most this many micro-batches per step (1: micro-batching off). By default one per
+        stage: on a CPU each micro-batch reads the stage's weights again, and two per stage cost
+        more in those reads than they gain in overlap (bench/parallel.py)."""
+        return self.pp_microbatches or self.pp
 
     def _check_gpu_execution(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in backend_names():

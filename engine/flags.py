@@ -100,7 +100,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="layers per stage (they sum to the model's layers; default: as even as they go)")
     p.add_argument("--pp-microbatches", type=int, default=0, metavar="M",
                    help="cut a step into up to M micro-batches so the stages work at once "
-                        "(default 0: 2 x --pp; 1: off)")
+                        "(default 0: --pp, one per stage; 1: off)")
 
 
 def pipeline_fields(args: argparse.Namespace) -> dict:

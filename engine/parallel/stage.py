@@ -7,8 +7,8 @@ stage before sent; then it sends them on, and the last stage sends the rows that
 (the sampled and verified rows, no others) back to rank 0. While a later stage runs
 micro-batch i, the stages before it already run i + 1, so the stages work at the same time:
 
-    stage 0 (rank 0)  | mb0 | mb1 | mb2 | mb3 |     logits of each as it comes back, sample
-    stage 1           |     | mb0 | mb1 | mb2 | mb3 |
+    stage 0 (rank 0)  | mb0 | mb1 |     logits of each as it comes back, sample
+    stage 1           |     | mb0 | mb1 |
 
 A micro-batch may cut a sequence's chunk (a long prefill): its piece attends to the KV the
 pieces before it wrote on the same stage, which every stage runs first, so the cut is
