@@ -236,6 +236,8 @@ class Engine(EngineCore):
         """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
         drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
         Only an EAGLE-3 drafter has the target keep its auxiliary states."""
+        if isinstance(drafter, Eagle3Drafter) and self.pipeline is not None:
+            raise ValueError(f"--pp {self.layout.pp} does not run with --speculative eagle3 yet")
         self.scheduler.drafter = drafter
         self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None
         self.model.aux_layers = self.eagle3.config.aux_layers if self.eagle3 is not None else ()

@@ -180,10 +180,13 @@ class RankGroup:
         self.broadcast(StatsRequest(reset))
         out = []
         for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(STATS_TIMEOUT):
+            try:
+                if not conn.poll(STATS_TIMEOUT):
+                    raise EOFError
+                out.append(conn.recv())
+            except (EOFError, OSError):
                 self.abort(f"rank {rank} did not answer for its stats")
-                raise ParallelGroupError(self._broken)
-            out.append(conn.recv())
+                raise ParallelGroupError(self._broken) from None
         return out
 
     def abort(self, why: str) -> None:
