@@ -126,7 +126,7 @@ class StageRunner:
         place = layout.place(rank)
         self.model, self.attention, self.groups = model, attention, groups
         self.layers = layout.layers(place.stage) if layout.stage_layers else range(len(model.layers))
-        self.embeds = place.stage == 0
+        self.embeds = place.stage == 0  # the others take the activations of the stage before
         self.returns = layout.pp > 1 and rank == layout.returning_rank  # sends rows back to rank 0
         self.collects = layout.pp > 1 and rank == 0
         self.device, self.dtype = device, dtype
@@ -141,7 +141,7 @@ class StageRunner:
         states (``[rows, hidden]``, in row order) as they arrive, while later ones still run."""
         t0 = time.perf_counter()
         waited = 0.0
-        inbox = self._post_receives(step) if self.groups.from_prev is not None else None
+        inbox = None if self.embeds else self._post_receives(step)
         back = self._post_returns(step) if self.collects else None
         sends, row = [], 0
         for i, mb in enumerate(step.microbatches):
@@ -149,7 +149,7 @@ class StageRunner:
             self.attention.plan(AttentionBatch(mb.query_lens, mb.context_lens, mb.block_tables,
                                                array_to_device(mb.slot_mapping, self.device)))
             positions = array_to_device(mb.positions, self.device)
-            if inbox is None:
+            if self.embeds:
                 ids = input_ids[row:row + n] if input_ids is not None else array_to_device(mb.input_ids, self.device)
                 x, residual = self.model.embed_tokens(ids), None
             else:
