@@ -178,12 +178,14 @@ class ModelConfig:
         if bad:
             raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
 
-    def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype, tp: int = 1) -> KVCacheSpec:
+    def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype, tp: int = 1,
+                      num_layers: int | None = None) -> KVCacheSpec:
         """One rank's KV cache: K and V planes of its share of the KV heads, or (MLA) one plane of
-        one latent vector per token and layer."""
+        one latent vector per token and layer; of ``num_layers`` (a pipeline stage's) or all."""
+        layers = self.num_layers if num_layers is None else num_layers
         if self.mla is not None:
-            return KVCacheSpec(self.num_layers, num_blocks, block_size, 1, self.mla.latent_dim, dtype, num_planes=1)
-        return KVCacheSpec(self.num_layers, num_blocks, block_size, self.num_kv_heads // tp, self.head_dim, dtype)
+            return KVCacheSpec(layers, num_blocks, block_size, 1, self.mla.latent_dim, dtype, num_planes=1)
+        return KVCacheSpec(layers, num_blocks, block_size, self.num_kv_heads // tp, self.head_dim, dtype)
 
     @property
     def latent_dims(self) -> tuple[int, int] | None:
@@ -271,6 +273,9 @@ class EngineConfig:
     disk_kv_blocks: int | None = None  # the disk tier's cap in blocks (overrides disk_kv_gb)
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
+    pp: int = 1  # pipeline stages (x tp ranks each): contiguous runs of layers (engine.parallel)
+    pp_layers: tuple[int, ...] = ()  # layers per stage; (): as even as they go
+    pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: pp; 1: off
     seed: int = 0
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
@@ -312,6 +317,7 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        self._check_pipeline()
         if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
             raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
         if self.tp > 1 and self.has_host_tier:
@@ -336,6 +342,29 @@ class EngineConfig:
         self._check_gpu_execution()
         if self.speculative is not None:
             SpecConfig(self.speculative, self.num_speculative_tokens)  # ValueError: an unknown method, K < 1
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages do not run yet is refused here, in one line (the layer split
+        itself is checked against the model when the engine starts: ``Layout.for_model``)."""
+        if self.pp < 1 or self.pp_microbatches < 0:
+            raise ValueError(f"--pp must be >= 1 and --pp-microbatches >= 0, got {self.pp} and {self.pp_microbatches}")
+        if self.pp_layers and len(self.pp_layers) != self.pp:
+            raise ValueError(f"--pp-layers names {len(self.pp_layers)} stages, --pp is {self.pp}")
+        if self.pp == 1:
+            return
+        refused = [flag for flag, on in (
+            ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
+            ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
+            ("--speculative eagle3", (self.speculative or "").startswith("eagle3"))) if on]
+        if refused:
+            raise ValueError(f"--pp {self.pp} does not run with {', '.join(refused)} yet")
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """At most this many micro-batches per step (1: micro-batching off). By default one per
+        stage: on a CPU each micro-batch reads the stage's weights again, and two per stage cost
+        more in those reads than they gain in overlap (bench/parallel.py)."""
+        return self.pp_microbatches or self.pp
 
     def _check_gpu_execution(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in backend_names():
@@ -362,7 +391,7 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
-                and not self.lora_slots)  # LoRA steps run the blocking loop
+                and self.pp == 1 and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -21,7 +21,7 @@ the embeddings), by default (2, L // 2, L - 3) as vLLM chooses them for an L-lay
 Rebuilding the states of tokens the target did not compute on this worker (``TargetStates``) is a
 ``RebuildStep``: the target's layers up to the last auxiliary one over those tokens. Under tensor
 parallelism every rank runs it (each layer ends in an all-reduce): rank 0 hands it to the helper
-ranks as it hands them a step (``engine.tp``), and keeps the states, which are whole on rank 0.
+ranks as it hands them a step (``engine.parallel``), and keeps the states, which are whole on rank 0.
 
 One step of the head (``Eagle3Head.forward``) at position i takes the token at i + 1 and a hidden
 state for position i: the target's fused states (``fc``) for tokens the target computed, the head's

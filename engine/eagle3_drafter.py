@@ -32,8 +32,8 @@ from engine.config import ModelConfig
 from engine.draft_model import DraftBlocks
 from engine.eagle3 import Eagle3Config, RebuildStep, TargetStates, configured_backend, load_head
 from engine.model import CausalLM
+from engine.parallel.group import RankGroup
 from engine.spec.drafter import can_draft
-from engine.tp import TensorParallel
 from kvstore.cache import KVCache, KVCacheSpec
 
 
@@ -76,19 +76,19 @@ class Eagle3Drafter:
         self.head = None  # load(): the head, once the target's weights are in place
         self.target: CausalLM | None = None
         self.lora = None
-        self.tp: TensorParallel | None = None
+        self.ranks: RankGroup | None = None
         self.rebuilt_tokens = 0  # target states recomputed for tokens the target did not compute here
 
     def load(self, target: CausalLM, target_kv: KVCache, scratch_block: int, lora=None,
-             tp: TensorParallel | None = None) -> None:
+             ranks: RankGroup | None = None) -> None:
         """Start on ``target``: the head (with its embeddings where the checkpoint has none), the
         target keeping the auxiliary states, and what rebuilding states needs (the target's KV,
-        this rank's share of it under ``tp``, a block its writes go to, the engine's
+        this rank's share of it under ``ranks``, a block its writes go to, the engine's
         ``LoraManager`` if it has one: a rebuild runs base-model rows; and the tensor-parallel
-        group whose helper ranks run each rebuild with this one)."""
+        rank group whose helper ranks run each rebuild with this one)."""
         self.target = target
         self.lora = lora
-        self.tp = tp
+        self.ranks = ranks
         self.head = load_head(self.config, target.embed_tokens, self.device, self.dtype,
                               target.rotary.cos.shape[0])
         target.aux_layers = self.config.aux_layers
@@ -170,14 +170,14 @@ class Eagle3Drafter:
             self.lora.plan([end - first], self.lora.activate([seq.lora]))
         step = RebuildStep.of(seq.token_ids[:end], first, seq.block_table, self.block_size, self.scratch_block,
                               self.config.aux_layers)
-        if self.tp is None:
+        if self.ranks is None:
             aux = self.target_states(step)
         else:
-            self.tp.broadcast(step)  # the helper ranks run it with us (their shares of the heads)
+            self.ranks.broadcast(step)  # the helper ranks run it with us (their shares of the heads)
             try:
                 aux = self.target_states(step)
             except Exception as e:  # the ranks may be out of step: as a failed step does
-                self.tp.abort(f"EAGLE-3 rebuild: {type(e).__name__}: {e}")
+                self.ranks.abort(f"EAGLE-3 rebuild: {type(e).__name__}: {e}")
                 raise
         self.rebuilt_tokens += end - first
         return self.head.fc(aux)

@@ -3,7 +3,7 @@
 Weights are streamed tensor by tensor from ``*.safetensors`` straight onto the
 target device; the fused QKV and gate/up parameters, and the stacked experts of
 MoE layers, are filled slice by slice. A tensor-parallel rank reads only its
-shard of each sharded tensor.
+shard of each sharded tensor, a pipeline stage only its layers (``ModelPart``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, Fp8Reader, block_index
 from engine.fp8_linear import BlockFp8Gemm, Fp8Linear, resident_gemm
-from engine.model import CausalLM, Rotary, pack_cpu_linears
+from engine.model import CausalLM, HeldElsewhere, ModelPart, Rotary, keep_stage, pack_cpu_linears
 from engine.moe import GroupedTopKRouter, SparseMoE, default_experts
 from engine.tp import Shard
 from mesh.errors import ModelError
@@ -48,18 +48,18 @@ def _targets(model: CausalLM, cfg: ModelConfig, name: str) -> list[_Target]:
     """Where an HF tensor goes (several places for a fused one); empty for tensors we do not use."""
     hidden = cfg.hidden_size
     if name == "model.embed_tokens.weight":
-        return [_Target(model.embed_tokens.weight, (cfg.vocab_size, hidden))]
+        return [_Target(model.embed_tokens.weight, (cfg.vocab_size, hidden))] if model.embed_tokens is not None else []
     if name == "model.norm.weight":
-        return [_Target(model.norm.weight, (hidden,))]
+        return [_Target(model.norm.weight, (hidden,))] if model.norm is not None else []
     if name == "lm_head.weight":
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings or model.lm_head is None:
             return []
         return [_Target(model.lm_head.weight, (cfg.vocab_size, hidden))]
     m = _LAYER.match(name)
     if not m:
         return []
     i, rest = int(m.group(1)), m.group(2)
-    if i >= cfg.num_layers:
+    if i >= cfg.num_layers or isinstance(model.layers[i], HeldElsewhere):  # another pipeline stage's
         return []
     layer = model.layers[i]
     table = _mla_table(layer, cfg, model.shard) if cfg.mla else _attention_table(layer, cfg, model.shard)
@@ -213,15 +213,18 @@ def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dic
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                shard: Shard | None = None) -> CausalLM:
-    """An uninitialized model on ``device`` (no host-side random init of billions of weights)."""
+                shard: Shard | None = None, part: ModelPart | None = None) -> CausalLM:
+    """An uninitialized model on ``device`` (no host-side random init of billions of weights);
+    only ``part`` of it on a pipeline stage."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
+        if part is not None:
+            keep_stage(model, part)
     model = model.to_empty(device=device).to(dtype)
     for moe in model.modules():
         if isinstance(moe, SparseMoE):
             moe.keep_router_fp32()
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg, max_positions).to(device)
     model.eval().requires_grad_(False)
@@ -229,11 +232,11 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-               shard: Shard | None = None) -> CausalLM:
+               shard: Shard | None = None, part: ModelPart | None = None) -> CausalLM:
     files = sorted(Path(cfg.path).glob("*.safetensors"))
     if not files:
         raise ModelError(f"{cfg.path} has no *.safetensors weights")
-    model = build_model(cfg, device, dtype, max_positions, shard)
+    model = build_model(cfg, device, dtype, max_positions, shard, part)
     fp8 = Fp8Reader(cfg.fp8, files)
     gemm = resident_gemm(device, cfg.fp8.block, dtype) if cfg.fp8 else None
     if gemm is not None:

@@ -12,10 +12,15 @@ the next norm can be one kernel; which operations run fused kernels is the model
 
 Under tensor parallelism (``Shard``, see ``engine.tp``) a rank holds its
 share of the heads and MLP columns; the row-parallel ``o_proj`` and
-``down_proj`` sum their partial outputs over the ranks.
+``down_proj`` sum their partial outputs over the ranks. Under pipeline
+parallelism (``engine.parallel``) a rank holds its stage's layers only
+(``keep_stage``: the others are ``HeldElsewhere``, so layer numbers stay the
+model's) and runs them with ``forward_layers``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -159,12 +164,17 @@ class CausalLM(nn.Module):
         if self.aux_layers:
             hidden, self.aux_hidden = self.forward_aux(input_ids, positions, attn)
             return hidden
-        x = self.embed_tokens(input_ids)
-        rope = self.kernels.rope(self.rotary, positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn)
+        x, residual = self.forward_layers(self.embed_tokens(input_ids), None, positions, attn, range(len(self.layers)))
         return residual + x
+
+    def forward_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                       attn: AttentionBackend, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` (a pipeline stage's, or all of them) over ``x`` and the residual stream
+        (None before the first layer): ``(mlp output, residual stream)`` after the last one."""
+        rope = self.kernels.rope(self.rotary, positions, x.dtype)
+        for i in layers:
+            x, residual = self.layers[i](x, residual, rope, attn)
+        return x, residual
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                     whole: bool = True, aux_layers: tuple[int, ...] | None = None
@@ -189,6 +199,45 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+
+class HeldElsewhere(nn.Module):
+    """In place of a decoder layer another pipeline stage holds: no weights, never run."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        raise RuntimeError(f"layer {self.layer} is held by another pipeline stage")
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """What of the model one rank holds: its stage's decoder ``layers``, the embeddings where it
+    ``embeds`` (the first stage), the final norm and ``lm_head`` where it ``samples`` (rank 0)."""
+
+    layers: range
+    embeds: bool = True
+    samples: bool = True
+
+
+def keep_stage(model: CausalLM, part: ModelPart) -> None:
+    """Trim ``model`` (built on the meta device, before its weights are allocated) to ``part``:
+    the layers of other stages become ``HeldElsewhere``, whatever their type (the split is by
+    position in ``model.layers``)."""
+    for i in range(len(model.layers)):
+        if i not in part.layers:
+            model.layers[i] = HeldElsewhere(i)
+    if not part.samples:
+        model.norm = model.lm_head = None
+    if not part.embeds:
+        model.embed_tokens = None
+
+
+def held_layers(model: CausalLM) -> list[int]:
+    """The decoder layers this rank holds."""
+    return [i for i, layer in enumerate(model.layers) if not isinstance(layer, HeldElsewhere)]
 
 
 def use_kernels(model: nn.Module, kernels: Kernels) -> None:

@@ -76,14 +76,18 @@ _TOKENIZER_CONFIG = {
 ALL_SIZES = (*SIZES, *DEEPSEEK_SIZES)
 
 
-def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, fp8: bool = False) -> Path:
+def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, fp8: bool = False, **overrides) -> Path:
+    """``overrides``: config keys of a Llama-family size to change (``num_hidden_layers=5``:
+    pipeline stages that do not divide the layers evenly; heads that tensor parallelism divides)."""
     if size not in ALL_SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(ALL_SIZES)})")
     out = Path(out)
     if size in DEEPSEEK_SIZES:
+        if overrides:
+            raise ValueError(f"--size {size} takes no config overrides")
         config, weights = deepseek_checkpoint(size, seed, VOCAB_SIZE, MAX_POSITIONS, EOS_IDS)
     else:
-        config = _llama_config(size)
+        config = _llama_config(size, overrides)
         weights = _random_weights(config, seed)
     if fp8:
         block = FP8_BLOCKS.get(size, (16, 16))
@@ -109,8 +113,8 @@ def quantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, int]
     return out
 
 
-def _llama_config(size: str) -> dict:
-    shape = SIZES[size]
+def _llama_config(size: str, overrides: dict) -> dict:
+    shape = SIZES[size] | overrides
     moe = "num_experts" in shape
     config = {
         "architectures": ["LlamaForCausalLM"],

@@ -280,6 +280,24 @@ class PrefillDone(Message):
     token: str = ""  # the job's PrefillJob.token
 
 
+class WorkerLayout(Part):
+    """How a worker's model is cut over its ranks (``engine/parallel/layout.py``): ``tp`` x ``pp``
+    ranks, one worker however many; ``stage_layers``: the decoder layers of each pipeline stage
+    (empty at PP 1). A card without it: one rank."""
+
+    tp: int = 1
+    pp: int = 1
+    stage_layers: list[int] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
+
+    def describe(self) -> str:
+        """``tp2xpp2``; ``tp1`` for one rank."""
+        return f"tp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")
+
+
 class WorkerCard(Message):
     """A worker's entry in the registry bucket, refreshed while it lives."""
 
@@ -306,6 +324,7 @@ class WorkerCard(Message):
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
     embed_dim: int = 0  # role "embed" (``--task embed``): the size of its vectors
+    layout: WorkerLayout = field(default_factory=WorkerLayout)  # its ranks (TP x PP); default: one
 
     def __post_init__(self):
         checked_transports(self.transports)

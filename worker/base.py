@@ -32,7 +32,7 @@ from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
 from mesh.procutil import cancel_and_wait
-from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard
+from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, WorkerLayout
 from mesh.telemetry import REGISTRY, register_gpu_collector
 from worker.core import WorkerCore
 from worker.settings import WorkerSettings
@@ -154,6 +154,15 @@ def engine_logprob(lp: TokenLogprobs | None) -> TokenLogprob | None:
     return TokenLogprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=False)))
 
 
+def card_layout(engine) -> WorkerLayout:
+    """The card's ``layout`` of an engine's ranks (``engine.parallel.layout.Layout``; an engine
+    without one, the mocker's: one rank)."""
+    layout = getattr(engine, "layout", None)
+    if layout is None or layout.size == 1:
+        return WorkerLayout()
+    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [])
+
+
 class WorkerBase(WorkerCore):
     role = ""
     publishes_kv_events = False  # decode workers do: the router indexes their caches
@@ -198,6 +207,7 @@ class WorkerBase(WorkerCore):
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
             metrics_port=self.metrics_port, adapters=adapter_names(e), max_loras=lora_slots(e),
+            layout=card_layout(e),
         )
 
     def load(self, engine: EngineCore) -> LoadReport:

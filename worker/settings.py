@@ -61,7 +61,12 @@ class WorkerSettings(CoreSettings):
         if self.is_mock:
             return ["mock"]
         on_cuda = self.engine.torch_device.type == "cuda"
-        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1))
+        pp = getattr(self.engine, "pp", 1)
+        one_tensor = [n for n in self.transports if n in ONE_TENSOR_TRANSPORTS]
+        if pp > 1 and one_tensor:
+            raise ValueError(f"--pp {pp} moves KV over shm or nats, not {', '.join(one_tensor)} "
+                             "(a transport of one pool tensor) yet")
+        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1), pp)
         if on_cuda and "shm" in names:
             raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl, nixl or nats")
         if "nixl" in names and not nixl_available():
@@ -73,14 +78,19 @@ class WorkerSettings(CoreSettings):
 
 
 _told_no_nixl = False
+# They export or register the pool as one tensor: a pipeline's pool is one per stage (parts of
+# layers), so a worker of --pp > 1 moves its KV over shm or nats, which copy part by part.
+ONE_TENSOR_TRANSPORTS = ("cuda_ipc", "nccl", "nixl")
 
 
-def _default_transports(on_cuda: bool, tp: int) -> tuple[str, ...]:
+def _default_transports(on_cuda: bool, tp: int, pp: int = 1) -> tuple[str, ...]:
     """Same-host transports, nixl between hosts when NIXL imports (TP 1: it registers one pool
-    tensor), nats as the fallback."""
+    tensor), nats as the fallback; over pipeline stages, shm on CPU and nats."""
     from kvstore.transfer import nixl_available
 
     global _told_no_nixl
+    if pp > 1:
+        return ("nats",) if on_cuda else ("shm", "nats")
     same_host = ("cuda_ipc", "nccl") if on_cuda else ("shm",)
     if tp == 1 and nixl_available():
         return (*same_host, "nixl", "nats")

@@ -32,10 +32,11 @@ later kicks it first (``NixlBegin`` with ``writing``, one way). A live writer en
 its PrefillDone (ok or not), which frees the blocks; a writer that dies holding a grant is
 seen by the registry (``writer_left``: its card gone or expired), which orphans its jobs.
 
-Tensor parallelism: TP 1 pools only (one tensor per side). A TP > 1 worker registers one region
-per rank (``head_shards``), and a head-range overlap of two shards is strided inside a block
+Several ranks: pools of one rank only (one tensor per side). A TP > 1 worker registers one region
+per rank (``parts``), and a head-range overlap of two shards is strided inside a block
 (heads are the second-last dim), so each (plane, run, overlap) needs a descriptor per token
-row: that is the work left for TP > 1; such workers use shm or nats.
+row: that is the work left for TP > 1; such workers use shm or nats (a pipeline stage's part is whole
+layers: a descriptor per layer, plane and run, the easier half of the same work).
 """
 
 from __future__ import annotations
@@ -81,11 +82,11 @@ class _Job(WriteJob):
 
 
 def one_tensor(kv: KVCache | ShardedKVCache):
-    """The pool as one contiguous tensor (TP 1), or ValueError."""
-    shards = kv.head_shards()
-    if len(shards) != 1 or not shards[0][2].tensor.is_contiguous():
-        raise ValueError("the nixl transport serves TP 1 KV pools (one tensor) only")
-    return shards[0][2].tensor
+    """The pool as one contiguous tensor (one rank: TP 1, PP 1), or ValueError."""
+    parts = kv.parts()
+    if len(parts) != 1 or not parts[0].cache.tensor.is_contiguous():
+        raise ValueError("the nixl transport serves KV pools of one rank (TP 1, PP 1) only")
+    return parts[0].cache.tensor
 
 
 def region_of(node: NixlNode, kind: str, tensor) -> Region:
