@@ -53,6 +53,7 @@ from mesh.side_messages import LoraRequest as LoraRequest
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import max_bytes
 from mesh.subjects import subject_token as subject_token
+from mesh.worker_layout import WorkerLayout as WorkerLayout
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -103,6 +104,7 @@ class Part(msgspec.Struct, omit_defaults=True):
 
 for _message in (*TRANSPORT_MESSAGES, *EMBED_MESSAGES, *SIDE_MESSAGES):  # a Message's form, defined in their own modules
     register(_message)
+MESSAGE_TYPES[WorkerLayout.__name__] = WorkerLayout  # a Part's form, defined in its own module
 
 
 def encode(msg: Message | TransportMessage) -> bytes:
@@ -278,24 +280,6 @@ class PrefillDone(Message):
     compute_ms: float = 0.0
     num_chunks: int = 0  # nats transport: data messages sent before this one
     token: str = ""  # the job's PrefillJob.token
-
-
-class WorkerLayout(Part):
-    """How a worker's model is cut over its ranks (``engine/parallel/layout.py``): ``tp`` x ``pp``
-    ranks, one worker however many; ``stage_layers``: the decoder layers of each pipeline stage
-    (empty at PP 1). A card without it: one rank."""
-
-    tp: int = 1
-    pp: int = 1
-    stage_layers: list[int] = field(default_factory=list)
-
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.pp
-
-    def describe(self) -> str:
-        """``tp2xpp2``; ``tp1`` for one rank."""
-        return f"tp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")
 
 
 class WorkerCard(Message):
