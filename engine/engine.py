@@ -31,6 +31,8 @@ from engine.loader import load_model
 from engine.lora import start_lora
 from engine.mla import check_latent_support
 from engine.model import use_kernels
+from engine.mtp import check_mtp
+from engine.mtp_drafter import MtpDrafter, mtp_drafter
 from engine.overlap import OverlappedSteps
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import Sampler
@@ -53,6 +55,7 @@ class Engine(EngineCore):
         self.model_config = mc = ModelConfig.from_dir(config.model)
         mc.check_tp(config.tp)
         check_latent_support(mc, config)
+        check_mtp(mc, config.speculative)  # before the weights load
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.fused_kernels and self.device.type != "cuda":
@@ -60,8 +63,8 @@ class Engine(EngineCore):
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims)
-        # EAGLE-3 reads each step's hidden states, which decode graphs do not hand out
-        reads_states = (config.speculative or "").partition(":")[0] == "eagle3"
+        # EAGLE-3 and MTP read each step's hidden states, which decode graphs do not hand out
+        reads_states = (config.speculative or "").partition(":")[0] in ("eagle3", "mtp")
         want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1 and not reads_states
         # One rank: load the weights first, so the automatic KV size sees what they took. Several:
         # rank 0 starts the other ranks first (they load their shards while it loads its own),
@@ -71,7 +74,7 @@ class Engine(EngineCore):
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
         how = (config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
-        drafter = model_drafter(*how) or eagle3_drafter(*how)  # None: the core's (ngram)
+        drafter = model_drafter(*how) or eagle3_drafter(*how) or mtp_drafter(*how)  # None: the core's (ngram)
         super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
@@ -87,7 +90,7 @@ class Engine(EngineCore):
                           spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
-        # EAGLE-3's: fed each step's hidden states
+        # EAGLE-3's, MTP's: fed each step's hidden states
         self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
         if self.state_drafter is not None:  # its rebuilt states' own keys and values go to a block never freed
             self.state_drafter.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.tp)
@@ -215,7 +218,7 @@ class Engine(EngineCore):
 
     def set_drafter(self, drafter) -> None:
         """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
-        drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this
+        drafters on one copy of the weights; an ``Eagle3Drafter`` or ``MtpDrafter`` loaded on this
         engine's model. Only those have the target keep the states they read."""
         self.scheduler.drafter = drafter
         self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
@@ -225,6 +228,11 @@ class Engine(EngineCore):
     def eagle3(self) -> Eagle3Drafter | None:
         """The EAGLE-3 drafter, if this engine drafts with one."""
         return self.state_drafter if isinstance(self.state_drafter, Eagle3Drafter) else None
+
+    @property
+    def mtp(self) -> MtpDrafter | None:
+        """The MTP drafter, if this engine drafts with one."""
+        return self.state_drafter if isinstance(self.state_drafter, MtpDrafter) else None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
