@@ -165,10 +165,12 @@ def test_after_verifications_that_accepted_some_drafts(deepseek_models):
 
 def test_greedy_outputs_are_token_identical_and_counted(deepseek_models):
     path = deepseek_models["deepseek"]
-    ps = prompts()
-    ref = outputs(engine(path), ps)
+    ps, alone = prompts(), prompts(1, seed=21)
+    plain = engine(path)
+    ref, ref_alone = outputs(plain, ps), outputs(plain, alone, 6)
     e = mtp_engine(path)
-    assert outputs(e, ps) == ref
+    assert outputs(e, alone, 6) == ref_alone  # a batch of one
+    assert outputs(e, ps) == ref  # and of several
     c = e.scheduler.spec
     assert c.drafted > 0 and c.steps > 0, c
     assert e.mtp.rebuilt_tokens == 0  # every token was computed here
