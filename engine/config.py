@@ -89,6 +89,9 @@ class ModelConfig:
     # ``num_kv_heads`` 1: the cache holds one latent vector per token, not K and V per head
     mla: MlaConfig | None = None
     fp8: Fp8Scheme | None = None  # FP8 weights in DeepSeek's block-scaled format (``engine.fp8``)
+    # DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer
+    # (``num_nextn_predict_layers``): not part of the model; ``--speculative mtp`` drafts with them
+    mtp_layers: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
@@ -147,6 +150,7 @@ class ModelConfig:
                 moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
                 mla=mla,
                 fp8=Fp8Scheme.from_config(cfg),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):
@@ -355,7 +359,8 @@ class EngineConfig:
         refused = [flag for flag, on in (
             ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
             ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
-            ("--speculative eagle3", (self.speculative or "").startswith("eagle3"))) if on]
+            ("--speculative eagle3", (self.speculative or "").startswith("eagle3")),
+            ("--speculative mtp", (self.speculative or "").partition(":")[0] == "mtp")) if on]
         if refused:
             raise ValueError(f"--pp {self.pp} does not run with {', '.join(refused)} yet")
 

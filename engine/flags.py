@@ -63,6 +63,7 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     """A model worker's ``EngineConfig`` from the flags of ``add_args`` (ValueError: a flag it cannot
     take; ModelError: the model directory or a ``--lora`` adapter), read once before anything starts."""
     from engine.config import EngineConfig, ModelConfig
+    from engine.mtp import check_mtp
     from mesh.config import settings
 
     if getattr(args, "peer_fetch", False) and not (args.host_kv_gb or args.host_kv_blocks):
@@ -76,6 +77,7 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     mc = ModelConfig.from_dir(model)
     mc.check_tp(args.tp)
     pipeline = pipeline_fields(args)
+    check_mtp(mc, args.speculative)  # a checkpoint without the layer: one line, before a worker starts
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb,
              "host_kv_blocks": args.host_kv_blocks, "disk_kv_blocks": args.disk_kv_blocks}
     config = EngineConfig(
@@ -142,8 +144,9 @@ def check_loras(config: EngineConfig, mc: ModelConfig) -> None:
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup; ngram:N matches up to N tokens), "
-                        "draft:DIR (a smaller model with the same tokenizer), or eagle3:DIR (an EAGLE-3 "
-                        "head, its published checkpoint format, fed the target's hidden states)")
+                        "draft:DIR (a smaller model with the same tokenizer), eagle3:DIR (an EAGLE-3 "
+                        "head, its published checkpoint format, fed the target's hidden states), or mtp "
+                        "(DeepSeek-V3's multi-token-prediction layer, stored in its checkpoint)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="tokens a decoding row drafts per step (with --speculative)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,

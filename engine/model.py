@@ -141,8 +141,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     kernels: Kernels = PLAIN
-    # EAGLE-3 (engine.eagle3): the layers whose input (the residual stream; 0 is the embeddings)
-    # each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
+    # EAGLE-3 (engine.eagle3), MTP (engine.mtp): the layers whose input (the residual stream; 0 is
+    # the embeddings, ``len(layers)`` the last layer's output: the hidden states before the final
+    # norm) each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
     # Under TP the stream is whole on every rank (each layer ends in an all-reduce): rank 0 keeps it.
     aux_layers: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
@@ -194,6 +195,8 @@ class CausalLM(nn.Module):
             if i == last and not whole:
                 break
             x, residual = layer(x, residual, rope, attn)
+        if len(self.layers) in aux_layers:  # the last layer's output (then every layer ran)
+            kept[len(self.layers)] = residual + x
         aux = torch.cat([kept[i] for i in aux_layers], dim=-1)
         return (residual + x if whole else None), aux
 

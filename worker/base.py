@@ -136,7 +136,7 @@ def speculative_counters(engine: EngineCore) -> dict[str, int]:
         return {}
     c = engine.scheduler.spec
     out = {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
-    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3: target states recomputed for it
+    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3, mtp: target states recomputed for it
     if rebuilt is not None:
         out[f"spec_rebuilt:{drafter.name}"] = rebuilt
     return out
