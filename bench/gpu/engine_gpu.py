@@ -19,9 +19,10 @@ Cases, each mode (the baseline, eager, is measured in the same run on the same G
   batch / step; "of roofline" = the step the bytes allow (every weight once, the embedding
   rows of the batch, the KV of every sequence at its median context, over ``--hbm-tbps``)
   divided by the measured step;
-* profile (``--gpu-profile STEPS``): torch.profiler over STEPS decode steps at the middle
-  batch: GPU kernel time per step against the wall time per step; the difference is the
-  host gap (launches, Python) that graphs and overlap exist to close;
+* profile (``--gpu-profile STEPS``): torch.profiler over STEPS decode steps at batch 64 (else
+  the middle batch), each mode: GPU kernel time per step against the wall time per step (the
+  difference is the host gap, launches and Python, that graphs and overlap exist to close),
+  launches and the host time in them, and the top kernels (``step_profile``);
 * prefill, batch 8, prompts of 2k and 8k tokens, eager, per attention backend (``flashinfer``
   pages everything, ``flashinfer-ragged`` attends over the step's own K/V as a ragged batch):
   TTFT = the wall time until every request has its first token (their mean beside it),
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 
 from bench.common import Benchmark, emit, parse, parser
+from bench.gpu.step_profile import StepProfile, print_profiles, profile_decode
 from engine import engine as engine_module
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -264,12 +266,8 @@ def measure_prefill(engine: Engine, attention: str, batch: int, length: int, arg
     return PrefillRow(attention, batch, length, ttft * 1e3, mean * 1e3, batch * length / ttft)
 
 
-def profile_decode(engine: Engine, batch: int, args) -> tuple[float | None, float, float | None]:
-    """(GPU kernel ms per step, wall ms per step, kernel launches per step) over ``--gpu-profile``
-    decode steps of ``batch`` sequences (kernel figures None without CUDA)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_mode(engine: Engine, mode: str, batch: int, args) -> StepProfile:
+    """torch.profiler over ``--gpu-profile`` decode steps of ``batch`` sequences (``step_profile``)."""
     steps = args.gpu_profile
     vocab = engine.model_config.vocab_size
     seqs = [engine.new_sequence(p, greedy(steps + 8)) for p in prompts_for(batch, args.prompt, vocab, args.seed)]
@@ -277,28 +275,18 @@ def profile_decode(engine: Engine, batch: int, args) -> tuple[float | None, floa
         engine.add(s)
     while any(s.num_output_tokens < 2 for s in seqs):  # prefill, first decodes (and captures) outside
         engine.step()
-    cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
-    for s in seqs:
-        engine.abort(s.request_id)
-    if engine.overlap is not None:
-        engine.overlap.finish()
-    if not cuda:
-        return None, wall * 1e3, None
-    events = prof.key_averages()
-    # kernel rows only: an ATen op's row repeats the time of the kernels it launched
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
-    launches = sum(e.count for e in events
-                   if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))) / steps
-    return kernel_us / 1e3, wall * 1e3, launches
+    try:
+        return profile_decode(engine, seqs, mode, steps)
+    finally:
+        for s in seqs:
+            engine.abort(s.request_id)
+        if engine.overlap is not None:
+            engine.overlap.finish()
+
+
+def profile_batch(batches: list[int]) -> int:
+    """The batch each mode's profile runs: the issue's batch 64 when measured, else the middle one."""
+    return 64 if 64 in batches else sorted(batches)[len(batches) // 2]
 
 
 def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
@@ -341,7 +329,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
     except (ValueError, ImportError, RuntimeError) as e:
         sys.exit(f"python -m bench engine-gpu: the engine did not start: {str(e).splitlines()[0] if str(e) else e!r}")
     log = StepLog(engine)
-    decode, skipped = [], []
+    decode, skipped, profiles = [], [], []
     for name in args.modes:
         mode = MODES[name]
         try:
@@ -359,11 +347,14 @@ def run_gpu(args: argparse.Namespace) -> dict:
         if not rows:
             continue
         if args.gpu_profile:
-            middle = next((r for r in rows if r.batch == args.batches[len(args.batches) // 2]), rows[0])
-            middle.kernel_ms, _, middle.launches = profile_decode(engine, middle.batch, args)
+            row = next((r for r in rows if r.batch == profile_batch(args.batches)), rows[0])
+            prof = profile_mode(engine, name, row.batch, args)
+            row.kernel_ms, row.launches = prof.kernel_ms, prof.launches
+            profiles.append(prof)
         decode += rows
         print(f"  measured {name}: " + ", ".join(f"batch {r.batch} {r.step_ms:.2f} ms/step" for r in rows),
               file=sys.stderr)
+        write_partial(args, decode, profiles, skipped)
     engine.set_execution(cuda_graphs=False, async_scheduling=False, fused_kernels=())
     prefill = []
     for attention in args.prefill_attention if not dry else ["torch"]:
@@ -375,8 +366,19 @@ def run_gpu(args: argparse.Namespace) -> dict:
         prefill += [measure_prefill(engine, attention, args.prefill_batch, n, args) for n in args.prefill_lens]
     header = describe(engine, args, dry)
     print_report(header, decode, prefill, skipped, args)
+    print_profiles(profiles)
     return {"mode": "gpu-dry-run" if dry else "gpu", "device": header, "hbm_tb_s": args.hbm_tbps,
-            "decode": [asdict(r) for r in decode], "prefill": [asdict(r) for r in prefill], "skipped": skipped}
+            "decode": [asdict(r) for r in decode], "prefill": [asdict(r) for r in prefill], "skipped": skipped,
+            "profiles": [p.as_dict() for p in profiles]}
+
+
+def write_partial(args, decode: list[DecodeRow], profiles: list[StepProfile], skipped: list[str]) -> None:
+    """The modes measured so far, to ``--json`` (marked partial), so a run cut off by the check's
+    deadline still returns them; the complete result object replaces it at the end."""
+    if not args.json:
+        return
+    Path(args.json).write_text(json.dumps({"partial": True, "figures": {
+        "decode": [asdict(r) for r in decode], "profiles": [p.as_dict() for p in profiles], "skipped": skipped}}))
 
 
 def describe(engine: Engine, args, dry: bool) -> str:
@@ -491,7 +493,7 @@ def gpu_settings(args: argparse.Namespace) -> argparse.Namespace:
         prefill_lens=ints(args.gpu_prefill_lens),
         prefill_attention=[a.strip() for a in args.gpu_prefill_attention.split(",") if a.strip()],
         max_batched_tokens=args.gpu_max_batched_tokens, gpu_profile=args.gpu_profile, hbm_tbps=args.hbm_tbps,
-        reps=args.reps or 2, seed=args.seed,
+        reps=args.reps or 2, seed=args.seed, json=getattr(args, "json", None),
     )
     if args.quick or args.dry_run:
         s.batches = [min(b, 8) for b in s.batches] if args.dry_run else s.batches
