@@ -1,0 +1,121 @@
+"""Build the FlashInfer modules the GPU check uses, here (nvcc, no GPU), for sm_90a, into
+gpu_kernels/ for the device call to carry (bench/gpu/flashinfer_modules.py says how they are found).
+
+    scripts/prepare_gpu_carry.sh                        # everything a device call carries (wheels too)
+    build/flashinfer-venv/bin/python scripts/build_gpu_kernels.py [--modules all|first|KEY,...]
+
+It runs in a build venv holding flashinfer-python and apache-tvm-ffi (the versions the wheels
+bring to the device) and a CPU torch (FlashInfer imports it; the modules do not link it).
+CUDA_HOME (default /usr/local/cuda) must hold nvcc 13 and its headers. A module already in
+gpu_kernels/ with the same toolchain is kept (--rebuild builds it again). Each build's time,
+the .so's size and sha256 go to gpu_kernels/manifest.json. --max-bytes leaves out what would
+take the folder past that size (the check builds those on the device, in the background).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu import flashinfer_modules as fm  # noqa: E402
+
+
+def toolchain(cuda_home: str) -> dict:
+    import flashinfer
+    import tvm_ffi
+
+    nvcc = subprocess.run([f"{cuda_home}/bin/nvcc", "--version"], capture_output=True, text=True, check=True)
+    return {"flashinfer": flashinfer.__version__, "apache_tvm_ffi": tvm_ffi.__version__,
+            "nvcc": nvcc.stdout.strip().splitlines()[-1], "arch": fm.TARGET_ARCH + "a",
+            "built_with_python": platform.python_version(), "machine": platform.machine()}
+
+
+def build_one(module: fm.KernelModule, out: Path) -> dict:
+    spec = module.spec()
+    t0 = time.time()
+    spec.build(verbose=False)
+    seconds = time.time() - t0
+    rel = Path("jit_cache") / spec.name / f"{spec.name}.so"
+    dest = out / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(spec.jit_library_path, dest)
+    # the host symbols' debug sections are dead weight on the device; the fatbin stays
+    subprocess.run(["strip", "--strip-debug", str(dest)], check=True)
+    return {"key": module.key, "name": spec.name, "what": module.what, "first": module.first, "file": str(rel),
+            "bytes": dest.stat().st_size, "sha256": fm.sha256(dest), "build_seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/build_gpu_kernels.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modules", default="all", help="all, first, or a comma list of keys: " + ", ".join(fm.BY_KEY))
+    p.add_argument("--out", type=Path, default=fm.CARRY_DIR)
+    p.add_argument("--rebuild", action="store_true", help="build again what the manifest already has")
+    p.add_argument("--max-bytes", type=int, default=None, help="leave out modules that would pass this total")
+    args = p.parse_args(argv)
+    try:
+        chosen = fm.select(args.modules)
+    except ValueError as e:
+        sys.exit(f"scripts/build_gpu_kernels.py: {e}")
+    cuda_home = os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    if not Path(cuda_home, "bin", "nvcc").exists():
+        sys.exit(f"scripts/build_gpu_kernels.py: no nvcc in {cuda_home}/bin (set CUDA_HOME)")
+    # no GPU here: name the target, or FlashInfer finds no architecture to build for
+    os.environ["FLASHINFER_CUDA_ARCH_LIST"] = fm.TARGET_ARCH
+    os.environ.setdefault("MAX_JOBS", "2")
+    # the objects stay between runs (build/ is git-ignored): a rebuild after a failure resumes
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(ROOT / "build" / "flashinfer-workspace"))
+    try:
+        tools = toolchain(cuda_home)
+    except ImportError as e:
+        sys.exit(f"scripts/build_gpu_kernels.py: {e} (run it with the build venv's python: "
+                 "scripts/prepare_gpu_carry.sh makes it)")
+    if tools["flashinfer"] != fm.FLASHINFER_VERSION:
+        sys.exit(f"scripts/build_gpu_kernels.py: flashinfer {tools['flashinfer']} here, the device gets "
+                 f"{fm.FLASHINFER_VERSION} (scripts/fetch_gpu_wheels.sh)")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    fm.write_finder(args.out)
+    manifest_path = args.out / "manifest.json"
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    kept = {e["key"]: e for e in old.get("modules", []) if old.get("toolchain") == tools}
+    entries, left_out = [], []
+    for module in chosen:
+        entry = kept.get(module.key)
+        if entry and not args.rebuild and (args.out / entry["file"]).is_file():
+            print(f"{module.key}: kept ({entry['bytes'] / 2**20:.1f} MiB)", flush=True)
+        else:
+            print(f"{module.key}: building ({module.what}) ...", flush=True)
+            entry = build_one(module, args.out)
+            print(f"{module.key}: {entry['name']}.so {entry['bytes'] / 2**20:.1f} MiB in {entry['build_seconds']:.0f} s",
+                  flush=True)
+        total = sum(e["bytes"] for e in entries) + entry["bytes"]
+        if args.max_bytes is not None and total > args.max_bytes:
+            left_out.append(entry["key"])
+            shutil.rmtree(args.out / Path(entry["file"]).parent, ignore_errors=True)
+            print(f"{module.key}: left out, the folder would pass {args.max_bytes / 2**20:.0f} MiB", flush=True)
+            continue
+        entries.append(entry)
+    # modules built before and not asked for this time stay listed
+    entries += [e for k, e in kept.items() if k not in {m.key for m in chosen}
+                and (args.out / e["file"]).is_file()]
+    manifest = {"toolchain": tools, "modules": entries, "left_out": left_out,
+                "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum(e["bytes"] for e in entries)
+    print(f"gpu_kernels: {len(entries)} modules, {total / 2**20:.1f} MiB ({manifest_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

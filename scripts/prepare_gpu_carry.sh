@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Everything a GPU check's device call carries, made here, in the checkout that makes the call:
+#
+#   wheels/       what the device's image lacks (scripts/fetch_gpu_wheels.sh)
+#   gpu_kernels/  the FlashInfer modules the check uses, built for sm_90a with this machine's
+#                 nvcc (scripts/build_gpu_kernels.py, in build/flashinfer-venv), and loaded once
+#                 under Python 3.12 with the device's apache-tvm-ffi wheel (check_gpu_kernels_load.py)
+#
+# then the sizes against the 64 MiB a call carries (the checkout's files included). Both folders
+# are git-ignored; the call names them: carry=["wheels", "gpu_kernels"] (bench/gpu_check.sh's
+# header has the whole call). The kernel builds are heavy: nice'd, MAX_JOBS (default 2) at a
+# time; about 15-25 min per attention module on this 2-core machine under load. Already built
+# modules are kept (the manifest names the toolchain), so a rerun only checks.
+#
+# Usage: scripts/prepare_gpu_carry.sh [--modules carried|first|KEY,...]   (default: carried)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+modules=carried
+case ${1:-} in
+    --modules) modules=${2:?--modules needs a value}; shift 2 ;;
+    "") ;;
+    *) echo "scripts/prepare_gpu_carry.sh: unknown argument $1 (--modules carried|first|KEY,...)" >&2; exit 2 ;;
+esac
+limit=$((64 * 1024 * 1024))
+margin=$((2 * 1024 * 1024))  # files a session adds before the call (logs, notes)
+
+bash scripts/fetch_gpu_wheels.sh wheels
+
+# The build venv: the wheel's FlashInfer, tvm-ffi of the same version for this Python, a CPU
+# torch (FlashInfer imports it; the modules link only the CUDA runtime and tvm-ffi).
+venv=build/flashinfer-venv
+fi_whl=$(ls wheels/flashinfer_python-*.whl)
+tvm_version=$(basename wheels/apache_tvm_ffi-*.whl | cut -d- -f2)
+if ! "$venv/bin/python" -c 'import flashinfer, tvm_ffi' 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0
+    "$venv/bin/pip" install -q --no-deps "$fi_whl"
+    "$venv/bin/pip" install -q "apache-tvm-ffi==$tvm_version" click einops numpy nvidia-ml-py packaging requests \
+        tabulate tqdm ninja filelock
+fi
+
+tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+wheels=$(du -cb wheels/*.whl | tail -1 | cut -f1)
+# what is left for the kernels; a module past it is left out (the device builds it, in the background)
+room=$((limit - margin - tracked - wheels))
+MAX_JOBS=${MAX_JOBS:-2} nice -n 10 "$venv/bin/python" scripts/build_gpu_kernels.py --modules "$modules" --max-bytes "$room"
+
+# The device runs Python 3.12: load the modules under it, with the exact tvm-ffi wheel it installs.
+py312=$(command -v python3.12 || true)
+if [[ -n $py312 ]]; then
+    loader=build/tvm-ffi-py312
+    [[ -x $loader/bin/python ]] || { "$py312" -m venv "$loader" && "$loader/bin/pip" install -q --no-deps \
+        wheels/apache_tvm_ffi-*.whl typing-extensions; }
+    stub=$(mktemp -d)
+    # the driver's stub library stands in for libcuda.so.1, which only a GPU machine has
+    ln -s "${CUDA_HOME:-/usr/local/cuda}/lib64/stubs/libcuda.so" "$stub/libcuda.so.1"
+    LD_LIBRARY_PATH="$stub:${CUDA_HOME:-/usr/local/cuda}/lib64" "$loader/bin/python" scripts/check_gpu_kernels_load.py
+    rm -rf "$stub"
+else
+    echo "no python3.12 here: the modules' load under the device's Python is checked on the device only"
+fi
+
+kernels=$(du -cb gpu_kernels | tail -1 | cut -f1)
+zipped=$(tar -cf - gpu_kernels | gzip -6 | wc -c)
+total=$((tracked + wheels + kernels))
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+echo "carried: checkout $(mib "$tracked") + wheels $(mib "$wheels") + gpu_kernels $(mib "$kernels")" \
+     "(gzip: $(mib "$zipped")) = $(mib "$total") of 64 MiB"
+((total <= limit)) || { echo "over the 64 MiB a device call carries" >&2; exit 1; }
