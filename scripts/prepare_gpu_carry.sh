@@ -3,8 +3,10 @@
 #
 #   wheels/       what the device's image lacks (scripts/fetch_gpu_wheels.sh)
 #   gpu_kernels/  the FlashInfer modules the check uses, built for sm_90a with this machine's
-#                 nvcc (scripts/build_gpu_kernels.py, in build/flashinfer-venv), and loaded once
-#                 under Python 3.12 with the device's apache-tvm-ffi wheel (check_gpu_kernels_load.py)
+#                 nvcc (scripts/build_gpu_kernels.py, in build/flashinfer-venv), then checked
+#                 (scripts/check_gpu_kernels_load.py): FlashInfer called as the engine calls it
+#                 finds each one prebuilt, and each loads under Python 3.12 with the device's
+#                 apache-tvm-ffi wheel
 #
 # then the sizes against the 64 MiB a call carries (the checkout's files included). Both folders
 # are git-ignored; the call names them: carry=["wheels", "gpu_kernels"] (bench/gpu_check.sh's
@@ -45,16 +47,27 @@ wheels=$(du -cb wheels/*.whl | tail -1 | cut -f1)
 room=$((limit - margin - tracked - wheels))
 MAX_JOBS=${MAX_JOBS:-2} nice -n 10 "$venv/bin/python" scripts/build_gpu_kernels.py --modules "$modules" --max-bytes "$room"
 
-# The device runs Python 3.12: load the modules under it, with the exact tvm-ffi wheel it installs.
-py312=$(command -v python3.12 || true)
+# FlashInfer, called as the engine calls it, finds every module prebuilt in gpu_kernels/
+"$venv/bin/python" scripts/check_gpu_kernels_load.py lookup
+# The device runs Python 3.12: load the modules under it, with the exact tvm-ffi wheel it installs,
+# the driver's link stub (the toolkit's, or the one build_gpu_kernels.py made) standing in for libcuda.so.1
+py312=
+for candidate in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+        py312=$candidate
+        break
+    fi
+done
 if [[ -n $py312 ]]; then
     loader=build/tvm-ffi-py312
     [[ -x $loader/bin/python ]] || { "$py312" -m venv "$loader" && "$loader/bin/pip" install -q --no-deps \
         wheels/apache_tvm_ffi-*.whl typing-extensions; }
+    cuda=${CUDA_HOME:-/usr/local/cuda}
+    driver=$cuda/lib64/stubs/libcuda.so
+    [[ -e $driver ]] || driver=$PWD/build/cuda-driver-stub/libcuda.so
     stub=$(mktemp -d)
-    # the driver's stub library stands in for libcuda.so.1, which only a GPU machine has
-    ln -s "${CUDA_HOME:-/usr/local/cuda}/lib64/stubs/libcuda.so" "$stub/libcuda.so.1"
-    LD_LIBRARY_PATH="$stub:${CUDA_HOME:-/usr/local/cuda}/lib64" "$loader/bin/python" scripts/check_gpu_kernels_load.py
+    ln -s "$driver" "$stub/libcuda.so.1"
+    LD_LIBRARY_PATH="$stub:$cuda/lib64" "$loader/bin/python" scripts/check_gpu_kernels_load.py load
     rm -rf "$stub"
 else
     echo "no python3.12 here: the modules' load under the device's Python is checked on the device only"
