@@ -20,7 +20,7 @@
 #             (GPU_BENCH_ARGS: extra arguments)
 #   tests     tests/gpu but the transports and MoE, pytest -v (each test named as it ends),
 #             a 120 s limit per test, junit XML (GPU_TESTS: other paths or a -k expression)
-#   transfer  the KV transport tests, the GPU tests outside tests/gpu, python -m bench transfer-gpu
+#   transfer  python -m bench transfer-gpu, the KV transport tests, the GPU tests outside tests/gpu
 #   moe       (opt-in) tests/gpu/test_moe_gpu.py, once FlashInfer's fused MoE module has been built
 #             in the background since the setup: 182 CUTLASS sources, more nvcc than a lease
 #             holds, and too large to carry, so it is in no default run
@@ -253,10 +253,11 @@ EOF
         report
     fi
     if want transfer; then
+        # the figures first: the transports' tests passed on 2026-12-04
+        step bench-transfer-gpu transfer 120 "$py" -m bench transfer-gpu "${dry_flag[@]}" --json "$out/bench_transfer_gpu.json"
         step transfer-tests transfer 120 bash -c 'pytest_gpu "$@"' _ tests/gpu/test_transfer_gpu.py -m gpu \
             --junitxml "$out/gpu_transfer_tests.xml"
         step gpu-marked-elsewhere transfer 60 bash -c gpu_tests_elsewhere
-        step bench-transfer-gpu transfer 120 "$py" -m bench transfer-gpu "${dry_flag[@]}" --json "$out/bench_transfer_gpu.json"
         report
     fi
     if want moe; then

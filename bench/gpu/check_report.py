@@ -27,7 +27,7 @@ from pathlib import Path
 PARTS = {
     "engine": ("bench-engine",),
     "tests": ("gpu-tests",),
-    "transfer": ("transfer-tests", "gpu-marked-elsewhere", "bench-transfer-gpu"),
+    "transfer": ("bench-transfer-gpu", "transfer-tests", "gpu-marked-elsewhere"),
     "moe": ("moe-build-wait", "moe-tests"),
 }
 SETUP = ("machine", "install", "kernels")

@@ -66,7 +66,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_results_in_their_real_shape(
     assert "--ignore=tests/gpu/test_moe_gpu.py" in tests["command"] and "--junitxml" in tests["command"]
     assert tests["tests"]["counts"]["skipped"] >= 4 and tests["tests"]["counts"]["failed"] == 0  # no CUDA here
     transfer = {s["step"]: s for s in result["parts"]["transfer"]["steps"]}
-    assert list(transfer) == ["transfer-tests", "gpu-marked-elsewhere", "bench-transfer-gpu"]
+    assert list(transfer) == ["bench-transfer-gpu", "transfer-tests", "gpu-marked-elsewhere"]
     assert all(s["status"] == "passed" for s in transfer.values())
     assert "figures" in transfer["bench-transfer-gpu"]
 
