@@ -61,13 +61,14 @@ done
 kernels_dir=${GPU_KERNELS_DIR:-$PWD/gpu_kernels}
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 1
 mkdir -p "$work/steps"
-# the minimum each part needs: a step before it keeps this much of the deadline for it
-declare -A keep=([engine]=0 [tests]=100 [transfer]=80 [moe]=0)
+# the minimum each part needs: a step before it (the setup's too) keeps this much of the deadline for it
+declare -A keep=([engine]=120 [tests]=100 [transfer]=80 [moe]=0)
 
 want() { [[ "$parts" == *" $1 "* ]]; }
 
-reserve_after() {  # seconds the wanted parts after $1 keep for themselves
+reserve_after() {  # seconds the wanted parts after $1 (a part, or setup: before them all) keep for themselves
     local later=0 seen=0 p
+    [[ $1 == setup ]] && seen=1
     for p in engine tests transfer moe; do
         ((seen)) && want "$p" && later=$((later + keep[$p]))
         [[ $p == "$1" ]] && seen=1

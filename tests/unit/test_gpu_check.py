@@ -86,6 +86,16 @@ def test_bad_arguments_are_one_line_and_a_non_zero_exit(tmp_path, args, env, mes
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_deadline_below_the_parts_minimums_runs_nothing_and_says_so(tmp_path):
+    # 100 s cannot hold the setup plus the minimum every part keeps: no step starts, the JSON says why
+    done = run_check(tmp_path, "--dry-run", GPU_CHECK_SECONDS="100")
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert done.returncode == 1 and not result["ok"]
+    assert result["setup"]["install"]["status"] == "no_time"
+    assert "deadline" in result["setup"]["install"]["failure"]
+    assert all(p["status"] == "not_run" for p in result["parts"].values())
+
+
 def test_a_part_cut_off_names_its_tests_from_the_verbose_lines(tmp_path):
     # a tests step killed by its time limit: no junit XML, only pytest -v's lines in its output
     work, out = tmp_path / "work", tmp_path / "out"
