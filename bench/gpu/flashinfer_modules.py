@@ -32,11 +32,24 @@ ROOT = Path(__file__).resolve().parents[2]
 CARRY_DIR = ROOT / "gpu_kernels"  # git-ignored; the device call's carry names it
 FLASHINFER_VERSION = "0.6.13"
 TARGET_ARCH = "9.0"  # FLASHINFER_CUDA_ARCH_LIST: sm_90a, what FlashInfer picks on an H100/H200
-FINDER = '''"""Stand-in for FlashInfer's precompiled-kernel package: its AOT directory is jit_cache/ here."""
+FINDER = '''"""Stand-in for FlashInfer's precompiled-kernel package: its AOT directory is jit_cache/ beside
+this folder, for the FlashInfer the modules were built with ({version}). Under any other version
+it names an empty directory instead (FlashInfer then builds every module), rather than
+FlashInfer's version-mismatch error, which would stop every import of flashinfer."""
 import os
-__version__ = "{version}+pdmesh"
+from importlib import metadata
+
+BUILT_FOR = "{version}"
+try:
+    _installed = metadata.version("flashinfer-python")
+except metadata.PackageNotFoundError:
+    _installed = BUILT_FOR
+__version__ = _installed + "+pdmesh"
+
+
 def get_jit_cache_dir():
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jit_cache")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(here, "jit_cache" if _installed == BUILT_FOR else "jit_cache_for_" + _installed)
 '''
 
 
@@ -210,6 +223,14 @@ def verify_carried(carry: Path, load: bool) -> dict:
         report["not_carried"] = [m.key for m in MODULES]
         return report
     report["toolchain"] = manifest.get("toolchain")
+    if load:
+        report["installed"] = installed = _installed_versions()
+        built = {k: (manifest.get("toolchain") or {}).get(k) for k in installed}
+        if built != installed:
+            # another FlashInfer: the finder points it elsewhere and every module builds; another
+            # tvm-ffi: each module is still loaded, and one that fails builds
+            report["note"] = (f"built for {built}, installed {installed}" + (
+                ": FlashInfer builds every module" if built["flashinfer"] != installed["flashinfer"] else ""))
     entries = {e["key"]: e for e in manifest["modules"]}
     report["carried"] = list(entries)
     report["not_carried"] = [m.key for m in MODULES if m.key not in entries]
@@ -229,6 +250,18 @@ def verify_carried(carry: Path, load: bool) -> dict:
         if key in report["failed"] and load:
             (carry / entry["file"]).unlink(missing_ok=True)  # FlashInfer then builds it
     return report
+
+
+def _installed_versions() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for key, dist in (("flashinfer", "flashinfer-python"), ("apache_tvm_ffi", "apache-tvm-ffi")):
+        try:
+            found[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[key] = None
+    return found
 
 
 def _load_problem(module: KernelModule, entry: dict) -> str | None:
