@@ -115,7 +115,19 @@ def build_one(module: fm.KernelModule, out: Path, headers: Path | None) -> dict:
     # the host symbols' debug sections are dead weight on the device; the fatbin stays
     subprocess.run(["strip", "--strip-debug", str(dest)], check=True)
     return {"key": module.key, "name": spec.name, "what": module.what, "first": module.first, "file": str(rel),
-            "bytes": dest.stat().st_size, "sha256": fm.sha256(dest), "build_seconds": round(seconds, 1)}
+            "bytes": dest.stat().st_size, "sha256": fm.sha256(dest), "build_seconds": round(seconds, 1),
+            "needs": needs(dest)}
+
+
+def needs(so: Path) -> dict:
+    """What the module asks of the machine that loads it: its libraries, and the newest glibc and
+    libstdc++ symbol versions it uses (the device's must be as new)."""
+    dynamic = subprocess.run(["objdump", "-p", "-T", str(so)], capture_output=True, text=True).stdout
+    newest = {}
+    for lib, version in re.findall(r"\b(GLIBC|GLIBCXX)_(\d+(?:\.\d+)*)\b", dynamic):
+        if tuple(map(int, version.split("."))) > tuple(map(int, newest.get(lib, "0").split("."))):
+            newest[lib] = version
+    return {"libraries": re.findall(r"NEEDED\s+(\S+)", dynamic), **newest}
 
 
 def write_manifest(path: Path, tools: dict, entries: list[dict], kept: dict, chosen: list, left_out: list[str],
@@ -170,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in chosen:
         entry = kept.get(module.key)
         if entry and not args.rebuild and (args.out / entry["file"]).is_file():
+            entry.setdefault("needs", needs(args.out / entry["file"]))
             print(f"{module.key}: kept ({entry['bytes'] / 2**20:.1f} MiB)", flush=True)
         else:
             print(f"{module.key}: building ({module.what}) ...", flush=True)
