@@ -160,10 +160,32 @@ def failure_text(name: str, report: dict, work: Path) -> str:
     return f"{name} {what}: {tail(work / 'steps' / f'{name}.out')}"
 
 
+def headline(steps: list[dict]) -> str:
+    """One line a reader takes in at a glance: the engine's batch-64 figures, the tests' counts."""
+    said = []
+    for step in steps:
+        decode = (step.get("figures") or {}).get("decode") or []
+        if decode:
+            batch = 64 if any(r["batch"] == 64 for r in decode) else max(r["batch"] for r in decode)
+            rows = [r for r in decode if r["batch"] == batch]
+            best, eager = min(rows, key=lambda r: r["step_ms"]), next((r for r in rows if r["mode"] == "eager"), None)
+            base = f"eager {eager['step_ms']:.2f} ms ({eager['of_roofline']:.0%}), " if eager else ""
+            said.append(f"batch {batch}: {base}best {best['mode']} {best['step_ms']:.2f} ms "
+                        f"({best['of_roofline']:.0%} of the roofline)")
+        transfer = (step.get("figures") or {}).get("rows")
+        if transfer is not None:
+            said.append(f"{step['step']}: {len(transfer)} rows, failed: {step['figures'].get('failed') or 'none'}")
+        counts = (step.get("tests") or {}).get("counts")
+        if counts:
+            said.append(f"{step['step']}: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
+    return "; ".join(said)
+
+
 def part_report(steps: list[dict]) -> dict:
     ran = [s for s in steps if s["status"] != "not_run"]
     status = max((s["status"] for s in ran), key=RANK.get) if ran else "not_run"
-    part = {"status": status, "seconds": sum(s.get("seconds", 0) for s in steps), "steps": steps}
+    part = {"status": status, "seconds": sum(s.get("seconds", 0) for s in steps), "headline": headline(steps),
+            "steps": steps}
     failures = [s["failure"] for s in steps if "failure" in s]
     if failures:
         part["failure"] = " || ".join(failures)

@@ -45,7 +45,7 @@ def run_check(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPro
 
 def test_the_dry_run_runs_every_part_and_writes_the_results_in_their_real_shape(tmp_path):
     carry = fake_carry(tmp_path)
-    done = run_check(tmp_path, "--dry-run", GPU_KERNELS_DIR=str(carry))
+    done = run_check(tmp_path, "--dry-run", GPU_KERNELS_DIR=str(carry), GPU_BENCH_ARGS="--reps 1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
@@ -58,10 +58,11 @@ def test_the_dry_run_runs_every_part_and_writes_the_results_in_their_real_shape(
     engine = result["parts"]["engine"]
     assert engine["status"] == "passed" and engine["seconds"] >= 0
     (bench,) = engine["steps"]
-    assert "engine-gpu --dry-run --gpu-batches 64,1,256" in bench["command"]
+    assert "engine-gpu --dry-run --gpu-batches 64,1,256" in bench["command"] and "--reps 1" in bench["command"]
     assert {r["mode"] for r in bench["figures"]["decode"]} == {"eager", "overlap"}
     assert [p["mode"] for p in bench["figures"]["profiles"]] == ["eager", "overlap"]
 
+    assert engine["headline"].startswith("batch 8: eager ") and "of the roofline" in engine["headline"]
     (tests,) = result["parts"]["tests"]["steps"]
     assert "--ignore=tests/gpu/test_moe_gpu.py" in tests["command"] and "--junitxml" in tests["command"]
     assert tests["tests"]["counts"]["skipped"] >= 4 and tests["tests"]["counts"]["failed"] == 0  # no CUDA here
@@ -116,6 +117,7 @@ def test_a_part_cut_off_names_its_tests_from_the_verbose_lines(tmp_path):
     assert tests["status"] == "timed_out"
     assert tests["steps"][0]["tests"]["counts"] == {"passed": 1, "failed": 1, "errors": 0, "skipped": 0}
     assert "tests/gpu/test_graphs_overlap.py::test_b" in tests["failure"]
+    assert tests["headline"] == "gpu-tests: 1 passed, 1 failed"
     assert transfer["status"] == "no_time" and "deadline" in transfer["failure"]
     assert not result["ok"] and result["summary"] == "engine failed, tests timed_out, transfer no_time, moe not_run"
 
