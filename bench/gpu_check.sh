@@ -186,11 +186,12 @@ write_meta() {
     local device="CPU (dry run)"
     ((dry)) || device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)
     "$py" - "$work/meta.json" "$budget" "$parts" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" "$device" \
-        "$(hbm_tbps)" <<'EOF'
+        "$(hbm_tbps)" "$FLASHINFER_WORKSPACE_BASE" <<'EOF'
 import json, sys, time
-path, budget, parts, commit, device, hbm = sys.argv[1:]
+path, budget, parts, commit, device, hbm, workspace = sys.argv[1:]
 json.dump({"device": device, "hbm_tb_s": float(hbm), "deadline_s": int(budget), "parts_asked": parts.split(),
-           "commit": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, open(path, "w"))
+           "commit": commit, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "flashinfer_workspace": workspace},
+          open(path, "w"))
 EOF
 }
 

@@ -192,8 +192,10 @@ def part_report(steps: list[dict]) -> dict:
     return part
 
 
-def kernels_report(work: Path) -> dict:
+def kernels_report(work: Path, workspace: str | None) -> dict:
     out = {}
+    if workspace:  # what FlashInfer compiled here, in this call or an earlier one on this warm machine
+        out["built_on_device"] = sorted(so.stem for so in Path(workspace).glob(".cache/flashinfer/*/*/cached_ops/*/*.so"))
     for name, file in (("carried", "kernels_verify.json"), ("device_build", "kernels_build.json")):
         path = work / file
         if path.exists():
@@ -208,7 +210,7 @@ def build(work: Path, out: Path, dry_run: bool) -> dict:
     steps = read_steps(work)
     meta = json.loads((work / "meta.json").read_text()) if (work / "meta.json").exists() else {}
     setup = {name: step_report(name, steps.get(name), work, out) for name in SETUP}
-    setup["kernels"]["modules"] = kernels_report(work)
+    setup["kernels"]["modules"] = kernels_report(work, meta.get("flashinfer_workspace"))
     parts = {}
     for part, names in PARTS.items():
         if part not in meta.get("parts_asked", PARTS):

@@ -38,7 +38,8 @@ def fake_carry(root: Path) -> Path:
 
 
 def run_check(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
+    full_env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "TMPDIR": str(tmp_path),
+                "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "flashinfer"), **env}
     return subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=600)
 
@@ -71,6 +72,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_results_in_their_real_shape(
     assert all(s["status"] == "passed" for s in transfer.values())
     assert "figures" in transfer["bench-transfer-gpu"]
 
+    assert result["setup"]["kernels"]["modules"]["built_on_device"] == []  # a dry run builds nothing
     kernels = result["setup"]["kernels"]["modules"]["carried"]
     assert kernels["carried"] == ["norm", "rope"] and "sha256" in kernels["failed"]["rope"]
     assert "norm" not in kernels["failed"] and "attention:bfloat16-128" in kernels["not_carried"]
