@@ -1,11 +1,11 @@
 """Build the FlashInfer modules the GPU check uses, here (nvcc, no GPU), for sm_90a, into
 gpu_kernels/ for the device call to carry (bench/gpu/flashinfer_modules.py says how they are found).
 
-    scripts/prepare_gpu_carry.sh                        # everything a device call carries (wheels too)
-    build/flashinfer-venv/bin/python scripts/build_gpu_kernels.py [--modules all|first|KEY,...]
+    scripts/prepare_gpu_carry.sh        # everything a device call carries (wheels too), this included
+    PYTHONPATH=build/flashinfer-site .venv/bin/python scripts/build_gpu_kernels.py [--modules carried|first|KEY,...]
 
-It runs in a build venv holding flashinfer-python and apache-tvm-ffi (the versions the wheels
-bring to the device) and a CPU torch (FlashInfer imports it; the modules do not link it).
+It runs where flashinfer-python and apache-tvm-ffi (the versions the wheels bring to the device)
+import beside a CPU torch (FlashInfer imports it; the modules do not link it).
 CUDA_HOME (default /usr/local/cuda) must hold nvcc 13 and its headers; where it lacks the
 driver's link stub or the cuBLAS/cuRAND headers (a toolkit from the package index), they are
 made or fetched into build/. A module already in
@@ -143,7 +143,8 @@ def write_manifest(path: Path, tools: dict, entries: list[dict], kept: dict, cho
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/build_gpu_kernels.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modules", default="all", help="all, first, or a comma list of keys: " + ", ".join(fm.BY_KEY))
+    p.add_argument("--modules", default="carried",
+                   help="carried (all but MoE), all, first, or a comma list of keys: " + ", ".join(fm.BY_KEY))
     p.add_argument("--out", type=Path, default=fm.CARRY_DIR)
     p.add_argument("--rebuild", action="store_true", help="build again what the manifest already has")
     p.add_argument("--max-bytes", type=int, default=None, help="leave out modules that would pass this total")
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tools = toolchain(cuda_home)
     except ImportError as e:
-        sys.exit(f"scripts/build_gpu_kernels.py: {e} (run it with the build venv's python: "
-                 "scripts/prepare_gpu_carry.sh makes it)")
+        sys.exit(f"scripts/build_gpu_kernels.py: {e} (scripts/prepare_gpu_carry.sh installs FlashInfer in "
+                 "build/flashinfer-site: PYTHONPATH=build/flashinfer-site)")
     if tools["flashinfer"] != fm.FLASHINFER_VERSION:
         sys.exit(f"scripts/build_gpu_kernels.py: flashinfer {tools['flashinfer']} here, the device gets "
                  f"{fm.FLASHINFER_VERSION} (scripts/fetch_gpu_wheels.sh)")

@@ -3,7 +3,7 @@
 #
 #   wheels/       what the device's image lacks (scripts/fetch_gpu_wheels.sh)
 #   gpu_kernels/  the FlashInfer modules the check uses, built for sm_90a with this machine's
-#                 nvcc (scripts/build_gpu_kernels.py, in build/flashinfer-venv), then checked
+#                 nvcc (scripts/build_gpu_kernels.py, FlashInfer in build/flashinfer-site), then checked
 #                 (scripts/check_gpu_kernels_load.py): FlashInfer called as the engine calls it
 #                 finds each one prebuilt, and each loads under Python 3.12 with the device's
 #                 apache-tvm-ffi wheel
@@ -28,27 +28,29 @@ margin=$((2 * 1024 * 1024))  # files a session adds before the call (logs, notes
 
 bash scripts/fetch_gpu_wheels.sh wheels
 
-# The build venv: the wheel's FlashInfer, tvm-ffi of the same version for this Python, a CPU
-# torch (FlashInfer imports it; the modules link only the CUDA runtime and tvm-ffi).
-venv=build/flashinfer-venv
+# FlashInfer for the build: the wheel's, beside tvm-ffi of the same version for this Python, in
+# build/flashinfer-site on top of the project's venv (its CPU torch: FlashInfer imports torch;
+# the modules link only the CUDA runtime and tvm-ffi)
+py=${PYTHON:-.venv/bin/python}
+site=$PWD/build/flashinfer-site
 fi_whl=$(ls wheels/flashinfer_python-*.whl)
 tvm_version=$(basename wheels/apache_tvm_ffi-*.whl | cut -d- -f2)
-if ! "$venv/bin/python" -c 'import flashinfer, tvm_ffi' 2>/dev/null; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0
-    "$venv/bin/pip" install -q --no-deps "$fi_whl"
-    "$venv/bin/pip" install -q "apache-tvm-ffi==$tvm_version" click einops numpy nvidia-ml-py packaging requests \
-        tabulate tqdm ninja filelock
+if ! PYTHONPATH=$site "$py" -c 'import torch, flashinfer, tvm_ffi' 2>/dev/null; then
+    "$py" -m pip install -q --target "$site" --no-deps "$fi_whl" "apache-tvm-ffi==$tvm_version" ninja einops \
+        tabulate click nvidia-ml-py
 fi
+export PATH="$site/bin:$PATH"  # FlashInfer runs `ninja`
+with_flashinfer() { PYTHONPATH=$site "$py" "$@"; }
 
 tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 wheels=$(du -cb wheels/*.whl | tail -1 | cut -f1)
 # what is left for the kernels; a module past it is left out (the device builds it, in the background)
 room=$((limit - margin - tracked - wheels))
-MAX_JOBS=${MAX_JOBS:-2} nice -n 10 "$venv/bin/python" scripts/build_gpu_kernels.py --modules "$modules" --max-bytes "$room"
+MAX_JOBS=${MAX_JOBS:-2} nice -n 10 env PYTHONPATH="$site" "$py" scripts/build_gpu_kernels.py --modules "$modules" \
+    --max-bytes "$room"
 
 # FlashInfer, called as the engine calls it, finds every module prebuilt in gpu_kernels/
-"$venv/bin/python" scripts/check_gpu_kernels_load.py lookup
+with_flashinfer scripts/check_gpu_kernels_load.py lookup
 # The device runs Python 3.12: load the modules under it, with the exact tvm-ffi wheel it installs,
 # the driver's link stub (the toolkit's, or the one build_gpu_kernels.py made) standing in for libcuda.so.1
 py312=
