@@ -297,7 +297,7 @@ def build_modules(modules: list[KernelModule]) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:  # not ``main``: that names a benchmark
     import argparse
     import sys
 
@@ -327,4 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())
