@@ -2,8 +2,10 @@
 # The GPU check: every answer a lent GPU machine can give pdmesh, in one call, ordered by value,
 # inside 9 minutes on an H200, every part reported in one JSON.
 #
-# The device call (the device tool's `run`; prepare first, in the checkout that makes the call:
-# `bash scripts/prepare_gpu_carry.sh`, which fills wheels/ and gpu_kernels/, both git-ignored):
+# The device call (the device tool's `run`). Prepare first, in the checkout that makes the call
+# (the device gets that checkout): `bash scripts/prepare_gpu_carry.sh` fills wheels/ (35.7 MiB)
+# and gpu_kernels/ (8 FlashInfer modules for sm_90a, 10.4 MiB; ~75 min of nvcc here, or copy the
+# folder from a checkout that built it: the script then only checks it), both git-ignored:
 #
 #     run(command="bash bench/gpu_check.sh", carry=["wheels", "gpu_kernels"], timeout_s=570,
 #         kind="nvidia-h200")
