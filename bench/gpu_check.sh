@@ -13,8 +13,8 @@
 # It ends by its own deadline (GPU_CHECK_SECONDS, default 525 s) before the tool's 570 s, and
 # leaves ~4 of the session's 15 device minutes (after a ~1-2 min start) for one rerun of a part
 # on the still-warm machine (it goes back after 30 s idle), e.g.
-#     run(command="GPU_CHECK_PARTS=tests GPU_TESTS=tests/gpu/test_graphs_overlap.py bash bench/gpu_check.sh",
-#         carry=["wheels", "gpu_kernels"], timeout_s=240)
+#     run(command="GPU_CHECK_SECONDS=200 GPU_CHECK_PARTS=tests GPU_TESTS=tests/gpu/test_graphs_overlap.py
+#         bash bench/gpu_check.sh", carry=["wheels", "gpu_kernels"], timeout_s=230)
 #
 # Parts (GPU_CHECK_PARTS, space-separated; default engine tests transfer, always in this order):
 #   engine    python -m bench engine-gpu: the roofline table for eager, graphs, graphs+overlap,
