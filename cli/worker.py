@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
 def _check_embed(ws) -> None:
     """An embed worker runs the plain forward: a flag of the generate path is an error, not ignored."""
     e = ws.engine
-    given = [flag for flag, on in (("--tp", e.tp != 1), ("--pp", e.pp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
+    given = [flag for flag, on in (("--tp", e.tp != 1), ("--pp", e.pp != 1), ("--ep", e.ep != 1), ("--lora", bool(e.loras)),
+                                   ("--speculative", bool(e.speculative)),
                                    ("--host-kv-gb/--host-kv-blocks", e.has_host_tier), ("--peer-fetch", ws.peer_fetch))
              if on]
     if given:

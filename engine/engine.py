@@ -32,6 +32,7 @@ from engine.loader import load_model
 from engine.lora import start_lora
 from engine.mla import check_latent_support
 from engine.model import ModelPart, use_kernels
+from engine.moe import SparseMoE
 from engine.mtp import check_mtp
 from engine.mtp_drafter import MtpDrafter, mtp_drafter
 from engine.overlap import OverlappedSteps
@@ -57,10 +58,11 @@ class Engine(EngineCore):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = mc = ModelConfig.from_dir(config.model)
-        mc.check_tp(config.tp)
+        mc.check_tp(config.tp, config.ep)
+        mc.check_ep(config.ep)
         check_latent_support(mc, config)
         check_mtp(mc, config.speculative)  # before the weights load
-        self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers)
+        self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers, config.ep)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.fused_kernels and self.device.type != "cuda":
@@ -116,6 +118,16 @@ class Engine(EngineCore):
         """The rank group under its former name (benchmarks read ``engine.tp.pids``)."""
         return self.ranks
 
+    def expert_token_counts(self) -> dict[int, list[int]]:
+        """MoE: (token, expert) pairs routed to each expert since start, per sparse layer (every
+        token rank's under EP; under PP, the first stage's layers); {} for a dense model. One
+        device read, between steps."""
+        table = self.model.expert_tokens
+        if table is None:
+            return {}
+        layers = [m.layer for m in self.model.modules() if isinstance(m, SparseMoE)]
+        return dict(zip(layers, table.tolist(), strict=True))
+
     def stage_stats(self, reset: bool = False) -> list[StageStats]:
         """Pipeline stages: every rank's busy seconds and micro-batches since the last reset
         (rank 0's first); [] with one stage."""
@@ -157,7 +169,8 @@ class Engine(EngineCore):
                                         part=ModelPart(layout.layers(0)))
             own_kv = KVCache(rank_kv_spec(mc, layout, 0, num_blocks, config.block_size, self.dtype), self.device,
                              shm_path=config.kv_shm_path)
-            self.kv_cache = ShardedKVCache([own_kv, *self.ranks.join()], layout.tp) if self.ranks else own_kv
+            parts = self.ranks.join() if self.ranks else []  # none from ranks that hold experts only
+            self.kv_cache = ShardedKVCache([own_kv, *parts], layout.tp) if parts else own_kv
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()

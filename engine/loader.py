@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, Fp8Reader, block_index
 from engine.fp8_linear import BlockFp8Gemm, Fp8Linear, resident_gemm
 from engine.model import CausalLM, HeldElsewhere, ModelPart, Rotary, keep_stage, pack_cpu_linears
-from engine.moe import GroupedTopKRouter, SparseMoE, default_experts
+from engine.moe import GroupedTopKRouter, SparseMoE, count_expert_tokens, default_experts
 from engine.mtp import MtpLayer
 from engine.tp import Shard
 from mesh.errors import ModelError
@@ -74,7 +74,9 @@ def _targets(model: CausalLM, cfg: ModelConfig, name: str) -> list[_Target]:
 
 def _decoder_targets(layer, cfg: ModelConfig, shard: Shard, rest: str) -> list[_Target]:
     """Where a decoder layer's tensor goes (``rest``: its name after ``model.layers.{i}.``)."""
-    table = _mla_table(layer, cfg, shard) if cfg.mla else _attention_table(layer, cfg, shard)
+    table = {}
+    if layer.self_attn is not None:  # None: a rank that holds experts only
+        table = _mla_table(layer, cfg, shard) if cfg.mla else _attention_table(layer, cfg, shard)
     mlp = layer.mlp
     table |= _moe_table(mlp, cfg, shard, rest) if isinstance(mlp, SparseMoE) else _mlp_table(mlp, cfg, shard)
     return table.get(rest, [])
@@ -202,31 +204,36 @@ _EXPERT_NAMES = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe
 
 def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dict[str, list[_Target]]:
     """Router, experts (stacked into ``w13`` / ``w2``; each expert's intermediate dimension
-    sharded like the dense MLP's) and the shared expert, in the checkpoint layouts of the field:
-    one tensor per expert and projection (Qwen ``mlp.experts.{e}.gate_proj``, Mixtral
-    ``block_sparse_moe.experts.{e}.w1/w3/w2``) or pre-stacked (``mlp.experts.gate_up_proj``
-    ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``, as transformers 5 holds them)."""
+    sharded like the dense MLP's, or under EP this rank's experts whole) and the shared expert,
+    in the checkpoint layouts of the field: one tensor per expert and projection (Qwen
+    ``mlp.experts.{e}.gate_proj``, Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``) or
+    pre-stacked (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj``
+    ``[E, H, I]``, as transformers 5 holds them)."""
     mc, hidden = cfg.moe, cfg.hidden_size
     n, inter, inter_all = mc.num_experts, moe.inter, mc.intermediate_size
+    held = moe.local_experts
+    if moe.shard.experts is not None:  # whole experts (and shared experts): no TP share of their columns
+        shard = Shard()
     m = _EXPERT.match(rest)
     if m:  # one expert's projection: only that expert's entries, not a table of all of them
         prefix, e = m.group(1), int(m.group(2))
-        if e >= n:
+        if e not in held:
             return {}
         return _swiglu_table(f"{prefix}.experts.{e}.", moe.w13, moe.w2, inter, inter_all, hidden, shard,
-                             names=_EXPERT_NAMES[prefix], lead=(e,))
+                             names=_EXPERT_NAMES[prefix], lead=(e - held.start,))
     i0 = shard.part(inter_all)[0]
-    every = slice(None)
+    every, mine = slice(None), _span(held.start, len(held))
     table: dict[str, list[_Target]] = {}
     for prefix in ("mlp.", "block_sparse_moe."):
-        table[f"{prefix}gate.weight"] = [_Target(moe.gate.weight, (n, hidden))]
+        if moe.gate is not None:  # None: a rank that holds experts only
+            table[f"{prefix}gate.weight"] = [_Target(moe.gate.weight, (n, hidden))]
         table[f"{prefix}experts.gate_up_proj"] = [
-            _Target(moe.w13, (n, 2 * inter_all, hidden), (every, _span(i0, inter)), (every, _span(0, inter))),
-            _Target(moe.w13, (n, 2 * inter_all, hidden), (every, _span(inter_all + i0, inter)),
+            _Target(moe.w13, (n, 2 * inter_all, hidden), (mine, _span(i0, inter)), (every, _span(0, inter))),
+            _Target(moe.w13, (n, 2 * inter_all, hidden), (mine, _span(inter_all + i0, inter)),
                     (every, _span(inter, inter))),
         ]
         table[f"{prefix}experts.down_proj"] = [
-            _Target(moe.w2, (n, hidden, inter_all), (every, every, _span(i0, inter)))]
+            _Target(moe.w2, (n, hidden, inter_all), (mine, every, _span(i0, inter)))]
     if isinstance(moe.router, GroupedTopKRouter):  # DeepSeek: the bias that balances the choice
         table["mlp.gate.e_score_correction_bias"] = [_Target(moe.router.e_score_correction_bias, (n,))]
     if moe.shared_expert is not None:
@@ -247,6 +254,8 @@ def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dty
     for moe in module.modules():
         if isinstance(moe, SparseMoE):
             moe.keep_router_fp32()
+            # built on the meta device too; a model's own rows come from count_expert_tokens
+            moe.expert_tokens = torch.zeros_like(moe.expert_tokens, device=device)
     return module.eval().requires_grad_(False)
 
 
@@ -258,6 +267,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         if part is not None:
             keep_stage(model, part)
     model = _materialize(model, device, dtype)
+    model.expert_tokens = count_expert_tokens(model, device)
     if cfg.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg, max_positions).to(device)

@@ -30,7 +30,7 @@ from mesh.adapters import adapter_names, hot_adapters, lora_slots, serve_lora_re
 from mesh.constraints.spec import Constraint
 from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
-from mesh.metrics import LoadCollector
+from mesh.metrics import ExpertTokens, ExpertTokensCollector, LoadCollector
 from mesh.procutil import cancel_and_wait
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, WorkerLayout
 from mesh.telemetry import REGISTRY, register_gpu_collector
@@ -160,7 +160,7 @@ def card_layout(engine) -> WorkerLayout:
     layout = getattr(engine, "layout", None)
     if layout is None or layout.size == 1:
         return WorkerLayout()
-    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [])
+    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [], layout.ep)
 
 
 class WorkerBase(WorkerCore):
@@ -173,6 +173,7 @@ class WorkerBase(WorkerCore):
         self.loop: EngineLoop | None = None
         self.kv_events: KvEventPublisher | None = None
         self._tasks: list[asyncio.Task] = []
+        self.expert_tokens: ExpertTokens | None = None  # MoE engines: refreshed with each load report
 
     # -- for subclasses -----------------------------------------------------------
     def build(self) -> EngineCore:
@@ -213,6 +214,9 @@ class WorkerBase(WorkerCore):
     def load(self, engine: EngineCore) -> LoadReport:
         """Runs in the engine thread, between steps."""
         s = engine.scheduler
+        counts = getattr(engine, "expert_token_counts", None)  # MoE: the per-expert load, for scrapes
+        if counts is not None:
+            self.expert_tokens = ExpertTokens(engine.model_name, self.role, counts())
         pending = sum(q.num_uncomputed_tokens for q in s.waiting) + sum(
             q.num_uncomputed_tokens for q in s.running if q.is_prefilling
         )
@@ -242,6 +246,7 @@ class WorkerBase(WorkerCore):
 
     def register_collectors(self) -> None:
         REGISTRY.register(LoadCollector(lambda: self.last_load))
+        REGISTRY.register(ExpertTokensCollector(lambda: self.expert_tokens))
         if getattr(self.engine, "device", None) is not None and self.engine.device.type == "cuda":
             register_gpu_collector()
 

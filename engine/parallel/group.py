@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store
+from engine.parallel.experts import expert_shard
 from engine.parallel.layout import Layout
 from engine.parallel.stage import StageStats, StageStep
 from engine.tp import Shard
@@ -85,7 +86,8 @@ def rank_kv_spec(mc, layout: Layout, stage: int, num_blocks: int, block_size: in
 def check_devices(device: torch.device, layout: Layout) -> None:
     """CUDA: a GPU per rank, from ``device`` on (ValueError in one line)."""
     if device.type == "cuda" and (device.index or 0) + layout.size > torch.cuda.device_count():
-        raise ValueError(f"--tp {layout.tp} x --pp {layout.pp} needs a GPU per rank ({layout.size}) from "
+        ep = f" x --ep {layout.ep}" if layout.ep > 1 else ""
+        raise ValueError(f"--tp {layout.tp} x --pp {layout.pp}{ep} needs a GPU per rank ({layout.size}) from "
                          f"{device}: {torch.cuda.device_count()} visible")
 
 
@@ -101,7 +103,7 @@ class RankGroup:
     def __init__(self, config, layout: Layout, num_blocks: int, max_len: int, kv_base: str | None):
         self.layout = layout
         self.size = layout.size
-        self.shard = Shard(0, layout.tp)
+        self.shard = Shard(0, layout.tp, experts=expert_shard(layout, 0))
         self.groups = RankGroups()
         self.device = config.torch_device
         check_devices(self.device, layout)
@@ -133,14 +135,15 @@ class RankGroup:
 
     def join(self) -> list[KVCache]:
         """Wait for every helper's KV part, then join the groups. The parts come back in rank
-        order, mapped (CPU) or opened (CUDA IPC) in this process."""
+        order, mapped (CPU) or opened (CUDA IPC) in this process (none from a rank that holds
+        experts only)."""
         deadline = time.monotonic() + READY_TIMEOUT
         parts = [self._await_ready(r, deadline) for r in range(1, self.size)]
         self.groups = join_groups(self._store, self.layout, 0, self.device, LOOPBACK)
-        self.shard.group = self.groups.tp
-        return parts
+        self.shard.join(self.groups.tp, self.groups.ep)
+        return [p for p in parts if p is not None]
 
-    def _await_ready(self, rank: int, deadline: float) -> KVCache:
+    def _await_ready(self, rank: int, deadline: float) -> KVCache | None:
         conn, proc = self._conns[rank - 1], self._procs[rank - 1]
         while not conn.poll(0.2):
             if proc.poll() is not None:
@@ -151,6 +154,8 @@ class RankGroup:
             spec_dict, where = conn.recv()
         except EOFError:
             raise ParallelGroupError(f"rank {rank} failed while loading") from None
+        if spec_dict is None:  # a rank that holds experts only keeps no KV
+            return None
         spec = KVCacheSpec.from_dict(spec_dict)
         if isinstance(where, str):
             return KVCache.attach(spec, where)

@@ -6,8 +6,9 @@ heads), makes its part of the KV cache, answers with where that part lives, join
 and runs what rank 0 sends until the pipe closes: a ``StageStep`` (its stage of each
 micro-batch), an EAGLE-3 ``RebuildStep`` (tensor parallelism alone: the target's layers up to
 its last auxiliary one, on rank 0's request while it schedules; ``engine.eagle3``), or a
-``StatsRequest``. It lives apart from ``engine.parallel.group`` because it builds a model,
-which rank 0's side of the group never needs.
+``StatsRequest``. (A rank that holds experts only runs ``engine.parallel.expert_rank``.) It
+lives apart from ``engine.parallel.group`` because it builds a model, which rank 0's side of
+the group never needs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.model import ModelPart, use_kernels
 from engine.parallel.comm import join_groups, open_store, rank_device
+from engine.parallel.expert_rank import serve_experts
+from engine.parallel.experts import expert_shard
 from engine.parallel.group import RankSetup, StatsRequest, rank_kv_spec
 from engine.parallel.stage import LayerWindow, StageRunner, StageStep
 from engine.tp import Shard
@@ -43,9 +46,11 @@ def _serve(conn: Connection) -> int:
     logging.basicConfig(level=setup.log_level,
                         format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s")
     torch.set_num_threads(setup.threads)
+    if place.experts_only:
+        return serve_experts(conn, setup)
     mc = ModelConfig.from_dir(cfg.model)
     device = rank_device(cfg.torch_device, setup.rank)
-    shard = Shard(place.tp_rank, layout.tp)
+    shard = Shard(place.tp_rank, layout.tp, experts=expert_shard(layout, setup.rank))
     layers = layout.layers(place.stage)
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard,
                        ModelPart(layers, embeds=place.stage == 0, samples=False))
@@ -60,7 +65,7 @@ def _serve(conn: Connection) -> int:
     conn.send((spec.to_dict(), setup.kv_path if device.type == "cpu" else reduce_tensor(kv.tensor)))
     store = open_store(setup.store_host, setup.store_port, layout.size, master=False)
     groups = join_groups(store, layout, setup.rank, device, setup.store_host)
-    shard.group = groups.tp
+    shard.join(groups.tp, groups.ep)
     stage = StageRunner(model, attention, layout, setup.rank, groups, device, cfg.torch_dtype)
     rebuild: TargetStates | None = None  # made at the first RebuildStep (EAGLE-3 only)
     while True:
