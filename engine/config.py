@@ -320,8 +320,6 @@ class EngineConfig:
         self._check_pipeline()
         if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
             raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
-        if self.tp > 1 and self.has_host_tier:
-            raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         if self.max_loras is not None and self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 1024:
@@ -353,8 +351,7 @@ class EngineConfig:
         if self.pp == 1:
             return
         refused = [flag for flag, on in (
-            ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
-            ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
+            ("--lora", bool(self.lora_slots)), ("--cuda-graphs", bool(self.cuda_graphs)),
             ("--speculative eagle3", (self.speculative or "").startswith("eagle3"))) if on]
         if refused:
             raise ValueError(f"--pp {self.pp} does not run with {', '.join(refused)} yet")
@@ -372,9 +369,6 @@ class EngineConfig:
                              f"(available: {', '.join(backend_names())})")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
-        if self.async_scheduling and self.tp > 1:
-            raise ValueError("--async-scheduling is not supported with --tp > 1 yet (other ranks would need "
-                             "the sampled tokens)")
         unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
         if unknown:
             raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")
@@ -390,8 +384,8 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
-                and self.pp == 1 and not self.lora_slots)  # LoRA steps run the blocking loop
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda"
+                and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -36,13 +36,13 @@ import subprocess
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
-from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store
+from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store, share_ids
 from engine.parallel.layout import Layout
 from engine.parallel.stage import StageStats, StageStep
 from engine.tp import Shard
@@ -170,9 +170,13 @@ class RankGroup:
                 self.abort(f"rank {rank} is gone")
                 raise ParallelGroupError(self._broken) from None
 
-    def send_step(self, step) -> None:
-        """Tensor parallelism alone: the step, whole, to every helper."""
-        self.broadcast(StageStep.whole(step))
+    def send_step(self, step, input_ids: torch.Tensor) -> None:
+        """Tensor parallelism alone: the step, whole, to every helper; with rows whose token is
+        in flight (overlapped scheduling), its ``input_ids`` from our device over the TP group."""
+        fed = bool(step.feed)
+        self.broadcast(StageStep.whole(replace(step, feed=[]), fed=fed))  # (a feed names our Sequences)
+        if fed:
+            share_ids(self.groups.tp, input_ids)
 
     def stats(self, reset: bool = False) -> list[StageStats]:
         """Every helper's ``StageStats``, in rank order (between steps)."""
