@@ -369,6 +369,8 @@ class EngineConfig:
                              f"(available: {', '.join(backend_names())})")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
+        if self.cuda_graphs and self.tp > 1 and self.pp == 1:  # (--pp > 1: refused with the others)
+            raise ValueError(f"--cuda-graphs is not supported with --tp {self.tp} yet (only rank 0 would replay)")
         unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
         if unknown:
             raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")

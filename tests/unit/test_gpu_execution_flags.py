@@ -46,6 +46,7 @@ def test_mesh_up_passes_the_flags_on_to_its_workers(tiny_model):
     (["--enforce-eager", "--cuda-graphs"], "contradict"),
     (["--attention-backend", "tensorrt"], "unknown attention backend"),
     (["--cuda-graphs", "--pp", "2"], "--pp 2 does not run with --cuda-graphs"),
+    (["--cuda-graphs", "--tp", "2"], "--cuda-graphs is not supported with --tp 2"),
     (["--peer-pin-max-s", "0"], "--peer-pin-max-s must be > 0"),
 ])
 def test_bad_combinations_are_one_line_errors(tiny_model, capsys, flags, message):
