@@ -228,7 +228,7 @@ class NixlNode:
             if self.progress.expected(key):
                 self.progress.kick()
                 for relay in self.relays:
-                    relay.expect(key)  # (again: fast polls from now)
+                    relay.expect(key, FAST_FOR)  # (again: fast polls from now)
             return
         writes = self.writes.get(msg.kind)
         why = "no such kind of job" if writes is None else writes.grant(msg.job_id, msg.gen, msg.agent)

@@ -5,12 +5,16 @@ engines (rank 0 here, rank 1 a helper process each, with its own NIXL agent over
 - TP 2 -> TP 1, TP 2 -> TP 2 and TP 1 -> TP 2: the blocks land byte for byte in the receiving
   layout and nowhere else; each job ends with one notification per pair of ranks, and the
   carried PrefillDone comes once, after every pair's bytes.
+- A long prefill (the job taken, its grant asked ahead, the write later than the receiver's fast
+  polls): the writer's kick reaches the receiving helper ranks' agents too, and nothing fails.
 - A sending helper rank that is gone fails the write in one clear line (no hang), and the
   receiving job stays fenced (a pair may have landed) until its writer leaves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 
@@ -34,7 +38,7 @@ def filled(kv, seed: int) -> None:
     kv.write_blocks(list(range(BLOCKS)), torch.randn(kv.spec.shape, generator=torch.Generator().manual_seed(seed)))
 
 
-async def test_parts_move_between_layouts_one_notification_per_pair(nats_server, tiny_model):
+async def test_parts_move_between_layouts_one_notification_per_pair(nats_server, tiny_model, caplog):
     bus = await Bus.connect(nats_server.url, "test-nixl-ranks", ns="nxr")
     pre = Engine(EngineConfig(tiny_model, tp=2, num_kv_blocks=BLOCKS))
     dec = Engine(EngineConfig(tiny_model, tp=2, num_kv_blocks=BLOCKS))
@@ -59,7 +63,10 @@ async def test_parts_move_between_layouts_one_notification_per_pair(nats_server,
             now.update(src=src, dst=dst, src_ids=src_ids, dst_ids=dst_ids)
             params = rx.params(rid, dst_ids)
             assert ("parts" in params) == (rx is rx2)  # a receiver of one rank sends what it always sent
-            result = await tx.send(TransferTarget(rid, "d", dst_ids, 16), params, src, src_ids, done=rid.encode())
+            target = TransferTarget(rid, "d", dst_ids, 16)
+            tx.prepare(target, params, src)  # taken: the grant asked while the prefill computes
+            await asyncio.sleep(0.2)  # a long prefill: past the receiver's fast polls, the writer kicks them
+            result = await tx.send(target, params, src, src_ids, done=rid.encode())
             assert await rx.finish(rid) and rx.revoke(rid)
             after = dst.read_blocks(list(range(BLOCKS)))
             assert torch.equal(after[:, :, dst_ids], src.read_blocks(src_ids)), rid
@@ -69,6 +76,8 @@ async def test_parts_move_between_layouts_one_notification_per_pair(nats_server,
             assert got[-1] == (rid, rid.encode(), True), got  # after every pair's bytes
             assert not rx.node.pairs  # no pair left waiting
         assert [g[0] for g in got] == [c[0] for c in cases]  # once each
+        failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not failed, failed  # (the kick reached every rank's agent: no handler failed)
 
         # a sending rank that is gone: one clear error, and the receiving job stays fenced
         os.kill(pre.ranks.pids[0], signal.SIGKILL)
