@@ -335,8 +335,6 @@ class EngineConfig:
         self._check_pipeline()
         if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
             raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
-        if self.tp > 1 and self.has_host_tier:
-            raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         if self.max_loras is not None and self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 1024:
@@ -371,8 +369,7 @@ class EngineConfig:
         if self.pp == 1:
             return
         refused = [flag for flag, on in (
-            ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
-            ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
+            ("--lora", bool(self.lora_slots)), ("--cuda-graphs", bool(self.cuda_graphs)),
             ("--speculative eagle3", (self.speculative or "").startswith("eagle3")),
             ("--speculative mtp", (self.speculative or "").partition(":")[0] == "mtp")) if on]
         if refused:
@@ -391,9 +388,11 @@ class EngineConfig:
                              f"(available: {', '.join(backend_names())})")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
-        if self.async_scheduling and (self.tp > 1 or self.ep > 1):
-            raise ValueError("--async-scheduling is not supported with --tp or --ep > 1 yet (other ranks would "
+        if self.async_scheduling and self.ep > 1:
+            raise ValueError("--async-scheduling is not supported with --ep > 1 yet (the expert ranks would "
                              "need the sampled tokens)")
+        if self.cuda_graphs and (self.tp > 1 or self.ep > 1) and self.pp == 1:  # (--pp > 1: refused with the others)
+            raise ValueError(f"--cuda-graphs is not supported with --tp {self.tp} --ep {self.ep} yet (only rank 0 would replay)")
         unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
         if unknown:
             raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")
@@ -409,8 +408,9 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
-                and self.pp == 1 and self.ep == 1 and not self.lora_slots)  # LoRA steps run the blocking loop
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda"
+                and self.ep == 1
+                and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -109,3 +109,13 @@ def join_groups(store: dist.Store, layout: Layout, rank: int, device: torch.devi
     if rank in (src, 0):
         out.back = Link(new_group(store, f"back{src}", 0 if rank == src else 1, 2, device, host))
     return out
+
+
+def share_ids(group, input_ids: torch.Tensor) -> torch.Tensor:
+    """A step's token ids from TP rank 0 to its stage's other ranks (their ``input_ids``, the
+    same length, filled in place): the rows whose token an earlier step is still sampling have
+    it on rank 0's device only (overlapped scheduling)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([input_ids], opts).wait()
+    return input_ids

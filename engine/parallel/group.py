@@ -36,13 +36,13 @@ import subprocess
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
-from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store
+from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store, share_ids
 from engine.parallel.experts import expert_shard
 from engine.parallel.layout import Layout
 from engine.parallel.stage import StageStats, StageStep
@@ -110,9 +110,11 @@ class RankGroup:
         self._store = open_store(LOOPBACK, 0, self.size, master=True)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self._agent_conns: list[Connection] = []  # each helper's KV agent channel
         self._paths = [f"{kv_base}.r{r}" for r in range(1, self.size)] if kv_base else []
         self._broken: str | None = None
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._paths)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._paths,
+                                          self._agent_conns)
         threads = max(1, torch.get_num_threads() // self.size)
         level = logging.getLogger().getEffectiveLevel() or logging.WARNING
         for r in range(1, self.size):
@@ -121,24 +123,32 @@ class RankGroup:
 
     def _spawn(self, setup: RankSetup) -> None:
         ours, theirs = socket.socketpair()
+        agent_ours, agent_theirs = socket.socketpair()  # its KV part's transfer agent (nixl_ranks)
+        fds = [theirs.fileno(), agent_theirs.fileno()]
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.rank", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
+            proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank", *map(str, fds)], pass_fds=fds,
+                                    stdin=subprocess.DEVNULL)
         finally:
             theirs.close()  # the helper's end lives only in the helper: its death is our EOF
+            agent_theirs.close()
         conn = Connection(ours.detach())
         self._procs.append(proc)
         self._conns.append(conn)
+        self._agent_conns.append(Connection(agent_ours.detach()))
         conn.send(setup)
 
     def join(self) -> list[KVCache]:
         """Wait for every helper's KV part, then join the groups. The parts come back in rank
-        order, mapped (CPU) or opened (CUDA IPC) in this process (none from a rank that holds
-        experts only)."""
+        order, mapped (CPU) or opened (CUDA IPC) in this process (none from a rank that holds experts
+        only), each with its rank's transfer
+        agent as its ``owner`` (the transports that act where the memory is: nixl)."""
+        from kvstore.transfer.nixl_ranks import RankAgentLink
+
         deadline = time.monotonic() + READY_TIMEOUT
         parts = [self._await_ready(r, deadline) for r in range(1, self.size)]
+        for rank, (part, conn) in enumerate(zip(parts, self._agent_conns, strict=True), start=1):
+            if part is not None:
+                part.owner = RankAgentLink(conn, rank)
         self.groups = join_groups(self._store, self.layout, 0, self.device, LOOPBACK)
         self.shard.join(self.groups.tp, self.groups.ep)
         return [p for p in parts if p is not None]
@@ -175,9 +185,13 @@ class RankGroup:
                 self.abort(f"rank {rank} is gone")
                 raise ParallelGroupError(self._broken) from None
 
-    def send_step(self, step) -> None:
-        """Tensor parallelism alone: the step, whole, to every helper."""
-        self.broadcast(StageStep.whole(step))
+    def send_step(self, step, input_ids: torch.Tensor) -> None:
+        """Tensor parallelism alone: the step, whole, to every helper; with rows whose token is
+        in flight (overlapped scheduling), its ``input_ids`` from our device over the TP group."""
+        fed = bool(step.feed)
+        self.broadcast(StageStep.whole(replace(step, feed=[]), fed=fed))  # (a feed names our Sequences)
+        if fed:
+            share_ids(self.groups.tp, input_ids)
 
     def stats(self, reset: bool = False) -> list[StageStats]:
         """Every helper's ``StageStats``, in rank order (between steps)."""
@@ -209,7 +223,8 @@ class RankGroup:
         self._finalizer()
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection], paths: list[str]) -> None:
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], paths: list[str],
+          agent_conns: list[Connection]) -> None:
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.send_bytes(pickle.dumps(None))
@@ -220,5 +235,7 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], paths: list[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    for conn in agent_conns:
+        conn.close()
     for path in paths:
         Path(path).unlink(missing_ok=True)

@@ -1,4 +1,5 @@
-"""A helper rank of a worker's layout: ``python -m engine.parallel.rank FD`` (see ``engine.parallel.group``).
+"""A helper rank of a worker's layout: ``python -m engine.parallel.rank FD AGENT_FD`` (see
+``engine.parallel.group``).
 
 Rank 0 (``RankGroup``) starts this process with one end of a socket pair as ``FD``; the helper
 reads its ``RankSetup``, loads its part of the model (its stage's layers, its share of the
@@ -6,7 +7,9 @@ heads), makes its part of the KV cache, answers with where that part lives, join
 and runs what rank 0 sends until the pipe closes: a ``StageStep`` (its stage of each
 micro-batch), an EAGLE-3 ``RebuildStep`` (tensor parallelism alone: the target's layers up to
 its last auxiliary one, on rank 0's request while it schedules; ``engine.eagle3``), or a
-``StatsRequest``. (A rank that holds experts only runs ``engine.parallel.expert_rank``.) It
+``StatsRequest``. ``AGENT_FD``, a second socket pair, is its KV part's transfer agent's channel,
+served on a thread of its own (``kvstore.transfer.nixl_ranks``: nixl, whose agent must sit in
+the process that holds the memory). (A rank that holds experts only runs ``engine.parallel.expert_rank``.) It
 lives apart from ``engine.parallel.group`` because it builds a model, which rank 0's side of
 the group never needs.
 """
@@ -35,11 +38,12 @@ from engine.parallel.group import RankSetup, StatsRequest, rank_kv_spec
 from engine.parallel.stage import LayerWindow, StageRunner, StageStep
 from engine.tp import Shard
 from kvstore.cache import KVCache
+from kvstore.transfer.nixl_ranks import RankAgentService
 
 log = logging.getLogger(__name__)
 
 
-def _serve(conn: Connection) -> int:
+def _serve(conn: Connection, agent_conn: Connection | None = None) -> int:
     setup: RankSetup = conn.recv()
     layout, cfg = setup.layout, setup.config
     place = layout.place(setup.rank)
@@ -57,6 +61,8 @@ def _serve(conn: Connection) -> int:
     use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
     spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.torch_dtype)
     kv = KVCache(spec, device, shm_path=setup.kv_path)
+    if agent_conn is not None:  # this rank's KV transfer agent, made when rank 0 asks (nixl)
+        RankAgentService(agent_conn, kv.tensor).start()
     window = LayerWindow(kv, layers.start)
     attention = create_backend(cfg.attention_backend, window, mc.head_dim**-0.5)
     configure = getattr(attention, "configure", None)
@@ -87,11 +93,12 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``argv``: the step pipe's descriptor, then the KV agent channel's (``kvstore.transfer.nixl_ranks``)."""
     # Ctrl-C reaches the whole process group: rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     try:
-        return _serve(conn)
+        return _serve(conn, Connection(int(argv[1])) if len(argv) > 1 else None)
     except (EOFError, BrokenPipeError):
         return 0
     except Exception:
