@@ -86,7 +86,8 @@ def mesh(nats_server, deepseek_models, tmp_path_factory):
         "--prefill", "1",
         "--decode", "2", "--no-planner", "--transports", "shm", "--disagg-threshold", str(THRESHOLD),
         "--speculative", "ngram", "--num-speculative-tokens", "3", "--block-size", str(BS),
-        "--device-kv-blocks", "24", "--host-kv-blocks", "64", "--peer-fetch", "--hash-key-file", str(key_file))
+        "--device-kv-blocks", "24", "--host-kv-blocks", "64", "--peer-fetch", "--hash-key-file", str(key_file),
+        timeout=240)  # six workers on two shared cores: mesh up itself gives them 120 s after it spawned them
     try:
         async def ready():
             w = await Watcher.open(nats_server.url, ns=NS)
@@ -117,12 +118,13 @@ async def complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, mo
     return (r.choices[0].model_extra or {})["token_ids"], r.choices[0].text, details.cached_tokens if details else 0
 
 
-async def counters(w: Watcher, names: list[str]) -> dict[str, int]:
-    """The workers' counters added up, from a load report of each sent after now."""
-    out: dict[str, int] = {}
-    for r in await asyncio.gather(*(w.fresh_load(n) for n in names)):
+async def counters(w: Watcher, mesh) -> dict[str, dict[str, int]]:
+    """Each model's workers' counters added up, from a load report of each sent after now."""
+    out: dict[str, dict[str, int]] = {m: {} for m in MODELS}
+    reports = await asyncio.gather(*(w.fresh_load(c.worker_id) for c in mesh.cards))
+    for card, r in zip(mesh.cards, reports, strict=True):
         for k, v in r.counters.items():
-            out[k] = out.get(k, 0) + v
+            out[card.model][k] = out[card.model].get(k, 0) + v
     return out
 
 
@@ -130,40 +132,40 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
-async def watching(mesh) -> tuple[Watcher, list[str]]:
-    w = await Watcher.open(mesh.nats, ns=NS)
-    return w, [c.worker_id for c in mesh.cards]
+async def watching(mesh) -> Watcher:
+    return await Watcher.open(mesh.nats, ns=NS)
 
 
 async def test_aggregated_and_disaggregated_over_shm_are_transformers(mesh, hf):
-    w, names = await watching(mesh)
+    w = await watching(mesh)
     try:
         spec_bytes = 3 * 1 * BS * 1 * (32 + 16) * 4  # layers x one latent plane x tokens x (latent + rope) x fp32
         assert {c.kv_block_bytes for c in mesh.cards} == {spec_bytes}  # what the router costs a block by
-        before = await counters(w, names)
+        before = await counters(w, mesh)
         jobs = [(m, p) for m in MODELS for p in SHORT + LONG]
         got = await asyncio.gather(*(complete(mesh.url, p, model=m, speculate=False) for m, p in jobs))
         for (m, p), (tokens, _, _) in zip(jobs, got, strict=True):
             assert tokens == hf[m, tuple(p), MAX_TOKENS], f"{m}: prompt of {len(p)} tokens"
-        d = delta(await counters(w, names), before)
         # each long prompt's latent blocks went over shm: the decode side and the prefill side count it
-        long_ones = len(MODELS) * len(LONG)
-        assert d.get("remote_prefill_done", 0) == long_ones and d.get("transport_shm", 0) == 2 * long_ones, d
-        assert d.get("spec_drafted:ngram", 0) == 0, d
+        for m, after in (await counters(w, mesh)).items():
+            d = delta(after, before[m])
+            assert d.get("remote_prefill_done", 0) == len(LONG) and d.get("transport_shm", 0) == 2 * len(LONG), (m, d)
+            assert d.get("spec_drafted:ngram", 0) == 0, (m, d)
     finally:
         await w.close()
 
 
 async def test_ngram_speculation_and_prefix_cache_hits_are_transformers(mesh, hf):
-    w, names = await watching(mesh)
+    w = await watching(mesh)
     try:
-        before = await counters(w, names)
+        before = await counters(w, mesh)
         jobs = [(m, p) for m in MODELS for p in REPEATING]
         got = await asyncio.gather(*(complete(mesh.url, p, model=m) for m, p in jobs))
         for (m, p), (tokens, _, _) in zip(jobs, got, strict=True):
             assert tokens == hf[m, tuple(p), MAX_TOKENS], f"{m}: prompt of {len(p)} tokens"
-        d = delta(await counters(w, names), before)
-        assert d.get("spec_drafted:ngram", 0) > 0, d  # verified (the random model rarely accepts them)
+        for m, after in (await counters(w, mesh)).items():
+            d = delta(after, before[m])
+            assert d.get("spec_drafted:ngram", 0) > 0, (m, d)  # verified (the random model rarely accepts them)
         # sent again, each model's prompt is in one of its decode workers' cache
         again = await asyncio.gather(*(complete(mesh.url, REPEATING[1], model=m) for m in MODELS))
         for m, (tokens, _, cached) in zip(MODELS, again, strict=True):
@@ -183,7 +185,7 @@ async def test_a_json_schema_is_valid_and_the_same_with_and_without_drafts(mesh)
 
 
 async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_the_other(mesh):
-    w, _ = await watching(mesh)
+    w = await watching(mesh)
     router = KvRouter(w.bus, w.membership, RouterConfig(peer_fetch=True, hash_key=mesh.key))  # hashes as the mesh
     await router.start()
     try:
@@ -219,7 +221,7 @@ async def migrated_stream(mesh, w: Watcher, model: str, pids: dict, chosen: list
 
 async def test_a_decode_worker_killed_mid_stream_migrates_and_the_tokens_stay_transformers(mesh, hf):
     """Last: it kills a decode worker of each model (``mesh up`` starts another in its place)."""
-    w, _ = await watching(mesh)
+    w = await watching(mesh)
     try:
         for n, model in enumerate(MODELS, 1):
             pids = {c.worker_id: SimpleNamespace(pid=c.pid) for c in mesh.cards
