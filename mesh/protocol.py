@@ -305,6 +305,7 @@ class WorkerCard(Message):
     max_loras: int = 0  # LoRA adapters one engine step can run (device slots); 0: LoRA off
     # issue 20: per-block costs in ms (mesh.router.costs.KvCosts fields); {} = the reference hardware
     kv_costs: dict[str, float] = field(default_factory=dict)
+    kv_block_bytes: int = 0  # one KV block's bytes, all layers and planes (what the router costs a move by); 0: unknown
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
     embed_dim: int = 0  # role "embed" (``--task embed``): the size of its vectors

@@ -208,7 +208,7 @@ class WorkerBase(WorkerCore):
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
             metrics_port=self.metrics_port, adapters=adapter_names(e), max_loras=lora_slots(e),
-            layout=card_layout(e),
+            layout=card_layout(e), kv_block_bytes=e.kv_cache.spec.block_bytes if e.kv_cache is not None else 0,
         )
 
     def load(self, engine: EngineCore) -> LoadReport:

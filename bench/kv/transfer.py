@@ -181,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
         if args.dry_run:
             rows = transfer_hosts.plan(args.mb, args.repeat, args.transport, env, args.compute_ms, not args.hot_socket,
-                                       args.tp)
+                                       tp=args.tp)
         else:
             rows = transfer_hosts.run_hosts(args.mb, args.repeat, args.transport, env, args.compute_ms,
-                                            not args.hot_socket, args.tp)
+                                            not args.hot_socket, tp=args.tp)
         figures = transfer_hosts.report(rows, args.repeat, env)
         print(f"(the socket's sender {'sends at once' if args.hot_socket else f'idles {args.compute_ms:g} ms before each send, as the others'})")
         return emit(BENCHMARK, figures, args)

@@ -5,7 +5,7 @@ Host A (a network namespace) runs the nats-server and the receiver (the decode w
 KV pool with the real ``NatsReceiver`` and ``NixlReceiver``, and a TCP server that ``recv_into``s
 a buffer); host B runs the sender (the real senders; ``sendall`` for the socket). One transfer
 moves N MB of consecutive blocks (256 KB each: 8 layers x 4 KV heads x 64 dims x 16 tokens,
-fp32). Each is timed as the mesh pays it: from the sender starting until the receiver knows the
+fp32; ``run_hosts`` takes another block shape and counts of blocks too, as ``bench kv-bytes`` does). Each is timed as the mesh pays it: from the sender starting until the receiver knows the
 bytes are in its blocks (nats: the receiver's ``finish`` returned, after a one-way message like
 the PrefillDone the real path sends; nixl: the PrefillDone came in the notification after the
 bytes, as the decode worker takes it) or in its buffer (socket: its last ``recv_into``). The
@@ -18,10 +18,7 @@ sender waits as long before each transfer (``--hot-socket``: it does not): a pro
 a wake-up to wait for: the same 1 MB nixl send took 1.4-2.1 ms right after its grant and 2.4-4.9
 ms 50 ms after it, load 7-14), and before 2026-12-03 evening only the socket ran hot. Root only.
 
-    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5] [--tp 2]
-
-``--tp 2`` adds the same request over nixl between pools of two ranks, each rank's part in a
-process of its own with its own agent (TP 2 -> TP 2 and TP 2 -> TP 1: ``bench/kv/transfer_tp.py``).
+    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
 
 The two sides run this module in their namespaces: ``python -m bench.kv.transfer_hosts receiver|sender``.
 """
@@ -47,32 +44,36 @@ import torch
 from bench.kv.transfer_tp import VARIANTS, TwoRanks, variants
 
 LAYERS, HEADS, DIM, BS = 8, 4, 64, 16
+SHAPE = {"num_layers": LAYERS, "block_size": BS, "num_kv_heads": HEADS, "head_dim": DIM, "dtype": "float32",
+         "num_planes": 2}  # a KVCacheSpec's dict without its block count
 MODEL, WORKER = "bench", "bench-decode"
 TCP_PORT, NATS_PORT = 17411, 17422
 ROOT = Path(__file__).resolve().parents[2]
 SIDE = [sys.executable, "-m", "bench.kv.transfer_hosts"]  # one side of the transfer, in a namespace
 
 
-def spec(num_blocks: int):
+def spec(num_blocks: int, shape: dict | None = None):
     from kvstore.cache import KVCacheSpec
 
-    return KVCacheSpec(LAYERS, num_blocks, BS, HEADS, DIM, torch.float32)
+    return KVCacheSpec.from_dict({**(shape or SHAPE), "num_blocks": num_blocks})
 
 
 def digest(kv, ids: list[int]) -> str:
-    return hashlib.sha1(kv.read_blocks(ids).contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha1(kv.read_blocks(ids).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 # -- host A: the receiver ------------------------------------------------------------------
 def tcp_server(addr: str, max_bytes: int) -> None:
-    buf = bytearray(max_bytes)
     srv = socket.create_server((addr, TCP_PORT))
+    buf = None  # made at the first transfer (the warm-up's): a run without the socket never pays for it
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
-            view = memoryview(buf)
             while (head := conn.recv(8, socket.MSG_WAITALL)) and len(head) == 8:
+                if buf is None:
+                    buf = bytearray(max_bytes)
+                    view = memoryview(buf)
                 n, got = int.from_bytes(head, "little"), 0
                 while got < n:
                     k = conn.recv_into(view[got:n])
@@ -82,19 +83,19 @@ def tcp_server(addr: str, max_bytes: int) -> None:
                 conn.sendall(struct.pack("<d", time.perf_counter()))  # when the bytes were all in
 
 
-async def receiver(url: str, addr: str, num_blocks: int, tp: int = 1) -> None:
+async def receiver(url: str, addr: str, num_blocks: int, shape: dict, tp: int = 1) -> None:
     from kvstore.cache import KVCache
     from kvstore.transfer import make_receiver
     from mesh.bus import Bus
     from mesh.protocol import PrefillDone, decode
 
-    kv = KVCache(spec(num_blocks), torch.device("cpu"))
-    threading.Thread(target=tcp_server, args=(addr, num_blocks * spec(1).block_bytes), daemon=True).start()
+    kv = KVCache(spec(num_blocks, shape), torch.device("cpu"))
+    threading.Thread(target=tcp_server, args=(addr, num_blocks * spec(1, shape).block_bytes), daemon=True).start()
     bus = await Bus.connect(url, "bench-receiver")
     rxs = {n: make_receiver(n, kv=kv, bus=bus, model=MODEL, worker_id=WORKER) for n in ("nats", "nixl")}
     pools = {"nats": kv, "nixl": kv}
     if tp == 2:  # a receiver of two ranks beside it (its own agents: another worker)
-        two = TwoRanks(spec(num_blocks), "rx")
+        two = TwoRanks(spec(num_blocks, shape), "rx")
         pools["nixl_tp2"] = two.kv
         rxs["nixl_tp2"] = make_receiver("nixl", kv=two.kv, bus=bus, model=MODEL, worker_id=f"{WORKER}-tp2")
     for rx in rxs.values():
@@ -145,24 +146,25 @@ async def receiver(url: str, addr: str, num_blocks: int, tp: int = 1) -> None:
 
 
 # -- host B: the sender --------------------------------------------------------------------
-async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports: list[str], compute_s: float,
-                 socket_idle: bool) -> None:
+async def sender(url: str, addr_a: str, sizes: list[int], repeat: int, transports: list[str], compute_s: float,
+                 socket_idle: bool, shape: dict) -> None:
+    """``sizes``: blocks per transfer."""
     from kvstore.cache import KVCache
     from kvstore.transfer import TransferTarget, make_sender
     from mesh.bus import Bus
     from mesh.protocol import PrefillDone, encode
 
-    bb = spec(1).block_bytes
-    n_max = max(mbs) * (1 << 20) // bb
-    src = KVCache(spec(n_max), torch.device("cpu"))
-    src.tensor.normal_()
+    bb = spec(1, shape).block_bytes
+    src = KVCache(spec(max(sizes), shape), torch.device("cpu"))
+    src.tensor.view(torch.uint8).random_()  # any dtype (a float8 one has no normal_)
     pools, two = {n: src for n in transports}, None
     if any(VARIANTS.get(n, (1, 1))[0] == 2 for n in transports):  # a sender of two ranks
-        two = TwoRanks(spec(n_max), "tx")
+        two = TwoRanks(spec(max(sizes), shape), "tx")
         two.fill()
         pools.update({n: two.kv for n in transports if VARIANTS.get(n, (1, 1))[0] == 2})
     bus = await Bus.connect(url, "bench-sender")
-    senders = {n: make_sender(n, bus=bus, worker_id="bench-prefill") for n in ("nats", "nixl") if n in transports}
+    kinds = {"nixl" if n in VARIANTS else n for n in transports} - {"socket"}  # nixl_tp2...: nixl's sender
+    senders = {n: make_sender(n, bus=bus, worker_id="bench-prefill") for n in kinds}
     sock = socket.create_connection((addr_a, TCP_PORT), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -207,11 +209,12 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
     rows = []
     for name in transports:  # warm-up: connections, the peer's metadata, registration
         await one(name, f"warm-{name}", list(range(4)), check=True)
-    for mb in mbs:
-        ids = list(range(mb * (1 << 20) // bb))
+    for n in sizes:
+        ids, mb = list(range(n)), _mb(n, bb)
         for name in transports:
-            times = [await one(name, f"{mb}-{name}-{r}", ids, check=r == 0) for r in range(repeat)]
-            rows.append({"mb": mb, "transport": name, "seconds": [t for t, _ in times], "send": [s for _, s in times]})
+            times = [await one(name, f"{n}-{name}-{r}", ids, check=r == 0) for r in range(repeat)]
+            rows.append({"mb": mb, "blocks": n, "transport": name, "seconds": [t for t, _ in times],
+                         "send": [s for _, s in times]})
     print("RESULT " + json.dumps(rows), flush=True)
     sock.close()
     await bus.close()
@@ -230,20 +233,39 @@ def _socket_send(sock: socket.socket, payload: memoryview) -> float:
 
 
 # -- the driver (root namespace) -----------------------------------------------------------
+def _sides(pair, mbs: list[int], repeat: int, transports: list[str], compute_ms: float, socket_idle: bool,
+           shape: dict | None, blocks: list[int] | None, tp: int = 1) -> tuple[list[str], list[str]]:
+    """(the receiver's argv, the sender's): transfers of ``blocks`` blocks each, or of
+    ``mbs`` MB, of ``shape``'s blocks (None: ``SHAPE``)."""
+    shape = shape or SHAPE
+    sizes = blocks or [mb * (1 << 20) // spec(1, shape).block_bytes for mb in mbs]
+    url = f"nats://{pair.addr_a}:{NATS_PORT}"
+    rx = [*SIDE, "receiver", url, pair.addr_a, str(max(sizes) + 8), json.dumps(shape), str(tp)]
+    tx = [*SIDE, "sender", url, pair.addr_a, json.dumps(sizes), str(repeat), ",".join(transports),
+          str(compute_ms / 1000), str(int(socket_idle)), json.dumps(shape)]
+    return rx, tx
+
+
 def plan(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0,
-         socket_idle: bool = True, tp: int = 1) -> list[dict]:
+         socket_idle: bool = True, shape: dict | None = None, blocks: list[int] | None = None,
+         transports: list[str] | None = None, tp: int = 1) -> list[dict]:
     """What ``run_hosts`` would run, printed, and its rows' shape with no times (the dry run)."""
     from bench.common.netns_pair import HostPair
 
     pair = HostPair()
-    num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
-    url = f"nats://{pair.addr_a}:{NATS_PORT}"
+    transports = transports or _transports(transport, tp)
+    rx, tx = _sides(pair, mbs, repeat, transports, compute_ms, socket_idle, shape, blocks, tp)
     print(f"DRY RUN: namespaces {pair.ns_a} ({pair.addr_a}) and {pair.ns_b} ({pair.addr_b}) on a veth pair; env "
-          f"{env}\n  {pair.ns_a}: nats-server -a {pair.addr_a} -p {NATS_PORT} -js; "
-          f"{' '.join(SIDE[1:])} receiver {url} {pair.addr_a} {num_blocks} {tp}\n  {pair.ns_b}: {' '.join(SIDE[1:])} "
-          f"sender {url} {pair.addr_a} {json.dumps(mbs)} {repeat} {','.join(_transports(transport, tp))} "
-          f"{compute_ms / 1000} {int(socket_idle)}")
-    return [{"mb": mb, "transport": t, "seconds": [], "send": []} for mb in mbs for t in _transports(transport, tp)]
+          f"{env}\n  {pair.ns_a}: nats-server -a {pair.addr_a} -p {NATS_PORT} -js; {' '.join(rx[1:])}"
+          f"\n  {pair.ns_b}: {' '.join(tx[1:])}")
+    bb = spec(1, shape).block_bytes
+    sizes = [(_mb(n, bb), n) for n in blocks] if blocks else [(mb, mb * (1 << 20) // bb) for mb in mbs]
+    return [{"mb": mb, "blocks": n, "transport": t, "seconds": [], "send": []} for mb, n in sizes for t in transports]
+
+
+def _mb(blocks: int, block_bytes: int) -> float:
+    mb = blocks * block_bytes / (1 << 20)
+    return int(mb) if mb.is_integer() else round(mb, 3)
 
 
 def _transports(transport: str, tp: int = 1) -> list[str]:
@@ -253,32 +275,31 @@ def _transports(transport: str, tp: int = 1) -> list[str]:
 
 
 def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0,
-              socket_idle: bool = True, tp: int = 1) -> list[dict]:
+              socket_idle: bool = True, shape: dict | None = None, blocks: list[int] | None = None,
+              transports: list[str] | None = None, tp: int = 1) -> list[dict]:
+    """The transfers, timed (``plan`` says what runs; ``transports``: these only, not the socket and
+    nats beside ``transport``)."""
     from bench.common.netns_pair import HostPair
     from mesh.natsserver import find_binary
 
-    transports = _transports(transport, tp)
-    num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
+    transports = transports or _transports(transport, tp)
     procs: list[subprocess.Popen] = []
     env = {**env, "PYTHONPATH": str(ROOT)}
     js_dir = tempfile.mkdtemp(prefix="pdmx-js-")  # the nats-server's JetStream store, removed after
     with HostPair() as pair:
-        url = f"nats://{pair.addr_a}:{NATS_PORT}"
+        rx_argv, tx_argv = _sides(pair, mbs, repeat, transports, compute_ms, socket_idle, shape, blocks, tp)
         try:
             procs.append(pair.run(pair.ns_a, [find_binary(), "-a", pair.addr_a, "-p", str(NATS_PORT), "-js", "-sd",
                                               js_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)
-            rx = pair.run(pair.ns_a, [*SIDE, "receiver", url, pair.addr_a, str(num_blocks), str(tp)],
-                          env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            rx = pair.run(pair.ns_a, rx_argv, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
             procs.append(rx)
             for line in rx.stdout:  # NIXL logs on stdout too
                 if line.strip() == "ready":
                     break
             else:
                 raise SystemExit("the receiver did not start")
-            tx = pair.run(pair.ns_b, [*SIDE, "sender", url, pair.addr_a, json.dumps(mbs),
-                                      str(repeat), ",".join(transports), str(compute_ms / 1000), str(int(socket_idle))],
-                          env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            tx = pair.run(pair.ns_b, tx_argv, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
             procs.append(tx)
             out, _ = tx.communicate(timeout=1200)
             lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -299,9 +320,8 @@ def report(rows: list[dict], repeat: int, env: dict[str, str]) -> dict:
     names = list(dict.fromkeys(r["transport"] for r in rows))
     print(f"KV transfer between two network namespaces over a veth pair ({', '.join(f'{k}={v}' for k, v in env.items())}),"
           f" median of {repeat}, GB/s (1e9 bytes/s)")
-    tp2 = [n for n in names if n in VARIANTS and n != "nixl"]
     print(f"{'MB':>5} | " + " | ".join(f"{n:>8}" for n in names)
-          + (" | nixl/socket | nixl/nats" if "nixl" in names else "") + "".join(f" | {n}/nixl" for n in tp2))
+          + (" | nixl/socket | nixl/nats" if "nixl" in names else ""))
     sizes = []
     for mb in dict.fromkeys(r["mb"] for r in rows):
         g = {n: mb * (1 << 20) / by[(mb, n)] / 1e9 for n in names}
@@ -309,19 +329,17 @@ def report(rows: list[dict], repeat: int, env: dict[str, str]) -> dict:
         line = f"{mb:>5} | " + " | ".join(f"{g[n]:>8.3f}" for n in names)
         if "nixl" in g:
             line += f" | {g['nixl'] / g['socket']:>11.2f} | {g['nixl'] / g['nats']:>9.2f}"
-        line += "".join(f" | {g[n] / g['nixl']:>{len(n) + 5}.2f}" for n in tp2)
         print(line)
     for r in rows:
         print(f"  {r['mb']:>4} MB {r['transport']:>6}: " + " ".join(f"{s * 1000:.1f}" for s in r["seconds"])
               + " ms (sender side: " + " ".join(f"{s * 1000:.1f}" for s in r["send"]) + ")")
-    return {"hosts": 2, "env": env, "repeat": repeat, "sizes": sizes, "transfers": rows,
-            "tp": 2 if tp2 else 1}
+    return {"hosts": 2, "env": env, "repeat": repeat, "sizes": sizes, "transfers": rows}
 
 
 if __name__ == "__main__":
     role, *rest = sys.argv[1:]
     if role == "receiver":
-        asyncio.run(receiver(rest[0], rest[1], int(rest[2]), int(rest[3])))
+        asyncio.run(receiver(rest[0], rest[1], int(rest[2]), json.loads(rest[3]), int(rest[4])))
     elif role == "sender":
         asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(","), float(rest[5]),
-                           rest[6] == "1"))
+                           rest[6] == "1", json.loads(rest[7])))

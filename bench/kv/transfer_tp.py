@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
         "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
     run = transfer_hosts.plan if args.dry_run else transfer_hosts.run_hosts
-    rows = run(args.mb, args.repeat, "nixl", env, args.compute_ms, True, 2)
+    rows = run(args.mb, args.repeat, "nixl", env, args.compute_ms, True, tp=2)
     figures = transfer_hosts.report(rows, args.repeat, env)
     # the TP 2 cases against TP 1, size by size (the figure the issue asks for)
     figures["tp_vs_tp1"] = {str(s["mb"]): {

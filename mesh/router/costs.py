@@ -6,7 +6,9 @@ the prefill it spares less the onboarding it costs, not a guessed fraction of a 
 Costs are turned into *prefill-block units* (1.0 = the time to prefill one block), the unit of
 the router's cost function. Workers publish their own figures on their card
 (``WorkerCard.kv_costs``: the mocker from its timing model); a worker that publishes none is
-costed as the reference below.
+costed as the reference below, with its own block's bytes where its card states them
+(``WorkerCard.kv_block_bytes``: what its model caches per block, all layers and planes; an MLA
+model's latent block is ~4.6x smaller than Llama-3-70B's, so it is cheaper to onboard and fetch).
 
 The reference: Llama-3-8B's KV (32 layers x 8 KV heads x 128 dims, bf16 = 128 KiB per token,
 2 MiB per 16-token block) on an H100-class GPU:
@@ -89,9 +91,10 @@ class KvCosts:
         return {k: float(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: dict[str, float], block_size: int) -> KvCosts:
-        """A card's figures; the reference fills what it leaves out (or garbles)."""
-        base = default_costs(block_size)
+    def from_dict(cls, d: dict[str, float], block_size: int, block_bytes: int = 0) -> KvCosts:
+        """A card's figures; the reference fills what it leaves out (or garbles), for blocks of
+        ``block_bytes`` (the card's ``kv_block_bytes``; 0: the reference model's)."""
+        base = default_costs(block_size, block_bytes)
         if not d:
             return base
         known = {f.name for f in fields(cls)}
@@ -129,12 +132,15 @@ class KvCosts:
                 "predicted": 1.0}
 
 
-_DEFAULTS: dict[int, KvCosts] = {}
+_DEFAULTS: dict[tuple[int, int], KvCosts] = {}
 
 
-def default_costs(block_size: int = 16) -> KvCosts:
-    """The reference hardware's costs for ``block_size``-token blocks."""
-    c = _DEFAULTS.get(block_size)
+def default_costs(block_size: int = 16, block_bytes: int = 0) -> KvCosts:
+    """The reference hardware's costs for ``block_size``-token blocks of ``block_bytes`` bytes
+    (0: the reference model's, Llama-3-8B's K and V)."""
+    key = (block_size, max(block_bytes, 0))
+    c = _DEFAULTS.get(key)
     if c is None:
-        c = _DEFAULTS[block_size] = KvCosts.from_rates(block_size)
+        per_token = key[1] / block_size if key[1] else KV_BYTES_PER_TOKEN
+        c = _DEFAULTS[key] = KvCosts.from_rates(block_size, kv_bytes_per_token=per_token)
     return c

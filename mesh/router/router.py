@@ -119,7 +119,7 @@ class KvRouter:
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
         self._rr = 0
-        self._costs: dict[str, tuple[dict, KvCosts]] = {}  # worker -> (its card's kv_costs, parsed)
+        self._costs: dict[str, tuple[tuple, KvCosts]] = {}  # worker -> (its card's KV figures, parsed)
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
         self.resyncs = 0
@@ -329,10 +329,12 @@ class KvRouter:
         )
 
     def _costs_of(self, card: WorkerCard) -> KvCosts:
-        """The per-block costs the worker publishes (the reference hardware's where it does not)."""
+        """The per-block costs the worker publishes (the reference hardware's, for its block's bytes,
+        where it does not)."""
+        figures = (card.kv_costs, card.block_size, card.kv_block_bytes)
         got = self._costs.get(card.worker_id)
-        if got is None or got[0] != card.kv_costs:
-            got = self._costs[card.worker_id] = (card.kv_costs, KvCosts.from_dict(card.kv_costs, card.block_size))
+        if got is None or got[0] != figures:
+            got = self._costs[card.worker_id] = (figures, KvCosts.from_dict(*figures))
         return got[1]
 
     def _count(self, worker: str, request_id: str, d: _Inflight) -> None:

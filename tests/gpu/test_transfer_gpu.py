@@ -5,7 +5,8 @@ the real receiver); this process plays the prefill worker with the real
 sender. Blocks of known bytes go into scattered destination blocks; the decode
 side hashes what landed and checks that every other block is still zero.
 
-Cluster level: a nats-server, a decode and a prefill worker of the tiny model
+Cluster level: a nats-server, a decode and a prefill worker of the tiny model, and
+of the tiny DeepSeek-V3 (latent blocks: one plane per layer)
 (``mesh worker ... --device cuda --transports T``), long greedy prompts; the
 output equals a single-process engine run, and the decode worker's load report
 counts prefills that came over ``T``.
@@ -310,12 +311,15 @@ def test_cuda_ipc_exports_from_a_thread_that_never_ran_cuda_work():
     assert len(handle) == 64 and offset == export_tensor(kv.tensor)[1]  # the offset seen from here
 
 
+@pytest.mark.parametrize("family", ["tiny", "deepseek"])  # K/V blocks; latent ones (MLA: one plane)
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
-async def test_cluster_prefills_remotely_and_decodes_like_one_engine(transport, nats_url, tiny_model):
+async def test_cluster_prefills_remotely_and_decodes_like_one_engine(transport, family, nats_url, request):
     if transport == "nccl":
         needs_nccl()
+    tiny_model = request.getfixturevalue("tiny_model") if family == "tiny" else \
+        request.getfixturevalue("deepseek_models")["deepseek"]
     model = Path(tiny_model).name
-    decode_id, prefill_id = f"gpu-decode-{transport}", f"gpu-prefill-{transport}"
+    decode_id, prefill_id = f"gpu-decode-{transport}-{family}", f"gpu-prefill-{transport}-{family}"
     common = ["--nats", nats_url, "--model", str(tiny_model), "--device-kv-blocks", "256",
               "--transports", transport]
     nccl = transport == "nccl"
@@ -343,7 +347,7 @@ async def test_cluster_prefills_remotely_and_decodes_like_one_engine(transport, 
         counter = f"transport_{transport}"
         for i in range(3):  # the first may prefill locally if the decode worker has not yet seen the pool
             tokens = [rng.randrange(4096) for _ in range(300 + 37 * i)]
-            got = await run_prompt(bus, decode_id, model, f"{transport}-{i}", tokens, 8)
+            got = await run_prompt(bus, decode_id, model, f"{transport}-{family}-{i}", tokens, 8)
             (ref,) = reference.generate([tokens], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             assert got == ref.output_token_ids, f"request {i}: remote prefill over {transport} changed the output"
             with contextlib.suppress(AssertionError):

@@ -1,8 +1,11 @@
-"""Small random Hugging Face checkpoints, with weights scaled for peaked, context-dependent logits."""
+"""Small random Hugging Face checkpoints, with weights scaled for peaked, context-dependent logits;
+an FP8 checkpoint dequantized block by block (transformers' reference for it)."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -96,3 +99,34 @@ def make_moe_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
     peak_weights(model, seed, embed_scale=0.2)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+# -- FP8 checkpoints (DeepSeek's block-scaled format) ------------------------------------------
+
+
+def dequantized_by_loops(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The reference: every block times its own scale, one block at a time (edge blocks partial)."""
+    out = q.float().clone()
+    bn, bk = block
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] *= scale_inv[i, j]
+    return out
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """``src``'s FP8 checkpoint with every FP8 weight dequantized (by the loops above) to float32, the
+    scales dropped and the quantization_config gone: what transformers runs as the reference."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.fp8 import FP8_DTYPE
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    block = tuple(cfg.pop("quantization_config")["weight_block_size"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    plain = {name: (dequantized_by_loops(t, tensors[name + "_scale_inv"], block) if t.dtype == FP8_DTYPE else t)
+             for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    save_file(plain, str(dst / "model.safetensors"))
+    return dst

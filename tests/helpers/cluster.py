@@ -198,14 +198,14 @@ async def run_all(bus: Bus, worker_id: str, prompt_list, max_tokens: int = 16):
     return await asyncio.gather(*(stream_tokens(bus, worker_id, p, max_tokens) for p in prompt_list))
 
 
-def start_up(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """``mesh up`` on a free port, once it says it is up: the process and its URL."""
+def start_up(*flags: str, env: dict | None = None, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """``mesh up`` on a free port, once it says it is up (within ``timeout`` s): the process and its URL."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "up", "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if "pdmesh is up" in line:

@@ -22,33 +22,10 @@ from engine.fp8_linear import DequantGemm, Fp8Linear
 from engine.sampling import SamplingParams
 from engine.tiny import quantize_checkpoint
 from mesh.errors import ModelError
+from tests.helpers.checkpoints import dequantized_by_loops, dequantized_copy
 from tests.helpers.references import hf_greedy, hf_model, prompts_of
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def dequantized_by_loops(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The reference: every block times its own scale, one block at a time (edge blocks partial)."""
-    out = q.float().clone()
-    bn, bk = block
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            out[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] *= scale_inv[i, j]
-    return out
-
-
-def dequantized_copy(src: Path, dst: Path) -> Path:
-    """``src``'s FP8 checkpoint with every FP8 weight dequantized (by the loops above) to float32, the
-    scales dropped and the quantization_config gone: what transformers runs as the reference."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    block = tuple(cfg.pop("quantization_config")["weight_block_size"])
-    (dst / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(str(src / "model.safetensors"))
-    plain = {name: (dequantized_by_loops(t, tensors[name + "_scale_inv"], block) if t.dtype == FP8_DTYPE else t)
-             for name, t in tensors.items() if not name.endswith("_scale_inv")}
-    save_file(plain, str(dst / "model.safetensors"))
-    return dst
 
 
 # -- the format -------------------------------------------------------------------------------

@@ -417,6 +417,47 @@ async def test_the_router_plans_a_fetch_from_a_worker_it_may_not_send_to():
     assert (d.worker_id, d.fetch_source) == ("b", "")
 
 
+LATENT_BLOCK = 61 * 576 * 2 * 16  # DeepSeek-V3: one latent vector (512 + 64 rope) per token and layer, bf16
+LLAMA_70B_BLOCK = 80 * 2 * 8 * 128 * 2 * 16  # K and V of 8 heads of 128 per token and layer, bf16
+
+
+async def test_a_block_costs_what_the_workers_model_caches_per_block():
+    """The card's ``kv_block_bytes`` sizes the reference's onboarding and fetch costs: a latent
+    (MLA) block moves ~4.7x cheaper than a Llama-3-70B one, and the router's plan says so."""
+    from mesh.protocol import LoadReport, WorkerCard
+    from mesh.router.router import KvRouter
+
+    latent, big = default_costs(16, LATENT_BLOCK), default_costs(16, LLAMA_70B_BLOCK)
+    assert latent.peer_block_ms == pytest.approx(LATENT_BLOCK / 12.5e9 * 1000)
+    assert big.host_block_ms / latent.host_block_ms == pytest.approx(LLAMA_70B_BLOCK / LATENT_BLOCK)
+    assert big.prefill_block_ms == latent.prefill_block_ms == default_costs(16).prefill_block_ms
+    assert default_costs(16, 0) == default_costs(16)  # unknown: the reference model's block
+    assert KvCosts.from_dict({}, 16, LATENT_BLOCK) == latent
+    assert KvCosts.from_dict({"peer_block_ms": 0.5}, 16, LATENT_BLOCK).host_block_ms == latent.host_block_ms
+
+    def card(w, block_bytes=0):
+        return WorkerCard(w, "decode", "m", 16, 1000, 1 << 16, "h", 1, 0.0, 0.0, serves_kv_fetch=True,
+                          fetches_kv=True, kv_block_bytes=block_bytes)
+
+    cards = [card("a"), card("mla", LATENT_BLOCK), card("70b", LLAMA_70B_BLOCK)]
+    router = KvRouter(None, _Cards(cards), RouterConfig(peer_fetch=True))
+    from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
+
+    tokens = list(range(1000, 1000 + 16 * 30 + 1))
+    idx = router.index("m")
+    idx.load_snapshot("a", 0, {"device": block_hashes(tokens, 16, hash_seed(DEFAULT_HASH_KEY, "m"))})
+    for c in cards:
+        if c.worker_id != "a":
+            idx.load_snapshot(c.worker_id, 0, {})
+        await router._on_load(LoadReport(c.worker_id, "m", "decode", 0.0), None)
+    via_mla = router.route("m", tokens, "r1", exclude={"a", "70b"})
+    via_70b = router.route("m", tokens, "r2", exclude={"a", "mla"})
+    assert (via_mla.fetch_source, via_mla.fetch_blocks) == (via_70b.fetch_source, via_70b.fetch_blocks) == ("a", 30)
+    assert via_mla.cost < via_70b.cost
+    assert via_70b.cost - via_mla.cost == pytest.approx(30 * (big.peer_block_ms - latent.peer_block_ms)
+                                                       / latent.prefill_block_ms, rel=1e-3)
+
+
 def test_a_workers_inflight_sums_are_those_of_its_requests_through_any_sequence_of_events():
     """The router keeps each worker's in-flight prompt and prefill blocks as running sums: after
     every add, first token, finish, re-route and pruning they equal the sums over what is left."""
