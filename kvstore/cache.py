@@ -19,6 +19,13 @@ part, and rank 0 sees the whole (every layer, every head) as a ``ShardedKVCache`
 all of them: a grid of parts, each a range of layers by a range of heads. Both offer
 the same whole-block operations, and ``copy_blocks`` copies between any two of them,
 re-sharding layers and heads when the layouts differ.
+
+KV dtype: the cache holds K/V (or the latent) in the engine's dtype or, with
+``--kv-cache-dtype fp8_e4m3|fp8_e5m2``, in FP8 (``KV_CACHE_DTYPES``). FP8 values are stored as
+they are, with one scale of 1.0 per tensor (vLLM's default without calibrated scales): a
+block's bytes mean the same in every worker, so no scale travels with a block, and a copy
+between caches of different dtypes is a cast (``to_kv_dtype``, saturating at FP8's largest
+value). Block hashes name tokens, never bytes: the dtype is the worker's.
 """
 
 from __future__ import annotations
@@ -35,6 +42,71 @@ import torch
 
 KV_PLANES = 2  # K and V
 LATENT_PLANES = 1  # MLA's latent vector (with its rope key)
+
+# ``--kv-cache-dtype``, vLLM's values: the cache's dtype, None for the engine's own (``auto``)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_cache_dtype(name: str, engine_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype name`` in an engine computing in ``engine_dtype``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or engine_dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float8_e4m3fn``, ``bfloat16``: how specs, params and cards name a KV dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES)  # what a KV cache may hold
+
+
+def parse_dtype(name: object) -> torch.dtype:
+    """A KV dtype from its name in a spec or params (``dtype_name``); ValueError for any other."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r}")
+    return dtype
+
+
+def to_kv_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` cast for a cache of ``dtype``; into FP8 it saturates at the format's largest finite
+    value (a plain cast of a larger one may give NaN or inf, depending on the device)."""
+    if t.dtype == dtype:
+        return t
+    if dtype in FP8_DTYPES:
+        top = torch.finfo(dtype).max
+        if t.dtype in FP8_DTYPES:
+            t = t.float()  # no clamp kernel for FP8 itself
+        return t.clamp(-top, top).to(dtype)
+    return t.to(dtype)
+
+
+def from_kv_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values read from a cache, in ``dtype``. FP8 on CPU goes through a table of its 256 values:
+    torch casts FP8 there one element at a time, ~4x slower than the table's gather."""
+    if t.dtype == dtype:
+        return t
+    if t.dtype in FP8_DTYPES and t.device.type == "cpu":
+        flat = as_bytes(t.contiguous()).view(-1).int()
+        return _fp8_values(t.dtype, dtype).index_select(0, flat).view(t.shape)
+    return t.to(dtype)
+
+
+@cache
+def _fp8_values(fp8: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Every value of the FP8 format ``fp8``, by its byte, in ``dtype`` (CPU)."""
+    return torch.arange(256, dtype=torch.uint8).view(fp8).to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as uint8, for the copies with no FP8 kernel on CPU (``index_copy_``);
+    other dtypes as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 @dataclass(frozen=True)
@@ -75,14 +147,12 @@ class KVCacheSpec:
         return {
             "num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."), "num_planes": self.num_planes,
+            "dtype": dtype_name(self.dtype), "num_planes": self.num_planes,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> KVCacheSpec:
-        dtype = getattr(torch, str(d["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown KV dtype {d['dtype']!r}")
+        dtype = parse_dtype(str(d["dtype"]))
         # a spec written before planes were part of it is K/V
         return cls(int(d["num_layers"]), int(d["num_blocks"]), int(d["block_size"]),
                    int(d["num_kv_heads"]), int(d["head_dim"]), dtype, int(d.get("num_planes", KV_PLANES)))
@@ -208,9 +278,10 @@ class KVCache(_BlockIO):
         return self.tensor.index_select(2, idx)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of ``read_blocks``."""
+        """Inverse of ``read_blocks`` (data of another dtype is cast: ``to_kv_dtype``)."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        self.tensor.index_copy_(2, idx, data.to(self.device, self.spec.dtype))
+        data = to_kv_dtype(data.to(self.device), self.spec.dtype)
+        as_bytes(self.tensor).index_copy_(2, idx, as_bytes(data))
 
     def parts(self) -> list[KVPart]:
         return [KVPart((0, self.spec.num_layers), (0, self.spec.num_kv_heads), self)]
@@ -340,15 +411,17 @@ def copy_block_tensor(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], 
         indexed = dst.device.type == "cuda" and len(runs) > MAX_CUDA_RUNS
     if not indexed:
         for s0, d0, n in runs:
-            dst[:, :, d0 : d0 + n].copy_(src[:, :, s0 : s0 + n])
+            piece = src[:, :, s0 : s0 + n]
+            dst[:, :, d0 : d0 + n].copy_(piece if piece.dtype == dst.dtype else to_kv_dtype(piece, dst.dtype))
         return
     src_idx = torch.as_tensor(src_ids, dtype=torch.long).to(src.device, non_blocking=True)
     dst_idx = torch.as_tensor(dst_ids, dtype=torch.long).to(dst.device, non_blocking=True)
     layer_bytes = len(src_ids) * src[0, :, 0].numel() * src.element_size()
     step = max(1, GATHER_BYTES // max(1, layer_bytes))
     for l0 in range(0, src.shape[0], step):
-        gathered = src[l0 : l0 + step].index_select(2, src_idx).to(dst.device, dst.dtype, non_blocking=True)
-        dst[l0 : l0 + step].index_copy_(2, dst_idx, gathered)
+        gathered = to_kv_dtype(src[l0 : l0 + step].index_select(2, src_idx).to(dst.device, non_blocking=True),
+                               dst.dtype)
+        as_bytes(dst[l0 : l0 + step]).index_copy_(2, dst_idx, as_bytes(gathered))
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
