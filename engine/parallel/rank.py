@@ -50,7 +50,7 @@ def _serve(conn: Connection) -> int:
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard,
                        ModelPart(layers, embeds=place.stage == 0, samples=False))
     use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
-    spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.torch_dtype)
+    spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.kv_torch_dtype)
     kv = KVCache(spec, device, shm_path=setup.kv_path)
     window = LayerWindow(kv, layers.start)
     attention = create_backend(cfg.attention_backend, window, mc.head_dim**-0.5)
