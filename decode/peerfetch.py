@@ -61,8 +61,9 @@ from functools import partial
 
 from decode.context import WorkerContext
 from engine.core import EngineCore
-from kvstore.cache import KVCache, dtype_name
+from kvstore.cache import KVCache
 from kvstore.hashing import block_hashes
+from kvstore.kv_dtype import dtype_name
 from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
 from kvstore.transfer.shm import segment_name

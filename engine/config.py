@@ -17,8 +17,9 @@ from engine.mla_config import MlaConfig
 from engine.moe_config import MoeConfig
 from engine.rope import RopeConfig
 from engine.spec.registry import SpecConfig
-from kvstore.cache import KVCacheSpec, kv_cache_dtype
+from kvstore.cache import KVCacheSpec
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
+from kvstore.kv_dtype import kv_cache_dtype
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {

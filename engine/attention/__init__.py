@@ -23,6 +23,7 @@ from engine.attention.base import (
 )
 from engine.attention.flashinfer_backend import supports
 from kvstore.cache import LATENT_PLANES, KVCache
+from kvstore.kv_dtype import FP8_DTYPES
 
 __all__ = ["AttentionBackend", "AttentionBatch", "BackendFactory", "LatentAttentionBackend", "backend_names",
            "create_backend", "default_backend", "register", "register_latent"]
@@ -59,4 +60,5 @@ def default_backend(device: torch.device, head_dim: int, dtype: torch.dtype,
         return "torch"
     if latent is not None:
         return "flashinfer" if mla_flashinfer.supports(*latent, kv_dtype or dtype) else "torch"
-    return "flashinfer" if supports(head_dim, dtype) else "torch"
+    kv_ok = kv_dtype is None or kv_dtype == dtype or kv_dtype in FP8_DTYPES  # FlashInfer: half or FP8 pages
+    return "flashinfer" if supports(head_dim, dtype) and kv_ok else "torch"

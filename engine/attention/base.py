@@ -34,7 +34,8 @@ from typing import Protocol
 
 import torch
 
-from kvstore.cache import KVCache, as_bytes, to_kv_dtype
+from kvstore.cache import KVCache
+from kvstore.kv_dtype import as_bytes, to_kv_dtype
 
 
 @dataclass

@@ -41,7 +41,8 @@ import torch
 
 from engine.attention.base import AttentionBatch, register
 from engine.hostcopy import to_device
-from kvstore.cache import FP8_DTYPES, KVCache, as_bytes, to_kv_dtype
+from kvstore.cache import KVCache
+from kvstore.kv_dtype import FP8_DTYPES, as_bytes, to_kv_dtype
 
 # FA2 needs head_dim >= 64 (four 16-wide MMA tiles); these are the sizes FlashInfer ships and tests.
 HEAD_DIMS = (64, 128, 256)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBatch, register, write_slots
-from kvstore.cache import KVCache, from_kv_dtype
+from kvstore.cache import KVCache
+from kvstore.kv_dtype import from_kv_dtype
 
 SHORT_QUERY = 8  # rows of up to this many query tokens after a cached context batch with the decode rows
 

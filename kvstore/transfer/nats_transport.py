@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.cache import KVCache, dtype_name, parse_dtype, to_kv_dtype
+from kvstore.cache import KVCache
+from kvstore.kv_dtype import dtype_name, parse_dtype, to_kv_dtype
 from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 from kvstore.transfer.messages import KvChunk
 from kvstore.transfer.messenger import Messenger

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from kvstore.cache import KVCache, KVCacheSpec, to_kv_dtype
+from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.kv_dtype import to_kv_dtype
 from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 from kvstore.transfer.cuda_ipc import device_uuid
 from kvstore.transfer.messages import NcclBegin, NcclConnect, NcclReply

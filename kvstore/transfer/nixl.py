@@ -52,7 +52,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvstore.cache import KVCache, ShardedKVCache, block_runs, dtype_name
+from kvstore.cache import KVCache, ShardedKVCache, block_runs
+from kvstore.kv_dtype import dtype_name
 from kvstore.transfer import (
     TransferResult,
     TransferTarget,

@@ -19,7 +19,8 @@ pytest.importorskip("flashinfer")
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from kvstore.cache import KVCache, KVCacheSpec, to_kv_dtype
+from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.kv_dtype import to_kv_dtype
 from tests.gpu.test_flashinfer import LAYOUTS, make_step, run_step
 
 pytestmark = pytest.mark.gpu

@@ -16,17 +16,9 @@ from cli.main import main as mesh
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from kvstore.cache import (
-    FP8_DTYPES,
-    KVCache,
-    KVCacheSpec,
-    copy_block_tensor,
-    copy_blocks,
-    from_kv_dtype,
-    kv_cache_dtype,
-    to_kv_dtype,
-)
+from kvstore.cache import KVCache, KVCacheSpec, copy_block_tensor, copy_blocks
 from kvstore.disk import layout_fingerprint
+from kvstore.kv_dtype import FP8_DTYPES, from_kv_dtype, kv_cache_dtype, to_kv_dtype
 from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
 
