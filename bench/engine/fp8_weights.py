@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode {unknown[0]!r} (choose from {', '.join(MODES)})")
+    from engine.tiny import ALL_SIZES
+
+    bad = [z for z in args.sizes.split(",") if z not in ALL_SIZES]
+    if bad:
+        p.error(f"unknown size {bad[0]!r} (choose from {', '.join(ALL_SIZES)})")
     runs = [run_child(mode, size, args) for size in args.sizes.split(",") for mode in modes]
     print(f"FP8 weights on CPU: batch {args.batch}, {args.tokens} tokens, best of {args.reps}, "
           f"{args.threads} threads, load {os.getloadavg()[0]:.1f}")
