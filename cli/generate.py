@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    engine_flags.add_kv_cache_dtype_arg(p)
     p.add_argument("--device", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device-kv-blocks", type=int, default=None)
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if len(adapters) not in (1, len(args.prompts)):
         raise CliError(f"--adapter given {len(adapters)} times for {len(args.prompts)} prompts: give it once, "
                        "or once per prompt")
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                 device=args.device, block_size=args.block_size,
                                  num_kv_blocks=args.device_kv_blocks, **engine_flags.lora_fields(args),
                                  **engine_flags.speculative_fields(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -179,6 +179,8 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--tp", str(args.tp)]
     if args.ep != 1:
         flags += ["--ep", str(args.ep)]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     flags += pipeline_argv(args) + gpu_execution_argv(args) + speculative_argv(args)
     for spec in args.lora:
         flags += ["--lora", spec]

@@ -63,6 +63,7 @@ from decode.context import WorkerContext
 from engine.core import EngineCore
 from kvstore.cache import KVCache
 from kvstore.hashing import block_hashes
+from kvstore.kv_dtype import dtype_name
 from kvstore.tiers import DeviceBlock
 from kvstore.transfer.fetch import FetchChannel, make_channels
 from kvstore.transfer.shm import segment_name
@@ -93,6 +94,7 @@ class PeerFetch:
         self.engine = ctx.engine
         self.timeout = timeout
         self.block_bytes = ctx.engine.kv_cache.spec.block_bytes
+        self.kv_dtype = dtype_name(ctx.engine.kv_cache.spec.dtype)
         self.channels: dict[str, FetchChannel] = {}
         # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
         # many cores from the engine's own steps at once, and concurrent nats sends would crowd
@@ -164,6 +166,10 @@ class PeerFetch:
 
     async def _fetch(self, req: GenerateRequest, source: str, want: list[int], fetch_id: str) -> int:
         bb, bus = self.block_bytes, self.ctx.bus
+        holder = self.membership.get(source) if self.membership is not None else None
+        if holder is not None and holder.kv_dtype and holder.kv_dtype != self.kv_dtype:
+            # blocks are fetched as they are (and hashed alike whatever the dtype): not across dtypes
+            raise RuntimeError(f"{source}'s KV dtype is {holder.kv_dtype}, ours {self.kv_dtype}")
         transports = {name: await ch.params(fetch_id, len(want) * bb) for name, ch in self.channels.items()}
         msg = KvFetchRequest(req.request_id, req.model, self.ctx.worker_id, want, time.time() + self.timeout,
                              transports, fetch_id=fetch_id, block_bytes=bb)

@@ -19,6 +19,7 @@ from engine.rope import RopeConfig
 from engine.spec.registry import SpecConfig
 from kvstore.cache import KVCacheSpec
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
+from kvstore.kv_dtype import kv_cache_dtype
 from mesh.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {
@@ -267,6 +268,7 @@ class EngineConfig:
     served_name: str | None = None  # the model name on the bus; defaults to the directory name
     hash_key: HashKey = DEFAULT_HASH_KEY  # the mesh's block-hash secret (the CLI's --hash-key-file)
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"  # the KV pool's: auto (the engine's dtype), fp8 (= fp8_e4m3), fp8_e5m2
     device: str | None = None  # default: cuda if available
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: what memory allows
@@ -318,6 +320,7 @@ class EngineConfig:
             raise ValueError("max_prefill_with_decode must be >= 0 (0: no cap)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # ValueError: not one of vLLM's values
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
         if self.host_kv_gb < 0 or (self.host_kv_blocks is not None and self.host_kv_blocks < 0):
@@ -434,6 +437,11 @@ class EngineConfig:
         if self.dtype:
             return DTYPES[self.dtype]
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype (``--kv-cache-dtype``): FP8, or the engine's own."""
+        return kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def model_name(self) -> str:

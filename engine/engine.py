@@ -65,11 +65,13 @@ class Engine(EngineCore):
         self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers, config.ep)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype  # the pool's: the engine's, or FP8 (--kv-cache-dtype)
         if config.fused_kernels and self.device.type != "cuda":
             raise ValueError(f"fused kernels ({', '.join(config.fused_kernels)}) run on CUDA only, not {self.device}")
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims)
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims,
+                                                              self.kv_dtype)
         # EAGLE-3 and MTP read each step's hidden states, which decode graphs do not hand out
         reads_states = (config.speculative or "").partition(":")[0] in ("eagle3", "mtp")
         want_graphs = (config.use_cuda_graphs and self.device.type == "cuda" and self.layout.size == 1
@@ -167,7 +169,7 @@ class Engine(EngineCore):
             if self.model is None:
                 self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, shard=self.ranks.shard,
                                         part=ModelPart(layout.layers(0)))
-            own_kv = KVCache(rank_kv_spec(mc, layout, 0, num_blocks, config.block_size, self.dtype), self.device,
+            own_kv = KVCache(rank_kv_spec(mc, layout, 0, num_blocks, config.block_size, self.kv_dtype), self.device,
                              shm_path=config.kv_shm_path)
             parts = self.ranks.join() if self.ranks else []  # none from ranks that hold experts only
             self.kv_cache = ShardedKVCache([own_kv, *parts], layout.tp) if parts else own_kv
@@ -190,9 +192,9 @@ class Engine(EngineCore):
     def _log_ready(self, backend: str, num_blocks: int, kernels: Kernels) -> None:
         config, mc = self.config, self.model_config
         log.info(
-            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s%s%s",
+            "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens (%s), attention %s%s%s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
-            num_blocks, config.block_size, backend,
+            num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."), backend,
             f", {self.layout.size} ranks ({self.layout.describe()})" if self.ranks else "",
             ", CUDA graphs for decode" if self._graphs else "",
             ", overlapped scheduling" if self.overlap is not None else "",
@@ -307,7 +309,7 @@ class Engine(EngineCore):
 
     def _auto_num_blocks(self, max_len: int, graphs: bool = False) -> int:
         mc = self.model_config
-        block_bytes = mc.kv_cache_spec(1, self.config.block_size, self.dtype).block_bytes
+        block_bytes = mc.kv_cache_spec(1, self.config.block_size, self.kv_dtype).block_bytes
         if self.device.type == "cuda":
             # each GPU holds its share of the heads of its stage's layers (the largest stage's here)
             block_bytes = block_bytes * max(self.layout.stage_layers) // (mc.num_layers * self.layout.tp)

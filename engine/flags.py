@@ -27,6 +27,7 @@ def add_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
         p.add_argument("--model", default=None, help="Hugging Face model directory")
     p.add_argument("--served-name", default=None, help="model name on the bus and in the API (default: the directory name)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--device", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device-kv-blocks", type=int, default=None, help="cap the device KV pool (default: what memory allows)")
@@ -86,7 +87,8 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb,
              "host_kv_blocks": args.host_kv_blocks, "disk_kv_blocks": args.disk_kv_blocks}
     config = EngineConfig(
-        model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
+        model=model, served_name=args.served_name, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_with_decode=args.max_prefill_with_decode,
         tp=args.tp, ep=args.ep, **pipeline,
@@ -97,6 +99,13 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     check_loras(config, mc)
     check_layout(config, mc)
     return config
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    # checked by EngineConfig, not by argparse's choices: a bad value is one line, not usage + error
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
+                   help="the KV pool's dtype: auto (the model's, --dtype) or FP8 (fp8 = fp8_e4m3): half the "
+                        "bytes of bf16 in the pool, the tiers and every transfer; one scale of 1.0 per tensor")
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

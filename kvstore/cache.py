@@ -19,6 +19,9 @@ part, and rank 0 sees the whole (every layer, every head) as a ``ShardedKVCache`
 all of them: a grid of parts, each a range of layers by a range of heads. Both offer
 the same whole-block operations, and ``copy_blocks`` copies between any two of them,
 re-sharding layers and heads when the layouts differ.
+
+The cache's dtype is the engine's or FP8 (``--kv-cache-dtype``, ``kvstore.kv_dtype``); whole-block
+writes and copies between caches of different dtypes cast (``to_kv_dtype``).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.kv_dtype import as_bytes, dtype_name, parse_dtype, to_kv_dtype
+
 KV_PLANES = 2  # K and V
 LATENT_PLANES = 1  # MLA's latent vector (with its rope key)
-
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -75,14 +79,12 @@ class KVCacheSpec:
         return {
             "num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."), "num_planes": self.num_planes,
+            "dtype": dtype_name(self.dtype), "num_planes": self.num_planes,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> KVCacheSpec:
-        dtype = getattr(torch, str(d["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown KV dtype {d['dtype']!r}")
+        dtype = parse_dtype(str(d["dtype"]))
         # a spec written before planes were part of it is K/V
         return cls(int(d["num_layers"]), int(d["num_blocks"]), int(d["block_size"]),
                    int(d["num_kv_heads"]), int(d["head_dim"]), dtype, int(d.get("num_planes", KV_PLANES)))
@@ -212,9 +214,10 @@ class KVCache(_BlockIO):
         return self.tensor.index_select(2, idx)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of ``read_blocks``."""
+        """Inverse of ``read_blocks`` (data of another dtype is cast: ``to_kv_dtype``)."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        self.tensor.index_copy_(2, idx, data.to(self.device, self.spec.dtype))
+        data = to_kv_dtype(data.to(self.device), self.spec.dtype)
+        as_bytes(self.tensor).index_copy_(2, idx, as_bytes(data))
 
     def parts(self) -> list[KVPart]:
         return [KVPart((0, self.spec.num_layers), (0, self.spec.num_kv_heads), self)]
@@ -344,15 +347,16 @@ def copy_block_tensor(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], 
         indexed = dst.device.type == "cuda" and len(runs) > MAX_CUDA_RUNS
     if not indexed:
         for s0, d0, n in runs:
-            dst[:, :, d0 : d0 + n].copy_(src[:, :, s0 : s0 + n])
+            dst[:, :, d0 : d0 + n].copy_(to_kv_dtype(src[:, :, s0 : s0 + n], dst.dtype))
         return
     src_idx = torch.as_tensor(src_ids, dtype=torch.long).to(src.device, non_blocking=True)
     dst_idx = torch.as_tensor(dst_ids, dtype=torch.long).to(dst.device, non_blocking=True)
     layer_bytes = len(src_ids) * src[0, :, 0].numel() * src.element_size()
     step = max(1, GATHER_BYTES // max(1, layer_bytes))
     for l0 in range(0, src.shape[0], step):
-        gathered = src[l0 : l0 + step].index_select(2, src_idx).to(dst.device, dst.dtype, non_blocking=True)
-        dst[l0 : l0 + step].index_copy_(2, dst_idx, gathered)
+        gathered = to_kv_dtype(src[l0 : l0 + step].index_select(2, src_idx).to(dst.device, non_blocking=True),
+                               dst.dtype)
+        as_bytes(dst[l0 : l0 + step]).index_copy_(2, dst_idx, as_bytes(gathered))
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

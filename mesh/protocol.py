@@ -310,6 +310,7 @@ class WorkerCard(Message):
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
     embed_dim: int = 0  # role "embed" (``--task embed``): the size of its vectors
     layout: WorkerLayout = field(default_factory=WorkerLayout)  # its ranks (TP x PP); default: one
+    kv_dtype: str = ""  # its KV pool's dtype (float8_e4m3fn with --kv-cache-dtype fp8); "": no KV bytes (mock)
 
     def __post_init__(self):
         checked_transports(self.transports)

@@ -163,6 +163,13 @@ def card_layout(engine) -> WorkerLayout:
     return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [], layout.ep)
 
 
+def card_kv_dtype(engine) -> str:
+    """The card's ``kv_dtype``: the KV pool's dtype (``float8_e4m3fn``, ``bfloat16``); "" for an
+    engine with no KV bytes (the mocker)."""
+    spec = getattr(engine, "kv_spec", None)
+    return str(spec.dtype).removeprefix("torch.") if spec is not None else ""
+
+
 class WorkerBase(WorkerCore):
     role = ""
     publishes_kv_events = False  # decode workers do: the router indexes their caches
@@ -209,6 +216,7 @@ class WorkerBase(WorkerCore):
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
             metrics_port=self.metrics_port, adapters=adapter_names(e), max_loras=lora_slots(e),
             layout=card_layout(e), kv_block_bytes=e.kv_cache.spec.block_bytes if e.kv_cache is not None else 0,
+            kv_dtype=card_kv_dtype(e),
         )
 
     def load(self, engine: EngineCore) -> LoadReport:

@@ -11,14 +11,16 @@ import sys
 from pathlib import Path
 
 
-def generated(size: str) -> Path:
-    """The ``size`` model of ``engine.tiny.SIZES`` (``tiny``, ``small``, ``moe``, ``small-moe``)."""
+def generated(size: str, fp8: bool = False) -> Path:
+    """The ``size`` model of ``engine.tiny.SIZES`` (``tiny``, ``small``, ``moe``, ``small-moe``);
+    ``fp8``: the same weights in DeepSeek's FP8 format (``mesh model tiny --fp8``)."""
     from engine.tiny import write_tiny_model
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / f"bench-{size}"
+    name = f"bench-{size}" + ("-fp8" if fp8 else "")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / name
     if not (cache / "model.safetensors").is_file():
-        print(f"writing the {size} model to {cache} ...", file=sys.stderr)
-        write_tiny_model(cache, size=size, seed=0)
+        print(f"writing the {size}{' FP8' if fp8 else ''} model to {cache} ...", file=sys.stderr)
+        write_tiny_model(cache, size=size, seed=0, fp8=fp8)
     return cache
 
 

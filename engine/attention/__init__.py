@@ -23,6 +23,7 @@ from engine.attention.base import (
 )
 from engine.attention.flashinfer_backend import supports
 from kvstore.cache import LATENT_PLANES, KVCache
+from kvstore.kv_dtype import FP8_DTYPES
 
 __all__ = ["AttentionBackend", "AttentionBatch", "BackendFactory", "LatentAttentionBackend", "backend_names",
            "create_backend", "default_backend", "register", "register_latent"]
@@ -47,9 +48,10 @@ def create_backend(name: str, kv: KVCache, scale: float,
 
 
 def default_backend(device: torch.device, head_dim: int, dtype: torch.dtype,
-                    latent: tuple[int, int] | None = None) -> str:
+                    latent: tuple[int, int] | None = None, kv_dtype: torch.dtype | None = None) -> str:
     """FlashInfer on CUDA when it is installed and serves this head size and dtype (``latent``:
-    an MLA model's (latent, rope) dims); else torch."""
+    an MLA model's (latent, rope) dims; ``kv_dtype``: the cache's, when it is not ``dtype``:
+    FP8 runs FlashInfer's K/V kernels, not its MLA ones); else torch."""
     if device.type != "cuda":
         return "torch"
     try:
@@ -57,5 +59,6 @@ def default_backend(device: torch.device, head_dim: int, dtype: torch.dtype,
     except ImportError:
         return "torch"
     if latent is not None:
-        return "flashinfer" if mla_flashinfer.supports(*latent, dtype) else "torch"
-    return "flashinfer" if supports(head_dim, dtype) else "torch"
+        return "flashinfer" if mla_flashinfer.supports(*latent, kv_dtype or dtype) else "torch"
+    kv_ok = kv_dtype is None or kv_dtype == dtype or kv_dtype in FP8_DTYPES  # FlashInfer: half or FP8 pages
+    return "flashinfer" if supports(head_dim, dtype) and kv_ok else "torch"

@@ -17,6 +17,11 @@ latent as every head's value (``kv_b_proj``'s value part is applied after). ``C`
 the factory's ``value_dim``. Latent backends register with ``@register_latent(name)``;
 a latent cache (``spec.num_planes == 1``) gets the latent backend of the asked name.
 
+KV dtype: a backend takes the cache as it is, in the engine's dtype or in FP8
+(``--kv-cache-dtype``, ``kvstore.cache``): it writes this step's vectors cast to the cache's
+dtype (``write_slots``) and attends in the query's dtype, so an FP8 cache is dequantized as it
+is read (torch: the gathered pages; FlashInfer: inside its kernels, given ``kv_data_type``).
+
 A backend module registers its factory with ``@register(name)`` when it is
 imported; ``engine.attention`` imports the built-in ones and looks them up.
 """
@@ -30,6 +35,7 @@ from typing import Protocol
 import torch
 
 from kvstore.cache import KVCache
+from kvstore.kv_dtype import as_bytes, to_kv_dtype
 
 
 @dataclass
@@ -69,6 +75,14 @@ class LatentAttentionBackend(Protocol):
     def plan(self, batch: AttentionBatch) -> None: ...
 
     def forward(self, layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor: ...
+
+
+def write_slots(pages: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` (``[T, heads, dim]``, or ``[T, dim]`` for a latent) into the flat ``slots`` of
+    ``pages``, cast to the cache's dtype (FP8 saturates, and is written as bytes: CPU has no FP8
+    ``index_copy_``)."""
+    flat = as_bytes(pages).view(-1, *values.shape[1:])
+    flat.index_copy_(0, slots, as_bytes(to_kv_dtype(values, pages.dtype)))
 
 
 BackendFactory = Callable[[KVCache, float], AttentionBackend]

@@ -24,7 +24,9 @@ Why it is built this way:
   decode in 0.7): minutes more of nvcc on every fresh machine. ``kernels=`` on
   the constructor overrides this.
 * New K/V are scattered by index assignment into the flat slot view of the
-  pages, the same slots the torch backend writes.
+  pages, the same slots the torch backend writes. An FP8 cache (``--kv-cache-dtype``) is
+  written saturated, as bytes, and both wrappers are planned with ``kv_data_type`` FP8: the
+  kernels dequantize as they load (scales 1.0, ``kvstore.cache``), queries stay half precision.
 * CUDA graphs (``engine.cuda_graphs``): a decode step padded to a fixed
   batch size runs on that size's own decode wrapper in FlashInfer's
   ``use_cuda_graph`` mode, whose page table lives in fixed buffers that
@@ -40,10 +42,12 @@ import torch
 from engine.attention.base import AttentionBatch, register
 from engine.hostcopy import to_device
 from kvstore.cache import KVCache
+from kvstore.kv_dtype import FP8_DTYPES, as_bytes, to_kv_dtype
 
 # FA2 needs head_dim >= 64 (four 16-wide MMA tiles); these are the sizes FlashInfer ships and tests.
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
+KV_DTYPES = (*DTYPES, *FP8_DTYPES)  # an FP8 cache (--kv-cache-dtype) under half-precision queries
 WORKSPACE_BYTES = 256 << 20  # split-KV partial results; FlashInfer recommends 128 MB or more
 
 
@@ -62,9 +66,9 @@ class FlashInferAttention:
         spec = kv.spec
         if kv.device.type != "cuda":
             raise ValueError(f"the flashinfer backend needs a CUDA KV cache, got {kv.device}")
-        if not supports(spec.head_dim, spec.dtype):
+        if spec.head_dim not in HEAD_DIMS or spec.dtype not in KV_DTYPES:
             raise ValueError(
-                f"flashinfer serves head_dim {HEAD_DIMS} in float16/bfloat16; this model has "
+                f"flashinfer serves head_dim {HEAD_DIMS} in float16/bfloat16 (or an FP8 cache); this model has "
                 f"head_dim {spec.head_dim} in {str(spec.dtype).removeprefix('torch.')} "
                 "(use the torch attention backend)"
             )
@@ -146,14 +150,19 @@ class FlashInferAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.kv.layer(layer)
-        k_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = k
-        v_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = v
+        self.write(k_pages, v_pages, k, v)
         if self._active is not None:  # planned by plan_graph (maybe being captured: no host work here)
             return self._active.run(q.contiguous(), (k_pages, v_pages))
         if self._planned_for != (q.shape[1], q.dtype):
             self._plan_wrapper(q.shape[1], q.dtype)
         wrapper = self._decode if self._pure_decode else self._prefill
         return wrapper.run(q.contiguous(), (k_pages, v_pages))
+
+    def write(self, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K/V into the pages at its slots, in the cache's dtype (FP8: saturated, as bytes)."""
+        kv_dtype, shape = self.kv.spec.dtype, (-1, self.num_kv_heads, self.head_dim)
+        as_bytes(k_pages).view(shape)[self._slots] = as_bytes(to_kv_dtype(k, kv_dtype))
+        as_bytes(v_pages).view(shape)[self._slots] = as_bytes(to_kv_dtype(v, kv_dtype))
 
     def _plan_wrapper(self, num_qo_heads: int, dtype: torch.dtype) -> None:
         if self._pure_decode:

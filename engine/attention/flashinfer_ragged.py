@@ -83,8 +83,7 @@ class FlashInferRaggedAttention(FlashInferAttention):
         if self._pure_decode or self._active is not None:
             return super().forward(layer, q, k, v)
         k_pages, v_pages = self.kv.layer(layer)
-        k_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = k
-        v_pages.view(-1, self.num_kv_heads, self.head_dim)[self._slots] = v
+        self.write(k_pages, v_pages, k, v)
         if self._planned_for != (q.shape[1], q.dtype):
             self._plan_wrapper(q.shape[1], q.dtype)
         q = q.contiguous()

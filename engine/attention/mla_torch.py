@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import register_latent
+from engine.attention.base import register_latent, write_slots
 from engine.attention.torch_paged import TorchPagedAttention
 from kvstore.cache import KVCache
 
@@ -27,7 +27,7 @@ class TorchLatentAttention(TorchPagedAttention):
 
     def forward(self, layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         pages = self.kv.latent(layer)  # [blocks, block_size, 1, C + R]
-        pages.view(-1, pages.shape[-1]).index_copy_(0, self._slots, latent)
+        write_slots(pages, self._slots, latent)
         return self.attend(q, pages, pages[..., : self.value_dim])
 
 

@@ -5,6 +5,9 @@ the gathered, padded contexts; prefill chunks run one SDPA per sequence with a
 causal mask offset by the tokens already in the cache. Rows of a few query tokens
 after a cached context (speculative decoding's verification: the last token and
 its drafts) join the decode batch, their queries padded to the longest such row.
+
+An FP8 cache is dequantized where it is read: the pages a step gathers are cast to the
+query's dtype before SDPA (stored with a scale of 1.0, the cast is the whole of it).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBatch, register
+from engine.attention.base import AttentionBatch, register, write_slots
 from kvstore.cache import KVCache
+from kvstore.kv_dtype import from_kv_dtype
 
 SHORT_QUERY = 8  # rows of up to this many query tokens after a cached context batch with the decode rows
 
@@ -92,10 +96,9 @@ class TorchPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.layer(layer)
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
         # index_copy_/index_select on flat views: several times faster than advanced indexing
-        k_cache.view(-1, heads, dim).index_copy_(0, self._slots, k)
-        v_cache.view(-1, heads, dim).index_copy_(0, self._slots, v)
+        write_slots(k_cache, self._slots, k)
+        write_slots(v_cache, self._slots, v)
         return self.attend(q, k_cache, v_cache)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -110,8 +113,8 @@ class TorchPagedAttention:
         elif self._num_decode:
             out[self._dec_rows] = self._decode(q[self._dec_rows], k_cache, v_cache, heads, dim)
         for p in self._prefills:
-            keys = k_cache.index_select(0, p.blocks).view(-1, heads, dim)[: p.ctx].transpose(0, 1)
-            vals = v_cache.index_select(0, p.blocks).view(-1, heads, v_cache.shape[3])[: p.ctx].transpose(0, 1)
+            keys = _gather(k_cache, p.blocks, q.dtype).view(-1, heads, dim)[: p.ctx].transpose(0, 1)
+            vals = _gather(v_cache, p.blocks, q.dtype).view(-1, heads, v_cache.shape[3])[: p.ctx].transpose(0, 1)
             qs = q[p.row : p.row + p.qlen].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qs.unsqueeze(0),
@@ -127,8 +130,8 @@ class TorchPagedAttention:
 
     def _decode(self, q, k_cache, v_cache, heads, dim) -> torch.Tensor:
         n = q.shape[0]
-        keys = k_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
-        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, v_cache.shape[3]).transpose(1, 2)
+        keys = _gather(k_cache, self._dec_table, q.dtype).view(n, -1, heads, dim).transpose(1, 2)
+        vals = _gather(v_cache, self._dec_table, q.dtype).view(n, -1, heads, v_cache.shape[3]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=self._dec_mask, scale=self.scale, enable_gqa=True
         )
@@ -140,11 +143,16 @@ class TorchPagedAttention:
         n, qmax = self._num_decode, self._qmax
         dv = v_cache.shape[3]
         qs = q.index_select(0, self._short_gather).view(n, qmax, q.shape[1], dim).transpose(1, 2)
-        keys = k_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
-        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, dv).transpose(1, 2)
+        keys = _gather(k_cache, self._dec_table, q.dtype).view(n, -1, heads, dim).transpose(1, 2)
+        vals = _gather(v_cache, self._dec_table, q.dtype).view(n, -1, heads, dv).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=self._dec_mask, scale=self.scale,
                                            enable_gqa=True)
         return o.transpose(1, 2).reshape(n * qmax, q.shape[1], dv).index_select(0, self._short_keep)
+
+
+def _gather(pages: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pages of ``blocks``, in ``dtype`` (an FP8 cache's are dequantized here)."""
+    return from_kv_dtype(pages.index_select(0, blocks), dtype)
 
 
 @register("torch")

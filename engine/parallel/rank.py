@@ -59,7 +59,7 @@ def _serve(conn: Connection, agent_conn: Connection | None = None) -> int:
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard,
                        ModelPart(layers, embeds=place.stage == 0, samples=False))
     use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
-    spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.torch_dtype)
+    spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.kv_torch_dtype)
     kv = KVCache(spec, device, shm_path=setup.kv_path)
     if agent_conn is not None:  # this rank's KV transfer agent, made when rank 0 asks (nixl)
         RankAgentService(agent_conn, kv.tensor).start()

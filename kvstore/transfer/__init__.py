@@ -14,6 +14,10 @@ set over one cache per rank, no single tensor). ``shm`` and ``nats`` re-shard
 heads between any two TP degrees; ``cuda_ipc``, ``nccl`` and ``nixl`` take one tensor
 and do not serve TP > 1 yet.
 
+Two workers' pools may hold different dtypes (``--kv-cache-dtype``): ``shm``, ``nats``,
+``cuda_ipc`` and ``nccl`` cast the blocks to the receiver's dtype on the way; ``nixl`` writes
+bytes in place and refuses such a job in one line (the decode worker then prefills it).
+
 The decode worker lists the transports it accepts, best first; the prefill
 worker uses the first one it can. Coordination (job, completion) is always a
 NATS message; only the bytes take the transport's path. A sender writes into a

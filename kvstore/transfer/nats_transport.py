@@ -6,6 +6,9 @@ for the receiver's reply, so at most one window is in flight and a slow
 decode worker is never cut off as a slow consumer. The last chunk is always a
 request: when ``send`` returns, the receiver holds every byte.
 
+KV dtype: the receiver's params name its pool's (``dtype``); a sender whose pool holds another
+casts its blocks before they go (``to_kv_dtype``), so the bytes are always the receiver's.
+
 Tensor parallelism needs nothing here: a TP worker's cache is a ``ShardedKVCache``,
 whose block-major bytes are always the full head set (gathered from the sender's
 ranks, split over the receiver's), so the two sides' TP degrees may differ.
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.cache import KVCache
+from kvstore.kv_dtype import dtype_name, parse_dtype, to_kv_dtype
 from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 from kvstore.transfer.messages import KvChunk
 from kvstore.transfer.messenger import Messenger
@@ -61,7 +65,8 @@ class NatsReceiver:
     def params(self, request_id: str, dest_blocks: list[int]) -> dict:
         total = len(dest_blocks) * self.kv.spec.block_bytes
         self._pending[request_id] = _Assembly(list(dest_blocks), total)
-        return {"subject": self.bus.subjects.kv_data(self.model, self.worker_id, request_id), "bytes": total}
+        return {"subject": self.bus.subjects.kv_data(self.model, self.worker_id, request_id), "bytes": total,
+                "dtype": dtype_name(self.kv.spec.dtype)}
 
     async def _on_chunk(self, chunk: KvChunk, raw) -> None:
         asm = self._pending.get(chunk.request_id)
@@ -112,7 +117,8 @@ class NatsSender:
 
     async def send(self, target: TransferTarget, params: dict, src: KVCache, src_blocks: list[int]) -> TransferResult:
         t0 = time.perf_counter()
-        blocks = await asyncio.to_thread(lambda: src.read_block_major(src_blocks).cpu())
+        dtype = parse_dtype(params["dtype"]) if "dtype" in params else src.spec.dtype  # absent: an older receiver
+        blocks = await asyncio.to_thread(lambda: to_kv_dtype(src.read_block_major(src_blocks), dtype).cpu())
         payload = memoryview(blocks.view(-1).view(torch.uint8).numpy())
         return await self.send_bytes(target.request_id, params, payload, t0)
 

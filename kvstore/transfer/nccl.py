@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.kv_dtype import to_kv_dtype
 from kvstore.transfer import TransferResult, TransferTarget, register_receiver, register_sender
 from kvstore.transfer.cuda_ipc import device_uuid
 from kvstore.transfer.messages import NcclBegin, NcclConnect, NcclReply
@@ -395,7 +396,7 @@ class NcclSender:
             link.stream.wait_stream(torch.cuda.default_stream(link.device))  # the engine's KV writes
             for i in range(0, len(src_blocks), per_chunk):
                 # allocated on this stream, so a freed chunk is reused only after its send
-                chunk = src.read_block_major(src_blocks[i : i + per_chunk]).to(dtype)
+                chunk = to_kv_dtype(src.read_block_major(src_blocks[i : i + per_chunk]), dtype)  # the receiver's
                 link.comm.send(chunk.data_ptr(), chunk.numel() * chunk.element_size(), uint8, 1,
                                link.stream.cuda_stream)
             sent = torch.cuda.Event()

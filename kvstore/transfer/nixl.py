@@ -16,6 +16,10 @@ latent plane for MLA models.
              "planes",                                          (absent: 2, K and V)
              "parts"}                                           (several ranks: every part, ``nixl_parts``)
 
+KV dtype: the bytes land as they are, so the two pools must hold one dtype; a job between
+pools of two (``--kv-cache-dtype`` fp8 against the model's) fails in one line, and the decode
+worker prefills it (shm and nats convert).
+
 Trust: the sender writes only into a region the receiver's agent itself lists in its metadata
 (the params' ``addr``/``size`` must be exactly that region, every descriptor inside it, every
 block id in range), and only after the receiver granted this job's generation (``NixlBegin``);
@@ -51,6 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, block_runs
+from kvstore.kv_dtype import dtype_name
 from kvstore.transfer import (
     TransferResult,
     TransferTarget,
@@ -126,7 +131,7 @@ class NixlReceiver:
                         "begin": s.nixl(model, worker_id, "begin"), "num_blocks": self.spec.num_blocks,
                         "layers": self.spec.num_layers, "block_size": self.spec.block_size,
                         "heads": self.spec.num_kv_heads, "head_dim": self.spec.head_dim,
-                        "planes": self.spec.num_planes, "dtype": str(self.spec.dtype).removeprefix("torch.")}
+                        "planes": self.spec.num_planes, "dtype": dtype_name(self.spec.dtype)}
 
     async def start(self) -> None:
         for part in self.parts:  # registering a large pool can take a while: off the event loop
@@ -231,10 +236,13 @@ class NixlSender:
     @staticmethod
     def _check(target: TransferTarget, p: dict, spec: KVCacheSpec, places: list[PartPlace]) -> None:
         """The job's destination is the decode worker's registered pool, of our layout, in range."""
-        if (p["layers"], p.get("planes", 2), p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
-                spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                str(spec.dtype).removeprefix("torch.")):
-            raise ValueError("the decode worker's KV layout or dtype differs from ours")
+        if (p["layers"], p.get("planes", 2), p["block_size"], p["heads"], p["head_dim"]) != (
+                spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim):
+            raise ValueError("the decode worker's KV layout differs from ours")
+        if p["dtype"] != dtype_name(spec.dtype):
+            # the bytes land in place by RDMA: nothing between the two pools could cast them
+            raise ValueError(f"nixl moves KV bytes as they are, and the decode worker's KV dtype is {p['dtype']}, "
+                             f"ours {dtype_name(spec.dtype)}: give both the same --kv-cache-dtype (shm and nats convert)")
         nb, geo = p["num_blocks"], geometry(spec)
         if any(nb * geo.part_block_bytes(place) != place.size for place in places):
             raise refuse("malformed", "blocks do not match the registered pool")

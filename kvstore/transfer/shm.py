@@ -12,6 +12,9 @@ this user as large as the spec says, and that every destination block is in
 range; anything else is ``Refused``: the prefill worker logs, counts and drops
 the job, and the decode worker prefills locally.
 
+KV dtype: the params' ``spec`` names the decode worker's; a prefill worker whose pool holds
+another (``--kv-cache-dtype``) casts as it copies (``copy_blocks``), FP8 saturating.
+
 Several ranks: a decode worker of TP x PP ranks has one file per rank, each with
 that rank's part (its stage's layers, its share of the heads); its params list them
 (``shards``: name, head range and layer range, in rank order; ``spec`` for the whole
