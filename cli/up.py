@@ -177,6 +177,8 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
+    if args.ep != 1:
+        flags += ["--ep", str(args.ep)]
     flags += pipeline_argv(args) + gpu_execution_argv(args) + speculative_argv(args)
     for spec in args.lora:
         flags += ["--lora", spec]

@@ -136,6 +136,8 @@ def _check_remote_ranks(args: argparse.Namespace, ws, role: str) -> None:
     size = getattr(e, "tp", 1) * getattr(e, "pp", 1)
     if args.rank_addr and not ws.remote_ranks:
         raise CliError("--rank-addr is for a worker with ranks on other hosts (--local-ranks)")
+    if getattr(e, "ep", 1) > 1:
+        raise CliError("--ep > 1 does not run with ranks on other hosts (--local-ranks) yet")
     if size == 1:
         raise CliError("--local-ranks is for a layout of several ranks (--tp, --pp)")
     if not 1 <= args.local_ranks < size:
@@ -156,7 +158,8 @@ def _check_remote_ranks(args: argparse.Namespace, ws, role: str) -> None:
 def _check_embed(ws) -> None:
     """An embed worker runs the plain forward: a flag of the generate path is an error, not ignored."""
     e = ws.engine
-    given = [flag for flag, on in (("--tp", e.tp != 1), ("--pp", e.pp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
+    given = [flag for flag, on in (("--tp", e.tp != 1), ("--pp", e.pp != 1), ("--ep", e.ep != 1), ("--lora", bool(e.loras)),
+                                   ("--speculative", bool(e.speculative)),
                                    ("--host-kv-gb/--host-kv-blocks", e.has_host_tier), ("--peer-fetch", ws.peer_fetch))
              if on]
     if given:

@@ -89,6 +89,9 @@ class ModelConfig:
     # ``num_kv_heads`` 1: the cache holds one latent vector per token, not K and V per head
     mla: MlaConfig | None = None
     fp8: Fp8Scheme | None = None  # FP8 weights in DeepSeek's block-scaled format (``engine.fp8``)
+    # DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer
+    # (``num_nextn_predict_layers``): not part of the model; ``--speculative mtp`` drafts with them
+    mtp_layers: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
@@ -147,6 +150,7 @@ class ModelConfig:
                 moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
                 mla=mla,
                 fp8=Fp8Scheme.from_config(cfg),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):
@@ -163,20 +167,30 @@ class ModelConfig:
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
 
-    def check_tp(self, tp: int) -> None:
+    def check_tp(self, tp: int, ep: int = 1) -> None:
         """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
         if self.mla is not None and tp > 1:
             # the heads would split cleanly, but every rank needs the whole latent cache, and the
             # sharded KV view, the transports and peer fetch all split a block by heads
-            raise ModelError(f"--tp {tp} is not supported for MLA models ({self.family}) yet: use --tp 1")
+            raise ModelError(f"--tp {tp} is not supported for MLA models ({self.family}) yet: use --tp 1"
+                             + (" (--ep splits the experts alone)" if self.moe is not None else ""))
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
-        if self.moe is not None:  # every expert (and the shared one) is split like the dense MLP
+        if self.moe is not None and ep == 1:  # every expert (and the shared one) is split like the dense MLP
             sizes["moe_intermediate_size"] = self.moe.intermediate_size
             sizes["shared_expert_intermediate_size"] = self.moe.shared_expert_intermediate_size
         bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
         if bad:
             raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
+
+    def check_ep(self, ep: int) -> None:
+        """Can ``ep`` ranks hold the routed experts in equal shares? (ModelError if not)"""
+        if ep == 1:
+            return
+        if self.moe is None:
+            raise ModelError(f"--ep {ep} needs a mixture-of-experts model; {self.family} is dense")
+        if self.moe.num_experts % ep:
+            raise ModelError(f"--ep {ep} must divide the model's {self.moe.num_experts} routed experts")
 
     def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype, tp: int = 1,
                       num_layers: int | None = None) -> KVCacheSpec:
@@ -273,6 +287,7 @@ class EngineConfig:
     disk_kv_blocks: int | None = None  # the disk tier's cap in blocks (overrides disk_kv_gb)
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
+    ep: int = 1  # expert-parallel ranks: the routed experts split over them (the TP ranks, then experts-only ranks)
     pp: int = 1  # pipeline stages (x tp ranks each): contiguous runs of layers (engine.parallel)
     pp_layers: tuple[int, ...] = ()  # layers per stage; (): as even as they go
     pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: pp; 1: off
@@ -315,13 +330,11 @@ class EngineConfig:
             raise ValueError("the disk KV tier needs a directory: give --disk-kv-dir too")
         if self.disk_kv_dir and not self.has_host_tier:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp < 1 or self.ep < 1:
+            raise ValueError(f"tp and ep must be >= 1, got {self.tp} and {self.ep}")
         self._check_pipeline()
         if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
             raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
-        if self.tp > 1 and self.has_host_tier:
-            raise ValueError("KV tiers are not supported with --tp > 1 yet (each rank holds a share of every block)")
         if self.max_loras is not None and self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 1024:
@@ -342,6 +355,9 @@ class EngineConfig:
         self._check_gpu_execution()
         if self.speculative is not None:
             SpecConfig(self.speculative, self.num_speculative_tokens)  # ValueError: an unknown method, K < 1
+            method = self.speculative.partition(":")[0]
+            if self.ep > 1 and method in ("eagle3", "mtp"):  # their drafters run on the TP ranks only
+                raise ValueError(f"--speculative {method} does not run with --ep > 1 yet")
 
     def _check_pipeline(self) -> None:
         """What pipeline stages do not run yet is refused here, in one line (the layer split
@@ -353,9 +369,9 @@ class EngineConfig:
         if self.pp == 1:
             return
         refused = [flag for flag, on in (
-            ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
-            ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
-            ("--speculative eagle3", (self.speculative or "").startswith("eagle3"))) if on]
+            ("--lora", bool(self.lora_slots)), ("--cuda-graphs", bool(self.cuda_graphs)),
+            ("--speculative eagle3", (self.speculative or "").startswith("eagle3")),
+            ("--speculative mtp", (self.speculative or "").partition(":")[0] == "mtp")) if on]
         if refused:
             raise ValueError(f"--pp {self.pp} does not run with {', '.join(refused)} yet")
 
@@ -372,9 +388,11 @@ class EngineConfig:
                              f"(available: {', '.join(backend_names())})")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
-        if self.async_scheduling and self.tp > 1:
-            raise ValueError("--async-scheduling is not supported with --tp > 1 yet (other ranks would need "
-                             "the sampled tokens)")
+        if self.async_scheduling and self.ep > 1:
+            raise ValueError("--async-scheduling is not supported with --ep > 1 yet (the expert ranks would "
+                             "need the sampled tokens)")
+        if self.cuda_graphs and (self.tp > 1 or self.ep > 1) and self.pp == 1:  # (--pp > 1: refused with the others)
+            raise ValueError(f"--cuda-graphs is not supported with --tp {self.tp} --ep {self.ep} yet (only rank 0 would replay)")
         unknown = [k for k in self.fused_kernels if k not in FUSED_KERNELS]
         if unknown:
             raise ValueError(f"unknown fused kernel(s) {', '.join(unknown)} (choose from {', '.join(FUSED_KERNELS)})")
@@ -390,8 +408,9 @@ class EngineConfig:
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
-                and self.pp == 1 and not self.lora_slots)  # LoRA steps run the blocking loop
+        return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda"
+                and self.ep == 1
+                and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -32,6 +32,9 @@ from engine.loader import load_model
 from engine.lora import start_lora
 from engine.mla import check_latent_support
 from engine.model import ModelPart, use_kernels
+from engine.moe import SparseMoE
+from engine.mtp import check_mtp
+from engine.mtp_drafter import MtpDrafter, mtp_drafter
 from engine.overlap import OverlappedSteps
 from engine.parallel.group import ParallelGroupError, RankGroup, rank_kv_spec
 from engine.parallel.layout import Layout
@@ -42,6 +45,7 @@ from engine.runner import ModelRunner, PendingStep
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken
+from engine.state_drafter import StateDrafter
 from kvstore.cache import KVCache, ShardedKVCache
 from kvstore.disk import HEADER, DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
@@ -58,9 +62,11 @@ class Engine(EngineCore):
         self.config = config
         self.remote_ranks = remote_ranks
         self.model_config = mc = ModelConfig.from_dir(config.model)
-        mc.check_tp(config.tp)
+        mc.check_tp(config.tp, config.ep)
+        mc.check_ep(config.ep)
         check_latent_support(mc, config)
-        self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers)
+        check_mtp(mc, config.speculative)  # before the weights load
+        self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers, config.ep)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.fused_kernels and self.device.type != "cuda":
@@ -68,9 +74,10 @@ class Engine(EngineCore):
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
         backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims)
-        # EAGLE-3 reads each step's auxiliary hidden states, which decode graphs do not hand out
-        eagle = (config.speculative or "").startswith("eagle3:")
-        want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and self.layout.size == 1 and not eagle
+        # EAGLE-3 and MTP read each step's hidden states, which decode graphs do not hand out
+        reads_states = (config.speculative or "").partition(":")[0] in ("eagle3", "mtp")
+        want_graphs = (config.use_cuda_graphs and self.device.type == "cuda" and self.layout.size == 1
+                       and not reads_states)
         # One rank: load the weights first, so the automatic KV size sees what they took. Several:
         # rank 0 starts the other ranks first (they load their parts while it loads its own),
         # and they need the pool size to start.
@@ -78,9 +85,8 @@ class Engine(EngineCore):
         if self.layout.size == 1:
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
-        drafter = (model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
-                   or eagle3_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size,
-                                     backend))
+        how = (config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
+        drafter = model_drafter(*how) or eagle3_drafter(*how) or mtp_drafter(*how)  # None: the core's (ngram)
         super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
@@ -96,9 +102,10 @@ class Engine(EngineCore):
                           spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
-        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
-        if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
-            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.ranks)
+        # EAGLE-3's, MTP's: fed each step's hidden states
+        self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
+        if self.state_drafter is not None:  # its rebuilt states' own keys and values go to a block never freed
+            self.state_drafter.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.ranks)
         self._graphs = self._decode_graphs() if want_graphs else None
         self.pipeline = self._pipeline() if self.layout.pp > 1 else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
@@ -114,6 +121,16 @@ class Engine(EngineCore):
     def tp(self) -> RankGroup | None:
         """The rank group under its former name (benchmarks read ``engine.tp.pids``)."""
         return self.ranks
+
+    def expert_token_counts(self) -> dict[int, list[int]]:
+        """MoE: (token, expert) pairs routed to each expert since start, per sparse layer (every
+        token rank's under EP; under PP, the first stage's layers); {} for a dense model. One
+        device read, between steps."""
+        table = self.model.expert_tokens
+        if table is None:
+            return {}
+        layers = [m.layer for m in self.model.modules() if isinstance(m, SparseMoE)]
+        return dict(zip(layers, table.tolist(), strict=True))
 
     def stage_stats(self, reset: bool = False) -> list[StageStats]:
         """Pipeline stages: every rank's busy seconds and micro-batches since the last reset
@@ -158,7 +175,8 @@ class Engine(EngineCore):
                                         part=ModelPart(layout.layers(0)))
             own_kv = KVCache(rank_kv_spec(mc, layout, 0, num_blocks, config.block_size, self.dtype), self.device,
                              shm_path=config.kv_shm_path)
-            self.kv_cache = ShardedKVCache([own_kv, *self.ranks.join()], layout.tp) if self.ranks else own_kv
+            parts = self.ranks.join() if self.ranks else []  # none from ranks that hold experts only
+            self.kv_cache = ShardedKVCache([own_kv, *parts], layout.tp) if parts else own_kv
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()
@@ -200,8 +218,8 @@ class Engine(EngineCore):
                 self.ranks.abort(f"{type(e).__name__}: {e}")
                 raise ParallelGroupError(f"a step over the ranks failed: {type(e).__name__}: {e}") from e
             raise
-        if self.eagle3 is not None:  # rank 0's states: the residual stream is whole on every rank
-            self.eagle3.capture(out.chunks, self.model.aux_hidden)
+        if self.state_drafter is not None:  # rank 0's states: the residual stream is whole on every rank
+            self.state_drafter.capture(out.chunks, self.model.aux_hidden)
             self.model.aux_hidden = None  # a long prefill's states are not kept past the step
         return pending
 
@@ -243,13 +261,23 @@ class Engine(EngineCore):
 
     def set_drafter(self, drafter) -> None:
         """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
-        drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
-        Only an EAGLE-3 drafter has the target keep its auxiliary states."""
-        if isinstance(drafter, Eagle3Drafter) and self.pipeline is not None:
-            raise ValueError(f"--pp {self.layout.pp} does not run with --speculative eagle3 yet")
+        drafters on one copy of the weights; an ``Eagle3Drafter`` or ``MtpDrafter`` loaded on this
+        engine's model. Only those have the target keep the states they read."""
+        if isinstance(drafter, StateDrafter) and self.pipeline is not None:
+            raise ValueError(f"--pp {self.layout.pp} does not run with --speculative {drafter.name} yet")
         self.scheduler.drafter = drafter
-        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None
-        self.model.aux_layers = self.eagle3.config.aux_layers if self.eagle3 is not None else ()
+        self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
+        self.model.aux_layers = self.state_drafter.aux_layers if self.state_drafter is not None else ()
+
+    @property
+    def eagle3(self) -> Eagle3Drafter | None:
+        """The EAGLE-3 drafter, if this engine drafts with one."""
+        return self.state_drafter if isinstance(self.state_drafter, Eagle3Drafter) else None
+
+    @property
+    def mtp(self) -> MtpDrafter | None:
+        """The MTP drafter, if this engine drafts with one."""
+        return self.state_drafter if isinstance(self.state_drafter, MtpDrafter) else None
 
     def close(self) -> None:
         """Stop the other ranks and unmap the KV cache (its files are removed)."""

@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama-family checkpoint into ``CausalLM``.
+"""Load a Hugging Face Llama-family checkpoint into ``CausalLM`` (and DeepSeek-V3's MTP layer
+into ``engine.mtp.MtpLayer``).
 
 Weights are streamed tensor by tensor from ``*.safetensors`` straight onto the
 target device; the fused QKV and gate/up parameters, and the stacked experts of
@@ -9,6 +10,7 @@ shard of each sharded tensor, a pipeline stage only its layers (``ModelPart``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, Fp8Reader, block_index
 from engine.fp8_linear import BlockFp8Gemm, Fp8Linear, resident_gemm
 from engine.model import CausalLM, HeldElsewhere, ModelPart, Rotary, keep_stage, pack_cpu_linears
-from engine.moe import GroupedTopKRouter, SparseMoE, default_experts
+from engine.moe import GroupedTopKRouter, SparseMoE, count_expert_tokens, default_experts
+from engine.mtp import MtpLayer
 from engine.tp import Shard
 from mesh.errors import ModelError
 
@@ -38,6 +41,9 @@ class _Target:
     src: Index = ()  # the part this rank reads (all of it by default)
     dst: Index = ()  # where that part goes in ``param`` (all of it by default)
     origin: str = ""  # which config fields make ``shape`` (named when the checkpoint disagrees)
+
+
+Targets = Callable[[str], list[_Target]]  # where a checkpoint tensor goes, by its name (a module's table)
 
 
 def _span(start: int, count: int) -> slice:
@@ -59,13 +65,37 @@ def _targets(model: CausalLM, cfg: ModelConfig, name: str) -> list[_Target]:
     if not m:
         return []
     i, rest = int(m.group(1)), m.group(2)
-    if i >= cfg.num_layers or isinstance(model.layers[i], HeldElsewhere):  # another pipeline stage's
+    if i >= cfg.num_layers:  # past the last: MTP layers (``load_mtp_layer``'s)
         return []
-    layer = model.layers[i]
-    table = _mla_table(layer, cfg, model.shard) if cfg.mla else _attention_table(layer, cfg, model.shard)
+    if isinstance(model.layers[i], HeldElsewhere):  # another pipeline stage's
+        return []
+    return _decoder_targets(model.layers[i], cfg, model.shard, rest)
+
+
+def _decoder_targets(layer, cfg: ModelConfig, shard: Shard, rest: str) -> list[_Target]:
+    """Where a decoder layer's tensor goes (``rest``: its name after ``model.layers.{i}.``)."""
+    table = {}
+    if layer.self_attn is not None:  # None: a rank that holds experts only
+        table = _mla_table(layer, cfg, shard) if cfg.mla else _attention_table(layer, cfg, shard)
     mlp = layer.mlp
-    table |= _moe_table(mlp, cfg, model.shard, rest) if isinstance(mlp, SparseMoE) else _mlp_table(mlp, cfg, model.shard)
+    table |= _moe_table(mlp, cfg, shard, rest) if isinstance(mlp, SparseMoE) else _mlp_table(mlp, cfg, shard)
     return table.get(rest, [])
+
+
+def _mtp_targets(layer: MtpLayer, cfg: ModelConfig, name: str) -> list[_Target]:
+    """Where a tensor of the first MTP layer goes (``engine.mtp``); its copies of the model's
+    embeddings and head are not loaded (the model's serve)."""
+    prefix = f"model.layers.{cfg.num_layers}."
+    if not name.startswith(prefix):
+        return []
+    rest, h = name[len(prefix):], cfg.hidden_size
+    own = {"enorm.weight": (layer.enorm.weight, (h,)), "hnorm.weight": (layer.hnorm.weight, (h,)),
+           "eh_proj.weight": (layer.eh_proj.weight, (h, 2 * h)),
+           "shared_head.norm.weight": (layer.head_norm.weight, (h,))}
+    if rest in own:
+        param, shape = own[rest]
+        return [_Target(param, shape)]
+    return _decoder_targets(layer.block, cfg, Shard(), rest)
 
 
 def _attention_table(layer, cfg: ModelConfig, shard: Shard) -> dict[str, list[_Target]]:
@@ -174,31 +204,36 @@ _EXPERT_NAMES = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe
 
 def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dict[str, list[_Target]]:
     """Router, experts (stacked into ``w13`` / ``w2``; each expert's intermediate dimension
-    sharded like the dense MLP's) and the shared expert, in the checkpoint layouts of the field:
-    one tensor per expert and projection (Qwen ``mlp.experts.{e}.gate_proj``, Mixtral
-    ``block_sparse_moe.experts.{e}.w1/w3/w2``) or pre-stacked (``mlp.experts.gate_up_proj``
-    ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``, as transformers 5 holds them)."""
+    sharded like the dense MLP's, or under EP this rank's experts whole) and the shared expert,
+    in the checkpoint layouts of the field: one tensor per expert and projection (Qwen
+    ``mlp.experts.{e}.gate_proj``, Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``) or
+    pre-stacked (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj``
+    ``[E, H, I]``, as transformers 5 holds them)."""
     mc, hidden = cfg.moe, cfg.hidden_size
     n, inter, inter_all = mc.num_experts, moe.inter, mc.intermediate_size
+    held = moe.local_experts
+    if moe.shard.experts is not None:  # whole experts (and shared experts): no TP share of their columns
+        shard = Shard()
     m = _EXPERT.match(rest)
     if m:  # one expert's projection: only that expert's entries, not a table of all of them
         prefix, e = m.group(1), int(m.group(2))
-        if e >= n:
+        if e not in held:
             return {}
         return _swiglu_table(f"{prefix}.experts.{e}.", moe.w13, moe.w2, inter, inter_all, hidden, shard,
-                             names=_EXPERT_NAMES[prefix], lead=(e,))
+                             names=_EXPERT_NAMES[prefix], lead=(e - held.start,))
     i0 = shard.part(inter_all)[0]
-    every = slice(None)
+    every, mine = slice(None), _span(held.start, len(held))
     table: dict[str, list[_Target]] = {}
     for prefix in ("mlp.", "block_sparse_moe."):
-        table[f"{prefix}gate.weight"] = [_Target(moe.gate.weight, (n, hidden))]
+        if moe.gate is not None:  # None: a rank that holds experts only
+            table[f"{prefix}gate.weight"] = [_Target(moe.gate.weight, (n, hidden))]
         table[f"{prefix}experts.gate_up_proj"] = [
-            _Target(moe.w13, (n, 2 * inter_all, hidden), (every, _span(i0, inter)), (every, _span(0, inter))),
-            _Target(moe.w13, (n, 2 * inter_all, hidden), (every, _span(inter_all + i0, inter)),
+            _Target(moe.w13, (n, 2 * inter_all, hidden), (mine, _span(i0, inter)), (every, _span(0, inter))),
+            _Target(moe.w13, (n, 2 * inter_all, hidden), (mine, _span(inter_all + i0, inter)),
                     (every, _span(inter, inter))),
         ]
         table[f"{prefix}experts.down_proj"] = [
-            _Target(moe.w2, (n, hidden, inter_all), (every, every, _span(i0, inter)))]
+            _Target(moe.w2, (n, hidden, inter_all), (mine, every, _span(i0, inter)))]
     if isinstance(moe.router, GroupedTopKRouter):  # DeepSeek: the bias that balances the choice
         table["mlp.gate.e_score_correction_bias"] = [_Target(moe.router.e_score_correction_bias, (n,))]
     if moe.shared_expert is not None:
@@ -212,40 +247,82 @@ def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dic
     return table
 
 
+def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A module built on the meta device, made real (uninitialized) on ``device``: no host-side
+    random init of billions of weights."""
+    module = module.to_empty(device=device).to(dtype)
+    for moe in module.modules():
+        if isinstance(moe, SparseMoE):
+            moe.keep_router_fp32()
+            # built on the meta device too; a model's own rows come from count_expert_tokens
+            moe.expert_tokens = torch.zeros_like(moe.expert_tokens, device=device)
+    return module.eval().requires_grad_(False)
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                 shard: Shard | None = None, part: ModelPart | None = None) -> CausalLM:
-    """An uninitialized model on ``device`` (no host-side random init of billions of weights);
-    only ``part`` of it on a pipeline stage."""
+    """An uninitialized model on ``device``; only ``part`` of it on a pipeline stage."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
         if part is not None:
             keep_stage(model, part)
-    model = model.to_empty(device=device).to(dtype)
-    for moe in model.modules():
-        if isinstance(moe, SparseMoE):
-            moe.keep_router_fp32()
+    model = _materialize(model, device, dtype)
+    model.expert_tokens = count_expert_tokens(model, device)
     if cfg.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg, max_positions).to(device)
-    model.eval().requires_grad_(False)
     return model
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                shard: Shard | None = None, part: ModelPart | None = None) -> CausalLM:
+    files = _weight_files(cfg)
+    model = build_model(cfg, device, dtype, max_positions, shard, part)
+    _load_weights(model, cfg, files, device, dtype, lambda name: _targets(model, cfg, name))
+    return model
+
+
+def load_mtp_layer(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> MtpLayer:
+    """The checkpoint's first multi-token-prediction layer (``engine.mtp``), stored after the last
+    decoder layer; its MLP sparse where the checkpoint stores experts for it. ModelError in one
+    line where its weights are not there (a checkpoint saved without them)."""
+    files = _weight_files(cfg)
+    prefix = f"model.layers.{cfg.num_layers}."
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(n for n in f.keys() if n.startswith(prefix))  # noqa: SIM118 (not a mapping)
+    if f"{prefix}eh_proj.weight" not in names:
+        raise ModelError(f"{cfg.path} declares num_nextn_predict_layers {cfg.mtp_layers} but has no weights for "
+                         f"its MTP layer ({prefix}eh_proj.weight): a checkpoint saved without it")
+    with torch.device("meta"):
+        layer = MtpLayer(cfg, sparse=f"{prefix}mlp.gate.weight" in names)
+    layer = _materialize(layer, device, dtype)
+    _load_weights(layer, cfg, files, device, dtype, lambda name: _mtp_targets(layer, cfg, name))
+    return layer
+
+
+def _weight_files(cfg: ModelConfig) -> list[Path]:
     files = sorted(Path(cfg.path).glob("*.safetensors"))
     if not files:
         raise ModelError(f"{cfg.path} has no *.safetensors weights")
-    model = build_model(cfg, device, dtype, max_positions, shard, part)
+    return files
+
+
+def _load_weights(module: torch.nn.Module, cfg: ModelConfig, files: list[Path], device: torch.device,
+                  dtype: torch.dtype, targets: Targets) -> None:
+    """Every parameter of ``module`` from the checkpoint tensors ``targets`` places (each element
+    written once, or ModelError naming what is missing), then the device's linear and expert
+    kernels."""
     fp8 = Fp8Reader(cfg.fp8, files)
     gemm = resident_gemm(device, cfg.fp8.block, dtype) if cfg.fp8 else None
     if gemm is not None:
-        _keep_fp8_resident(model, cfg, fp8, gemm)
-    expected = _expected_elements(model)
+        _keep_fp8_resident(module, cfg, fp8, gemm, targets)
+    expected = _expected_elements(module)
     loaded: dict[int, int] = {}
     for file in files:
         try:
-            _load_file(model, cfg, file, device, loaded, fp8)
+            _load_file(targets, file, device, loaded, fp8)
         except ModelError:
             raise
         except Exception as e:  # safetensors raises its own types for truncated or corrupt files
@@ -254,21 +331,21 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_p
     if missing:
         raise ModelError(f"{cfg.path} is missing weights for {', '.join(missing[:3])}")
     if device.type == "cpu":
-        pack_cpu_linears(model)
-    use_default_experts(model, device, dtype)
-    return model
+        pack_cpu_linears(module)
+    use_default_experts(module, device, dtype)
 
 
-def _keep_fp8_resident(model: CausalLM, cfg: ModelConfig, fp8: Fp8Reader, gemm: BlockFp8Gemm) -> None:
+def _keep_fp8_resident(module: torch.nn.Module, cfg: ModelConfig, fp8: Fp8Reader, gemm: BlockFp8Gemm,
+                       targets: Targets) -> None:
     """Swap for an ``Fp8Linear`` every linear layer whose whole weight comes from FP8 tensors in
     block-aligned parts (``fp8.resident`` then names its scales); the others stay in the model's
     dtype and their FP8 tensors are dequantized as they load."""
     block = cfg.fp8.block
     feeds: dict[int, list[_Target]] = {}
     for name in fp8.fp8_names:
-        for t in _targets(model, cfg, name):
+        for t in targets(name):
             feeds.setdefault(id(t.param), []).append(t)
-    for parent in list(model.modules()):
+    for parent in list(module.modules()):
         for attr, linear in list(parent.named_children()):
             parts = feeds.get(id(getattr(linear, "weight", None)))
             if (not isinstance(linear, torch.nn.Linear) or not parts
@@ -282,19 +359,19 @@ def _keep_fp8_resident(model: CausalLM, cfg: ModelConfig, fp8: Fp8Reader, gemm: 
                 fp8.resident[id(layer.weight)] = layer.weight_scale_inv
 
 
-def use_default_experts(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+def use_default_experts(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give every MoE layer the experts backend of this device and dtype (see ``engine.moe``)."""
     for moe in model.modules():
         if isinstance(moe, SparseMoE):
             moe.use(default_experts(device, dtype))
 
 
-def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.device, loaded: dict[int, int],
+def _load_file(targets_of: Targets, file: Path, device: torch.device, loaded: dict[int, int],
                fp8: Fp8Reader) -> None:
     dev = str(device) if device.type == "cuda" else "cpu"
     with safe_open(str(file), framework="pt", device=dev) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            targets = _targets(model, cfg, name)
+            targets = targets_of(name)
             if not targets:
                 continue
             part = f.get_slice(name)
@@ -322,5 +399,5 @@ def _load_file(model: CausalLM, cfg: ModelConfig, file: Path, device: torch.devi
                 fp8.place_scales(f, name, targets, loaded)
 
 
-def _expected_elements(model: CausalLM) -> dict[int, tuple[str, int]]:
+def _expected_elements(model: torch.nn.Module) -> dict[int, tuple[str, int]]:
     return {id(p): (name, p.numel()) for name, p in model.named_parameters(remove_duplicate=True)}

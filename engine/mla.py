@@ -136,4 +136,4 @@ def check_latent_support(mc: ModelConfig, config) -> None:
                          "MLA a shared rope key (leave rope out)")
     method = (config.speculative or "").partition(":")[0]
     if method == "eagle3":
-        raise ValueError(f"--speculative eagle3 is not supported on {model} yet (ngram and draft are)")
+        raise ValueError(f"--speculative eagle3 is not supported on {model} yet (ngram, draft and mtp are)")

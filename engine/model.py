@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LatentAttention(cfg, layer, shard) if cfg.mla else Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, shard) if cfg.is_sparse(layer) else MLP(cfg, shard)
+        self.mlp = SparseMoE(cfg, shard, layer) if cfg.is_sparse(layer) else MLP(cfg, shard)
 
     def forward(self, x, residual, rope, attn):
         """``(mlp output, residual stream)``: the stream is the sum of the embeddings and every
@@ -141,11 +141,13 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     kernels: Kernels = PLAIN
-    # EAGLE-3 (engine.eagle3): the layers whose input (the residual stream; 0 is the embeddings)
-    # each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
+    # EAGLE-3 (engine.eagle3), MTP (engine.mtp): the layers whose input (the residual stream; 0 is
+    # the embeddings, ``len(layers)`` the last layer's output: the hidden states before the final
+    # norm) each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
     # Under TP the stream is whole on every rank (each layer ends in an all-reduce): rank 0 keeps it.
     aux_layers: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
+    expert_tokens: torch.Tensor | None = None  # MoE: pairs routed per (sparse layer, expert) since start
 
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None):
         super().__init__()
@@ -174,7 +176,13 @@ class CausalLM(nn.Module):
         rope = self.kernels.rope(self.rotary, positions, x.dtype)
         for i in layers:
             x, residual = self.layers[i](x, residual, rope, attn)
+        self._end_forward(x.device)
         return x, residual
+
+    def _end_forward(self, device: torch.device) -> None:
+        """Expert parallelism: the ranks that hold experts only serve until every forward says it is over."""
+        if self.shard.experts is not None:
+            self.shard.experts.dispatch.end_forward(self.cfg.moe.num_experts, device)
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                     whole: bool = True, aux_layers: tuple[int, ...] | None = None
@@ -194,6 +202,9 @@ class CausalLM(nn.Module):
             if i == last and not whole:
                 break
             x, residual = layer(x, residual, rope, attn)
+        if len(self.layers) in aux_layers:  # the last layer's output (then every layer ran)
+            kept[len(self.layers)] = residual + x
+        self._end_forward(x.device)
         aux = torch.cat([kept[i] for i in aux_layers], dim=-1)
         return (residual + x if whole else None), aux
 
@@ -215,11 +226,14 @@ class HeldElsewhere(nn.Module):
 @dataclass(frozen=True)
 class ModelPart:
     """What of the model one rank holds: its stage's decoder ``layers``, the embeddings where it
-    ``embeds`` (the first stage), the final norm and ``lm_head`` where it ``samples`` (rank 0)."""
+    ``embeds`` (the first stage), the final norm and ``lm_head`` where it ``samples`` (rank 0);
+    without ``attention``, of the layers only their routed experts (an EP rank that holds
+    experts only: ``engine.parallel.expert_rank``)."""
 
     layers: range
     embeds: bool = True
     samples: bool = True
+    attention: bool = True
 
 
 def keep_stage(model: CausalLM, part: ModelPart) -> None:
@@ -227,8 +241,12 @@ def keep_stage(model: CausalLM, part: ModelPart) -> None:
     the layers of other stages become ``HeldElsewhere``, whatever their type (the split is by
     position in ``model.layers``)."""
     for i in range(len(model.layers)):
-        if i not in part.layers:
+        if i not in part.layers or not (part.attention or isinstance(model.layers[i].mlp, SparseMoE)):
             model.layers[i] = HeldElsewhere(i)
+        elif not part.attention:  # the routed experts alone: no attention, norms, router or shared experts
+            layer = model.layers[i]
+            layer.input_layernorm = layer.self_attn = layer.post_attention_layernorm = None
+            layer.mlp.gate = layer.mlp.router = layer.mlp.shared_expert = None
     if not part.samples:
         model.norm = model.lm_head = None
     if not part.embeds:

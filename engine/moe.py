@@ -11,7 +11,12 @@ Every expert is a SwiGLU MLP; their weights are stacked, ``w13`` ``[E, 2*I, H]``
 expert's gate rows, then its up rows: the dense MLP's fused layout) and ``w2`` ``[E, H, I]``.
 Under tensor parallelism each rank holds its share of every expert's intermediate dimension
 (as the dense MLP does), so the experts' output is a partial sum and one all-reduce per layer
-adds them up, shared expert included.
+adds them up, shared expert included. Under expert parallelism (``--ep``, ``Shard.experts``:
+``engine.parallel.experts``) a rank holds whole experts instead, ``1/ep`` of them, and the
+shared expert whole; tokens travel to the ranks that hold their experts.
+
+Every layer counts the (token, expert) pairs it routes per expert (``expert_tokens``: a row of
+one table per model, accumulated on the device; ``pdmesh_moe_expert_tokens``).
 
 How the chosen experts run is an ``ExpertsBackend`` picked by name from ``EXPERTS``:
 ``grouped`` (any device: tokens sorted by expert, one matmul pair per expert that has tokens;
@@ -259,29 +264,40 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The mixture-of-experts MLP of one decoder layer (what ``DecoderLayer`` runs instead of
-    ``MLP`` where ``ModelConfig.is_sparse``)."""
+    """The mixture-of-experts MLP of decoder layer ``layer`` (what ``DecoderLayer`` runs instead of
+    ``MLP`` where ``ModelConfig.is_sparse``). ``w13``/``w2`` stack the experts this rank holds
+    (``local_experts``: all of them, each its TP share of columns; under EP its own, whole)."""
 
-    def __init__(self, cfg: ModelConfig, shard: Shard):
+    def __init__(self, cfg: ModelConfig, shard: Shard, layer: int = 0):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.shard = shard
-        _, self.inter = shard.part(moe.intermediate_size)
-        hidden = cfg.hidden_size
+        self.shard, self.layer, self.num_experts = shard, layer, moe.num_experts
+        if shard.experts is None:
+            _, self.inter = shard.part(moe.intermediate_size)
+            self.local_experts = range(moe.num_experts)
+            shared_shard = shard
+        else:  # whole experts, 1/ep of them; the shared expert whole on every rank
+            self.inter = moe.intermediate_size
+            self.local_experts = shard.experts.local(moe.num_experts)
+            shared_shard = Shard()
+        hidden, held = cfg.hidden_size, len(self.local_experts)
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router, replicated
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, self.inter))
-        self.shared_expert = (SharedExpert(hidden, moe.shared_expert_intermediate_size, shard, moe.shared_expert_gated)
+        self.w13 = nn.Parameter(torch.empty(held, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(held, hidden, self.inter))
+        self.shared_expert = (SharedExpert(hidden, moe.shared_expert_intermediate_size, shared_shard,
+                                           moe.shared_expert_gated)
                               if moe.shared_expert_intermediate_size else None)
         self.router = make_router(moe)
         self.router_dtype: torch.dtype | None = None  # the router's logits in this dtype (None: the model's)
         self.experts: ExpertsBackend | None = None  # the loader gives one (``use``) once the weights are in
+        # (token, expert) pairs routed per expert since start: a row of the model's table (count_expert_tokens)
+        self.expert_tokens = torch.zeros(moe.num_experts, dtype=torch.int64)
 
     def keep_router_fp32(self) -> None:
         """DeepSeek computes its router's logits, and keeps its correction bias, in fp32 whatever
         the model's dtype (their top-k is a close race): call after the model is cast, before loading."""
-        if isinstance(self.router, GroupedTopKRouter):
+        if isinstance(self.router, GroupedTopKRouter) and self.gate is not None:
             self.gate.float()
             self.router.float()
             self.router_dtype = torch.float32
@@ -296,10 +312,30 @@ class SparseMoE(nn.Module):
         for p in (self.w13, self.w2):
             p.data = p.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts (model-wide ids ``[T, k]``) and their weights ``[T, k]``."""
         logits = self.gate(x if self.router_dtype is None else x.to(self.router_dtype))
-        ids, weights = self.router(logits, x.dtype)
+        return self.router(logits, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.experts is not None:
+            return self.shard.experts.forward(self, x)
+        ids, weights = self.route(x)
+        flat = ids.reshape(-1)
+        self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))  # no host sync: CUDA graphs capture it
         out = self.experts.forward(x, ids, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return self.shard.all_reduce(out)
+
+
+def count_expert_tokens(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """One int64 table ``[sparse layers, experts]`` on ``device`` (None: no MoE layer), its rows
+    the MoE layers' ``expert_tokens`` in layer order: one read for all of them."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return None
+    table = torch.zeros(len(layers), layers[0].num_experts, dtype=torch.int64, device=device)
+    for row, moe in zip(table, layers, strict=True):
+        moe.expert_tokens = row
+    return table

@@ -2,7 +2,9 @@
 
 ``StepInputs`` is the flat batch as plain arrays: under tensor parallelism rank 0
 builds it, hands it to the other ranks (``broadcast``), and every rank runs
-``forward`` on it; only rank 0 computes logits and samples. Over pipeline
+``forward`` on it; only rank 0 computes logits and samples. A row whose token is
+still in flight (overlapped scheduling) has it on rank 0's device only: the other
+ranks take the step's ids from rank 0 over their TP group. Over pipeline
 stages (``pipeline``, ``engine.parallel.pipeline``) the step runs stage after
 stage in micro-batches, and only the rows that need logits come back to rank 0.
 
@@ -66,7 +68,8 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
-                 broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
+                 broadcast: Callable[[StepInputs, torch.Tensor], None] | None = None,
+                 graphs: DecodeGraphs | None = None,
                  lora=None, grammar: GrammarManager | None = None, pipeline=None):
         self.model = model
         self.lora = lora  # a LoraManager: brings each step's adapters into its slots, plans their rows
@@ -75,7 +78,7 @@ class ModelRunner:
         self.attention = attention
         self.sampler = sampler
         self.block_size = block_size
-        self.broadcast = broadcast  # tensor parallel: hands each step to the other ranks
+        self.broadcast = broadcast  # tensor parallel: hands each step (and its token ids) to the other ranks
         self.pipeline = pipeline  # pipeline stages: a Pipeline runs each step and gives the rows' logits
         self.device = next(model.parameters()).device
         # Tests and debugging: keep the logits of every row of the last step.
@@ -120,11 +123,12 @@ class ModelRunner:
             if not self.capture_logits:
                 return logits
         else:
-            if self.broadcast is not None:
-                self.broadcast(step)
+            ids = self._input_ids(step, prev)
+            if self.broadcast is not None:  # in-flight tokens are on our device only: the ids go too
+                self.broadcast(step, ids)
             if self._inputs_sent is not None:
                 self._inputs_sent.synchronize()  # microseconds: the GPU finished the step before the last
-            hidden = self.forward(step, self._input_ids(step, prev))
+            hidden = self.forward(step, ids)
             if not self.capture_logits:
                 return self.model.logits(hidden.index_select(0, to_device(rows, torch.long, self.device))) if rows else None
             logits = self.model.logits(hidden)

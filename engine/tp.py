@@ -24,11 +24,20 @@ class Shard:
     rank: int = 0  # within its TP group (its stage's ranks)
     size: int = 1
     group: object | None = None  # the TP group's process group; joined once every rank has its weights
+    # expert parallelism: this rank's routed experts, an ``engine.parallel.experts.ExpertShard`` (None: EP 1)
+    experts: object | None = None
 
     def part(self, n: int) -> tuple[int, int]:
         """(start, count) of this rank's share of ``n`` heads or columns."""
         per = n // self.size
         return self.rank * per, per
+
+    def join(self, tp_group, ep_group=None) -> None:
+        """Every rank has its weights and the groups are joined: sum over ``tp_group``, dispatch
+        tokens to experts over ``ep_group``."""
+        self.group = tp_group
+        if self.experts is not None:
+            self.experts.connect(ep_group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""

@@ -135,6 +135,10 @@ class _BlockIO:
 class KVCache(_BlockIO):
     """Owns the KV tensor; hands out per-layer views and whole-block copies."""
 
+    # Another rank's part, mapped or opened here: that rank's side for the transports that act in
+    # the process holding the memory (nixl: its agent, ``kvstore.transfer.nixl_ranks``); None: ours.
+    owner: object | None = None
+
     def __init__(self, spec: KVCacheSpec, device: torch.device, shm_path: str | None = None):
         self.spec = spec
         self.device = device

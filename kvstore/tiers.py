@@ -56,7 +56,7 @@ from kvstore.pool import EvictedBlock
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.cache import KVCache
+    from kvstore.cache import KVCache, ShardedKVCache
     from kvstore.disk import DiskTier, VirtualDiskTier
 
 TIERS = ("device", "host", "disk")
@@ -312,17 +312,20 @@ class TieredCache:
         return out
 
 
-def gather_blocks(out: torch.Tensor, sources: Sequence, pool: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+def gather_blocks(out: torch.Tensor, sources: Sequence, pool, slots: torch.Tensor | None) -> None:
     """``out[i]`` (block-major, ``[n, *spec.block_shape]``) <- block ``i`` of
-    ``sources``: a ``DeviceBlock`` of ``pool`` (a KV pool, layer-major), an ``int`` slot of
-    ``slots`` (block-major), or a bytes-like payload. One copy per block, straight into place:
-    the holder's staging (``BlockCopier.stage``) and a requester reading a lent run out of the
-    holder's files (``kvstore.transfer.fetch``) both copy this way."""
+    ``sources``: a ``DeviceBlock`` of ``pool`` (a KV pool tensor, layer-major, or a pool of
+    several ranks' parts: a ``ShardedKVCache``), an ``int`` slot of ``slots`` (block-major), or a
+    bytes-like payload. One copy per block, straight into place: the holder's staging
+    (``BlockCopier.stage``) and a requester reading a lent run out of the holder's files
+    (``kvstore.transfer.fetch``) both copy this way."""
     import torch
 
     for i, src in enumerate(sources):
         if isinstance(src, DeviceBlock):
-            out[i].copy_(pool[:, :, src.block_id])
+            block = pool[:, :, src.block_id] if isinstance(pool, torch.Tensor) else \
+                pool.read_block_major([src.block_id])[0]
+            out[i].copy_(block)
         elif isinstance(src, int):
             out[i].copy_(slots[src])
         else:
@@ -338,9 +341,16 @@ class BlockCopier:
     their own, ordered after the work already queued on the compute stream; the next
     step waits for them on the GPU (``before_step``) and CPU reads of the slots wait
     for them on the host (``sync``).
+
+    A pool of several ranks (TP x PP: a ``ShardedKVCache``): a slot holds the whole block
+    (every layer, every head), each part copied into its layers and heads of it, so the host
+    and disk tiers hold what a pool of one rank would (a disk file of one layout serves every
+    other). On CUDA those copies wait for the compute stream on the host and are done when the
+    call returns: the other ranks' parts are written by their own processes' streams, which
+    no stream of ours is ordered after.
     """
 
-    def __init__(self, kv: KVCache, num_slots: int, shm_path: str | None = None):
+    def __init__(self, kv: KVCache | ShardedKVCache, num_slots: int, shm_path: str | None = None):
         import torch
 
         self._torch = torch
@@ -361,20 +371,22 @@ class BlockCopier:
         else:
             self.slots = torch.empty((num_slots, *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.block_bytes = self.slots[0].numel() * self.slots.element_size()
-        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        self.parts = [(layers, heads, part.tensor) for layers, heads, part in kv.parts()]
+        self.sharded = len(self.parts) > 1
+        self.stream = torch.cuda.Stream(kv.device) if self.cuda and not self.sharded else None
         self._done = None  # CUDA event after the last queued copy
 
     def offload(self, block_ids: list[int], slots: list[int]) -> None:
         """Device blocks -> host slots."""
         from kvstore.cache import block_runs
 
-        cache = self.kv.tensor
         with self._side_stream():
             for b0, s0, n in block_runs(block_ids, slots):
-                blocks = cache[:, :, b0 : b0 + n].permute(2, 0, 1, 3, 4, 5)
-                if self.cuda:
-                    blocks = blocks.contiguous()  # gathered on the GPU: the copy to pinned memory is one DMA
-                self.slots[s0 : s0 + n].copy_(blocks, non_blocking=True)
+                for (l0, l1), (h0, h1), cache in self.parts:
+                    blocks = cache[:, :, b0 : b0 + n].permute(2, 0, 1, 3, 4, 5)
+                    if self.cuda:
+                        blocks = blocks.contiguous()  # gathered on the GPU: the copy to pinned memory is one DMA
+                    self._slot_part(s0, n, l0, l1, h0, h1).copy_(blocks, non_blocking=True)
 
     def stage(self, sources: list, out: torch.Tensor | None = None) -> torch.Tensor:
         """Host slots (ints), device blocks (``DeviceBlock``) and disk or peer payloads (bytes-like)
@@ -383,18 +395,24 @@ class BlockCopier:
         if out is None:
             out = torch.empty((len(sources), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
         self.sync()
-        gather_blocks(out, sources, self.kv.tensor, self.slots)
+        gather_blocks(out, sources, self.kv if self.sharded else self.kv.tensor, self.slots)
         return out
 
     def onboard(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Staged blocks -> device blocks."""
         from kvstore.cache import block_runs
 
-        cache = self.kv.tensor
         with self._side_stream():
-            data = data.to(cache.device, non_blocking=True)  # CUDA: one DMA from pinned staging
-            for d0, b0, n in block_runs(list(range(len(block_ids))), block_ids):
-                cache[:, :, b0 : b0 + n].copy_(data[d0 : d0 + n].permute(1, 2, 0, 3, 4, 5))
+            for (l0, l1), (h0, h1), cache in self.parts:
+                part = data if not self.sharded else data[:, l0:l1, :, :, h0:h1]
+                part = part.to(cache.device, non_blocking=True)  # CUDA: one DMA from pinned staging
+                for d0, b0, n in block_runs(list(range(len(block_ids))), block_ids):
+                    cache[:, :, b0 : b0 + n].copy_(part[d0 : d0 + n].permute(1, 2, 0, 3, 4, 5))
+
+    def _slot_part(self, s0: int, n: int, l0: int, l1: int, h0: int, h1: int) -> torch.Tensor:
+        """Slots ``[s0, s0 + n)``, the layers and heads of one part (all of them at one rank)."""
+        slots = self.slots[s0 : s0 + n]
+        return slots[:, l0:l1, :, :, h0:h1] if self.sharded else slots
 
     def slot_bytes(self, slot: int) -> memoryview:
         """A host slot's bytes (call ``sync`` first on CUDA)."""
@@ -427,6 +445,12 @@ class BlockCopier:
             yield
             return
         torch = self._torch
+        if self.sharded:  # (see the class doc) ordered on the host, done on return
+            torch.cuda.current_stream(self.kv.device).synchronize()
+            yield
+            for device in {cache.device for _, _, cache in self.parts}:
+                torch.cuda.synchronize(device)
+            return
         # The blocks were last written (or read) by work on the compute stream.
         self.stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(self.stream):

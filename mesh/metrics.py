@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mesh.protocol import LoadReport
 from mesh.telemetry import LATENCY_BUCKETS, REGISTRY
@@ -168,7 +168,7 @@ def speculative_metrics(r: LoadReport) -> list[GaugeMetricFamily]:
         return []
     labels = [r.model, r.role]
     tokens = GaugeMetricFamily("pdmesh_spec_tokens", "Speculative decoding tokens (since start): drafted, "
-                               "accepted, emitted (eagle3: rebuilt)", labels=["model", "role", "method", "kind"])
+                               "accepted, emitted (eagle3, mtp: rebuilt)", labels=["model", "role", "method", "kind"])
     rate = GaugeMetricFamily("pdmesh_spec_acceptance_rate", "Accepted / drafted tokens (since start)",
                              labels=["model", "role", "method"])
     length = GaugeMetricFamily("pdmesh_spec_mean_accepted_length", "Tokens a drafting row emits per step "
@@ -176,11 +176,40 @@ def speculative_metrics(r: LoadReport) -> list[GaugeMetricFamily]:
     for method, c in sorted(per_method.items()):
         for kind in ("drafted", "accepted", "emitted"):
             tokens.add_metric([*labels, method, kind], c.get(kind, 0))
-        if "rebuilt" in c:  # eagle3: tokens whose target states the drafter recomputed
+        if "rebuilt" in c:  # eagle3, mtp: tokens whose target states the drafter recomputed
             tokens.add_metric([*labels, method, "rebuilt"], c["rebuilt"])
         rate.add_metric([*labels, method], c.get("accepted", 0) / c["drafted"] if c.get("drafted") else 0.0)
         length.add_metric([*labels, method], c.get("emitted", 0) / c["rows"] if c.get("rows") else 0.0)
     return [tokens, rate, length]
+
+
+@dataclass(frozen=True)
+class ExpertTokens:
+    """A MoE worker's per-expert load since start, read from its engine between steps (with each
+    load report; not sent on the bus: a DeepSeek-V3 has 58 x 256 of them)."""
+
+    model: str
+    role: str
+    per_layer: dict[int, list[int]]  # sparse layer -> (token, expert) pairs routed to each expert
+
+
+class ExpertTokensCollector:
+    """``pdmesh_moe_expert_tokens{model,role,layer,expert}`` at scrape time, from the latest ``ExpertTokens``."""
+
+    def __init__(self, latest: Callable[[], ExpertTokens | None]):
+        self.latest = latest
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        e = self.latest()
+        if e is None or not e.per_layer:
+            return
+        family = CounterMetricFamily("pdmesh_moe_expert_tokens", "Tokens routed to each expert of each MoE layer "
+                                     "(since start; a token counts once per expert it chose)",
+                                     labels=["model", "role", "layer", "expert"])
+        for layer, counts in sorted(e.per_layer.items()):
+            for expert, n in enumerate(counts):
+                family.add_metric([e.model, e.role, str(layer), str(expert)], n)
+        yield family
 
 
 # load-report counters of peer fetch (decode/peerfetch.py, mocker/worker.py)

@@ -12,16 +12,19 @@ from msgspec import field
 class WorkerLayout(msgspec.Struct, omit_defaults=True):
     """How a worker's model is cut over its ranks (``engine/parallel/layout.py``): ``tp`` x ``pp``
     ranks, one worker however many; ``stage_layers``: the decoder layers of each pipeline stage
-    (empty at PP 1). A card without it: one rank."""
+    (empty at PP 1); ``ep``: the ranks per stage its MoE layers' routed experts are spread over
+    (the TP ranks, then ranks that hold experts only: a stage has ``max(tp, ep)`` ranks). A card
+    without it: one rank."""
 
     tp: int = 1
     pp: int = 1
     stage_layers: list[int] = field(default_factory=list)
+    ep: int = 1
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp
+        return max(self.tp, self.ep) * self.pp
 
     def describe(self) -> str:
-        """``tp2xpp2``; ``tp1`` for one rank."""
-        return f"tp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")
+        """``tp2xpp2``, ``tp1xep2``; ``tp1`` for one rank."""
+        return f"tp{self.tp}" + (f"xep{self.ep}" if self.ep > 1 else "") + (f"xpp{self.pp}" if self.pp > 1 else "")

@@ -30,7 +30,7 @@ from mesh.adapters import adapter_names, hot_adapters, lora_slots, serve_lora_re
 from mesh.constraints.spec import Constraint
 from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
-from mesh.metrics import LoadCollector
+from mesh.metrics import ExpertTokens, ExpertTokensCollector, LoadCollector
 from mesh.procutil import cancel_and_wait
 from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, WorkerLayout
 from mesh.telemetry import REGISTRY, register_gpu_collector
@@ -137,7 +137,7 @@ def speculative_counters(engine: EngineCore) -> dict[str, int]:
         return {}
     c = engine.scheduler.spec
     out = {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
-    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3: target states recomputed for it
+    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3, mtp: target states recomputed for it
     if rebuilt is not None:
         out[f"spec_rebuilt:{drafter.name}"] = rebuilt
     return out
@@ -161,7 +161,7 @@ def card_layout(engine) -> WorkerLayout:
     layout = getattr(engine, "layout", None)
     if layout is None or layout.size == 1:
         return WorkerLayout()
-    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [])
+    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [], layout.ep)
 
 
 class WorkerBase(WorkerCore):
@@ -175,6 +175,7 @@ class WorkerBase(WorkerCore):
         self.kv_events: KvEventPublisher | None = None
         self.remote_ranks = None  # engine.parallel.remote.RemoteRanks: its ranks on other hosts
         self._tasks: list[asyncio.Task] = []
+        self.expert_tokens: ExpertTokens | None = None  # MoE engines: refreshed with each load report
 
     # -- for subclasses -----------------------------------------------------------
     def build(self) -> EngineCore:
@@ -215,6 +216,9 @@ class WorkerBase(WorkerCore):
     def load(self, engine: EngineCore) -> LoadReport:
         """Runs in the engine thread, between steps."""
         s = engine.scheduler
+        counts = getattr(engine, "expert_token_counts", None)  # MoE: the per-expert load, for scrapes
+        if counts is not None:
+            self.expert_tokens = ExpertTokens(engine.model_name, self.role, counts())
         pending = sum(q.num_uncomputed_tokens for q in s.waiting) + sum(
             q.num_uncomputed_tokens for q in s.running if q.is_prefilling
         )
@@ -266,6 +270,7 @@ class WorkerBase(WorkerCore):
 
     def register_collectors(self) -> None:
         REGISTRY.register(LoadCollector(lambda: self.last_load))
+        REGISTRY.register(ExpertTokensCollector(lambda: self.expert_tokens))
         if getattr(self.engine, "device", None) is not None and self.engine.device.type == "cuda":
             register_gpu_collector()
 

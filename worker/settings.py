@@ -32,7 +32,7 @@ class SimulatedEngineConfig(Protocol):
 @dataclass(frozen=True)
 class WorkerSettings(CoreSettings):
     engine: EngineConfig | SimulatedEngineConfig | None = None  # None: a custom worker builds its own
-    transports: tuple[str, ...] = ()  # () = for the device: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA (nixl: if installed)
+    transports: tuple[str, ...] = ()  # () = for the device: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA (nixl: if installed; --pp > 1: no cuda_ipc, nccl)
     disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
     prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
     prefill_capacity: int = 4  # prefill: jobs held at once
@@ -77,38 +77,32 @@ class WorkerSettings(CoreSettings):
         pp = getattr(self.engine, "pp", 1)
         one_tensor = [n for n in self.transports if n in ONE_TENSOR_TRANSPORTS]
         if pp > 1 and one_tensor:
-            raise ValueError(f"--pp {pp} moves KV over shm or nats, not {', '.join(one_tensor)} "
+            raise ValueError(f"--pp {pp} moves KV over shm, nixl or nats, not {', '.join(one_tensor)} "
                              "(a transport of one pool tensor) yet")
-        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1), pp)
+        names = self.transports or _default_transports(on_cuda, pp)
         if on_cuda and "shm" in names:
             raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl, nixl or nats")
         if "nixl" in names and not nixl_available():
             raise ValueError("the nixl transport needs NIXL: pip install 'pdmesh[nixl]'")
-        if "nixl" in names and getattr(self.engine, "tp", 1) != 1:
-            log.warning("the nixl transport serves TP 1 workers only: KV between hosts goes over nats")
-            names = tuple(n for n in names if n != "nixl")
         return ordered(names)
 
 
 _told_no_nixl = False
-# They export or register the pool as one tensor: a pipeline's pool is one per stage (parts of
-# layers), so a worker of --pp > 1 moves its KV over shm or nats, which copy part by part.
-ONE_TENSOR_TRANSPORTS = ("cuda_ipc", "nccl", "nixl")
+# They export or receive the pool as one tensor: a pipeline's pool is one per stage (parts of
+# layers), so a worker of --pp > 1 moves its KV over shm, nixl or nats, which copy part by part.
+ONE_TENSOR_TRANSPORTS = ("cuda_ipc", "nccl")
 
 
-def _default_transports(on_cuda: bool, tp: int, pp: int = 1) -> tuple[str, ...]:
-    """Same-host transports, nixl between hosts when NIXL imports (TP 1: it registers one pool
-    tensor), nats as the fallback; over pipeline stages, shm on CPU and nats."""
+def _default_transports(on_cuda: bool, pp: int = 1) -> tuple[str, ...]:
+    """Same-host transports, nixl between hosts when NIXL imports (each rank's agent registers
+    its own part), nats as the fallback; over pipeline stages, shm on CPU, nixl and nats."""
     from kvstore.transfer import nixl_available
 
     global _told_no_nixl
-    if pp > 1:
-        return ("nats",) if on_cuda else ("shm", "nats")
-    same_host = ("cuda_ipc", "nccl") if on_cuda else ("shm",)
-    if tp == 1 and nixl_available():
+    same_host = ("shm",) if not on_cuda else () if pp > 1 else ("cuda_ipc", "nccl")
+    if nixl_available():
         return (*same_host, "nixl", "nats")
     if not _told_no_nixl:
         _told_no_nixl = True
-        log.info("KV between hosts goes over nats (%s)",
-                 "NIXL serves TP 1 only" if tp != 1 else "NIXL is not installed: pip install 'pdmesh[nixl]'")
+        log.info("KV between hosts goes over nats (NIXL is not installed: pip install 'pdmesh[nixl]')")
     return (*same_host, "nats")

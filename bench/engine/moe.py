@@ -2,6 +2,7 @@
 
     python -m bench moe            # CPU: the tiny and the small-sized Qwen3-MoE vs transformers, ~4 min
     python -m bench moe --quick    # a short run
+    python -m bench moe --ep 2     # expert parallelism instead: EP 2 against EP 1 (bench/engine/moe_ep.py)
 
 The same measurements as the dense comparison of ``python -m bench engine`` (decode tok/s at
 batch 1, 8 and 32, prefill tok/s; same definitions, both engines in the same run), on
@@ -88,5 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed runs per measurement (best kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ep", type=int, default=1,
+                   help="measure expert parallelism instead: tok/s at --ep N against --ep 1, and the "
+                        "all-to-all's share of a step (bench/engine/moe_ep.py)")
     args = parse(BENCHMARK, p, argv)
+    if args.ep > 1:
+        from bench.engine.moe_ep import run_ep
+
+        return emit(BENCHMARK, run_ep(args), args)
     return emit(BENCHMARK, run_moe(args), args)

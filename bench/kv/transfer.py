@@ -11,7 +11,10 @@ worker with the real senders. One transfer moves a whole prompt's KV (2k or
 Between two simulated hosts (network namespaces on a veth pair; root): nixl against a plain TCP
 socket and the nats channel over the same link (``bench/kv/transfer_hosts.py``):
 
-    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
+    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5] [--tp 2]
+
+``--tp 2``: the same request over nixl between pools of two ranks as well, each rank with its own
+agent (TP 2 -> TP 2 and TP 2 -> TP 1), against TP 1 (``bench/kv/transfer_tp.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from mesh.natsserver import EmbeddedNats
 BENCHMARK = Benchmark(
     name="transfer",
     measures="GB/s of one prompt's KV over shm and nats between two processes, against an in-process memcpy; "
-             "--hosts 2: nixl against a TCP socket and nats between two network namespaces (root)",
+             "--hosts 2: nixl against a TCP socket and nats between two network namespaces (root); "
+             "--tp 2: nixl between pools of two ranks against TP 1",
     target="shm >= 0.5x memcpy; between hosts nixl >= 0.8x the socket and >= 3x nats (issue 31)",
     minutes=1,
     smoke=("--tokens", "64", "--repeat", "1"),
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --hosts 2: ms between taking a job (nixl asks its grant) and sending (the prefill)")
     p.add_argument("--hot-socket", action="store_true",
                    help="with --hosts 2: the socket sends without the --compute-ms idle before (as before 2026-12-03)")
+    p.add_argument("--tp", type=int, choices=(1, 2), default=1,
+                   help="with --hosts 2: also nixl between pools of 2 ranks, an agent each (TP 2 -> 2, TP 2 -> 1)")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     args = parse(BENCHMARK, p, argv)
     if args.hosts == 2:
@@ -174,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")} or {
             "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
         if args.dry_run:
-            rows = transfer_hosts.plan(args.mb, args.repeat, args.transport, env, args.compute_ms, not args.hot_socket)
+            rows = transfer_hosts.plan(args.mb, args.repeat, args.transport, env, args.compute_ms, not args.hot_socket,
+                                       args.tp)
         else:
             rows = transfer_hosts.run_hosts(args.mb, args.repeat, args.transport, env, args.compute_ms,
-                                            not args.hot_socket)
+                                            not args.hot_socket, args.tp)
         figures = transfer_hosts.report(rows, args.repeat, env)
         print(f"(the socket's sender {'sends at once' if args.hot_socket else f'idles {args.compute_ms:g} ms before each send, as the others'})")
         return emit(BENCHMARK, figures, args)

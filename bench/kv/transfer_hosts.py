@@ -18,7 +18,10 @@ sender waits as long before each transfer (``--hot-socket``: it does not): a pro
 a wake-up to wait for: the same 1 MB nixl send took 1.4-2.1 ms right after its grant and 2.4-4.9
 ms 50 ms after it, load 7-14), and before 2026-12-03 evening only the socket ran hot. Root only.
 
-    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5]
+    sudo python -m bench transfer --transport nixl --hosts 2 [--mb 1 16 256] [--repeat 5] [--tp 2]
+
+``--tp 2`` adds the same request over nixl between pools of two ranks, each rank's part in a
+process of its own with its own agent (TP 2 -> TP 2 and TP 2 -> TP 1: ``bench/kv/transfer_tp.py``).
 
 The two sides run this module in their namespaces: ``python -m bench.kv.transfer_hosts receiver|sender``.
 """
@@ -40,6 +43,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.kv.transfer_tp import VARIANTS, TwoRanks, variants
 
 LAYERS, HEADS, DIM, BS = 8, 4, 64, 16
 MODEL, WORKER = "bench", "bench-decode"
@@ -77,7 +82,7 @@ def tcp_server(addr: str, max_bytes: int) -> None:
                 conn.sendall(struct.pack("<d", time.perf_counter()))  # when the bytes were all in
 
 
-async def receiver(url: str, addr: str, num_blocks: int) -> None:
+async def receiver(url: str, addr: str, num_blocks: int, tp: int = 1) -> None:
     from kvstore.cache import KVCache
     from kvstore.transfer import make_receiver
     from mesh.bus import Bus
@@ -87,6 +92,11 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
     threading.Thread(target=tcp_server, args=(addr, num_blocks * spec(1).block_bytes), daemon=True).start()
     bus = await Bus.connect(url, "bench-receiver")
     rxs = {n: make_receiver(n, kv=kv, bus=bus, model=MODEL, worker_id=WORKER) for n in ("nats", "nixl")}
+    pools = {"nats": kv, "nixl": kv}
+    if tp == 2:  # a receiver of two ranks beside it (its own agents: another worker)
+        two = TwoRanks(spec(num_blocks), "rx")
+        pools["nixl_tp2"] = two.kv
+        rxs["nixl_tp2"] = make_receiver("nixl", kv=two.kv, bus=bus, model=MODEL, worker_id=f"{WORKER}-tp2")
     for rx in rxs.values():
         await rx.start()
 
@@ -94,13 +104,15 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
         q = json.loads(msg.data)
         await msg.respond(json.dumps(rxs[q["transport"]].params(q["rid"], q["blocks"])).encode())
 
-    def on_carried(rid: str, payload: bytes) -> None:  # nixl: the PrefillDone came in the notification
+    def on_carried(rx, rid: str, payload: bytes) -> None:  # nixl: the PrefillDone came in the notification
         landed = time.perf_counter()
         decode(payload, PrefillDone)  # as the decode worker does
-        rxs["nixl"].forget(rid)
+        rx.forget(rid)
         finished[rid] = landed
 
-    rxs["nixl"].on_done = on_carried
+    for name, rx in rxs.items():
+        if name.startswith("nixl"):
+            rx.on_done = lambda rid, payload, rx=rx: on_carried(rx, rid, payload)
 
     async def on_finish(msg):  # the PrefillDone's part: the sender says it is done, one way
         q = json.loads(msg.data)
@@ -120,7 +132,8 @@ async def receiver(url: str, addr: str, num_blocks: int) -> None:
     finished: dict[str, float] = {}
 
     async def on_digest(msg):  # untimed: what the receiver's blocks hold
-        await msg.respond(digest(kv, json.loads(msg.data)["blocks"]).encode())
+        q = json.loads(msg.data)
+        await msg.respond(digest(pools[q["transport"]], q["blocks"]).encode())
 
     await bus.nc.subscribe("bench.expect", cb=on_expect)
     await bus.nc.subscribe("bench.finish", cb=on_finish)
@@ -143,13 +156,19 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
     n_max = max(mbs) * (1 << 20) // bb
     src = KVCache(spec(n_max), torch.device("cpu"))
     src.tensor.normal_()
+    pools, two = {n: src for n in transports}, None
+    if any(VARIANTS.get(n, (1, 1))[0] == 2 for n in transports):  # a sender of two ranks
+        two = TwoRanks(spec(n_max), "tx")
+        two.fill()
+        pools.update({n: two.kv for n in transports if VARIANTS.get(n, (1, 1))[0] == 2})
     bus = await Bus.connect(url, "bench-sender")
-    senders = {n: make_sender(n, bus=bus, worker_id="bench-prefill") for n in transports if n != "socket"}
+    senders = {n: make_sender(n, bus=bus, worker_id="bench-prefill") for n in ("nats", "nixl") if n in transports}
     sock = socket.create_connection((addr_a, TCP_PORT), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     async def one(name: str, rid: str, ids: list[int], check: bool) -> tuple[float, float]:
         """(seconds in all, of which the sender's ``send``)."""
+        src, tx = pools[name], senders.get("nixl" if name in VARIANTS else name)
         if name == "socket":
             payload = memoryview(src.read_block_major(ids).view(-1).view(torch.uint8).numpy())
             if socket_idle:
@@ -157,21 +176,23 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
             t0 = time.perf_counter()
             landed = await asyncio.to_thread(_socket_send, sock, payload)
             return landed - t0, time.perf_counter() - t0
-        q = {"transport": name, "rid": rid, "blocks": ids}
+        # the receiving pool: one of one rank, or (nixl_tp2) one of two
+        q = {"transport": "nixl_tp2" if VARIANTS.get(name, (1, 1))[1] == 2 else "nixl" if name in VARIANTS else name,
+             "rid": rid, "blocks": ids}
         params = json.loads((await bus.nc.request("bench.expect", json.dumps(q).encode(), 10)).data)
         target = TransferTarget(rid, WORKER, ids, BS)
-        if hasattr(senders[name], "prepare"):  # as the prefill worker does when it takes the job
-            senders[name].prepare(target, params, src)
+        if hasattr(tx, "prepare"):  # as the prefill worker does when it takes the job
+            tx.prepare(target, params, src)
         await asyncio.sleep(compute_s)  # the prefill computes
-        carries = getattr(senders[name], "carries_done", False)
+        carries = getattr(tx, "carries_done", False)
         t0 = time.perf_counter()
         if carries:  # the PrefillDone rides in the notification, as the prefill worker sends it
             done = PrefillDone(request_id=rid, prefill_worker="bench-prefill", ok=True, token_id=1234,
                                transport=name, transfer_bytes=len(ids) * bb, compute_ms=compute_s * 1000,
                                token="0" * 32)
-            await senders[name].send(target, params, src, ids, done=encode(done))
+            await tx.send(target, params, src, ids, done=encode(done))
         else:
-            await senders[name].send(target, params, src, ids)
+            await tx.send(target, params, src, ids)
         sent = time.perf_counter() - t0
         if not carries:
             await bus.nc.publish("bench.finish", json.dumps(q).encode())
@@ -194,6 +215,8 @@ async def sender(url: str, addr_a: str, mbs: list[int], repeat: int, transports:
     print("RESULT " + json.dumps(rows), flush=True)
     sock.close()
     await bus.close()
+    if two is not None:
+        two.close()
 
 
 def _socket_send(sock: socket.socket, payload: memoryview) -> float:
@@ -208,7 +231,7 @@ def _socket_send(sock: socket.socket, payload: memoryview) -> float:
 
 # -- the driver (root namespace) -----------------------------------------------------------
 def plan(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0,
-         socket_idle: bool = True) -> list[dict]:
+         socket_idle: bool = True, tp: int = 1) -> list[dict]:
     """What ``run_hosts`` would run, printed, and its rows' shape with no times (the dry run)."""
     from bench.common.netns_pair import HostPair
 
@@ -217,22 +240,24 @@ def plan(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compu
     url = f"nats://{pair.addr_a}:{NATS_PORT}"
     print(f"DRY RUN: namespaces {pair.ns_a} ({pair.addr_a}) and {pair.ns_b} ({pair.addr_b}) on a veth pair; env "
           f"{env}\n  {pair.ns_a}: nats-server -a {pair.addr_a} -p {NATS_PORT} -js; "
-          f"{' '.join(SIDE[1:])} receiver {url} {pair.addr_a} {num_blocks}\n  {pair.ns_b}: {' '.join(SIDE[1:])} "
-          f"sender {url} {pair.addr_a} {json.dumps(mbs)} {repeat} {','.join(_transports(transport))} "
+          f"{' '.join(SIDE[1:])} receiver {url} {pair.addr_a} {num_blocks} {tp}\n  {pair.ns_b}: {' '.join(SIDE[1:])} "
+          f"sender {url} {pair.addr_a} {json.dumps(mbs)} {repeat} {','.join(_transports(transport, tp))} "
           f"{compute_ms / 1000} {int(socket_idle)}")
-    return [{"mb": mb, "transport": t, "seconds": [], "send": []} for mb in mbs for t in _transports(transport)]
+    return [{"mb": mb, "transport": t, "seconds": [], "send": []} for mb in mbs for t in _transports(transport, tp)]
 
 
-def _transports(transport: str) -> list[str]:
-    return ["socket", "nats", transport] if transport not in ("socket", "nats") else ["socket", "nats"]
+def _transports(transport: str, tp: int = 1) -> list[str]:
+    if transport in ("socket", "nats"):
+        return ["socket", "nats"]
+    return ["socket", "nats", *(variants(tp) if transport == "nixl" else [transport])]
 
 
 def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], compute_ms: float = 50.0,
-              socket_idle: bool = True) -> list[dict]:
+              socket_idle: bool = True, tp: int = 1) -> list[dict]:
     from bench.common.netns_pair import HostPair
     from mesh.natsserver import find_binary
 
-    transports = _transports(transport)
+    transports = _transports(transport, tp)
     num_blocks = max(mbs) * (1 << 20) // spec(1).block_bytes + 8
     procs: list[subprocess.Popen] = []
     env = {**env, "PYTHONPATH": str(ROOT)}
@@ -243,7 +268,7 @@ def run_hosts(mbs: list[int], repeat: int, transport: str, env: dict[str, str], 
             procs.append(pair.run(pair.ns_a, [find_binary(), "-a", pair.addr_a, "-p", str(NATS_PORT), "-js", "-sd",
                                               js_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             time.sleep(0.5)
-            rx = pair.run(pair.ns_a, [*SIDE, "receiver", url, pair.addr_a, str(num_blocks)],
+            rx = pair.run(pair.ns_a, [*SIDE, "receiver", url, pair.addr_a, str(num_blocks), str(tp)],
                           env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
             procs.append(rx)
             for line in rx.stdout:  # NIXL logs on stdout too
@@ -274,8 +299,9 @@ def report(rows: list[dict], repeat: int, env: dict[str, str]) -> dict:
     names = list(dict.fromkeys(r["transport"] for r in rows))
     print(f"KV transfer between two network namespaces over a veth pair ({', '.join(f'{k}={v}' for k, v in env.items())}),"
           f" median of {repeat}, GB/s (1e9 bytes/s)")
+    tp2 = [n for n in names if n in VARIANTS and n != "nixl"]
     print(f"{'MB':>5} | " + " | ".join(f"{n:>8}" for n in names)
-          + (" | nixl/socket | nixl/nats" if "nixl" in names else ""))
+          + (" | nixl/socket | nixl/nats" if "nixl" in names else "") + "".join(f" | {n}/nixl" for n in tp2))
     sizes = []
     for mb in dict.fromkeys(r["mb"] for r in rows):
         g = {n: mb * (1 << 20) / by[(mb, n)] / 1e9 for n in names}
@@ -283,17 +309,19 @@ def report(rows: list[dict], repeat: int, env: dict[str, str]) -> dict:
         line = f"{mb:>5} | " + " | ".join(f"{g[n]:>8.3f}" for n in names)
         if "nixl" in g:
             line += f" | {g['nixl'] / g['socket']:>11.2f} | {g['nixl'] / g['nats']:>9.2f}"
+        line += "".join(f" | {g[n] / g['nixl']:>{len(n) + 5}.2f}" for n in tp2)
         print(line)
     for r in rows:
         print(f"  {r['mb']:>4} MB {r['transport']:>6}: " + " ".join(f"{s * 1000:.1f}" for s in r["seconds"])
               + " ms (sender side: " + " ".join(f"{s * 1000:.1f}" for s in r["send"]) + ")")
-    return {"hosts": 2, "env": env, "repeat": repeat, "sizes": sizes, "transfers": rows}
+    return {"hosts": 2, "env": env, "repeat": repeat, "sizes": sizes, "transfers": rows,
+            "tp": 2 if tp2 else 1}
 
 
 if __name__ == "__main__":
     role, *rest = sys.argv[1:]
     if role == "receiver":
-        asyncio.run(receiver(rest[0], rest[1], int(rest[2])))
+        asyncio.run(receiver(rest[0], rest[1], int(rest[2]), int(rest[3])))
     elif role == "sender":
         asyncio.run(sender(rest[0], rest[1], json.loads(rest[2]), int(rest[3]), rest[4].split(","), float(rest[5]),
                            rest[6] == "1"))

@@ -6,8 +6,8 @@ Every group is a process group of its own over one TCP store (``torch.distribute
 served by rank 0): gloo on CPU, NCCL on CUDA. A link is a two-rank group per direction,
 its sender rank 0 of it, so that on a GPU a send to the next stage never queues behind a
 receive from the previous one on the same communicator. Groups are joined in one order on
-every rank (TP groups by stage, then the links forward, then the link back), each rank
-only those it is in: a gloo group connects its members when made, and a common order
+every rank (TP groups by stage, then EP groups by stage, then the links forward, then the
+link back), each rank only those it is in: a gloo group connects its members when made, and a common order
 means no rank waits on a group whose other member waits on another.
 
     rank (s, t) --forward link--> rank (s + 1, t)          activations [2, rows, hidden]
@@ -74,6 +74,7 @@ class RankGroups:
     """The groups one rank is in."""
 
     tp: object | None = None  # its stage's TP group (None at TP 1)
+    ep: object | None = None  # its stage's EP group (None at EP 1; engine.parallel.experts)
     to_next: Link | None = None  # activations to the next stage
     from_prev: Link | None = None  # activations from the previous stage
     back: Link | None = None  # the returning rank: rows to rank 0; rank 0: rows from it
@@ -86,8 +87,12 @@ def join_groups(store: dist.Store, layout: Layout, rank: int, device: torch.devi
     place = layout.place(rank)
     if layout.tp > 1:
         for stage in range(layout.pp):
-            if stage == place.stage:
+            if stage == place.stage and not place.experts_only:
                 out.tp = new_group(store, f"tp{stage}", place.tp_rank, layout.tp, device, host)
+    if layout.ep > 1:
+        for stage in range(layout.pp):
+            if stage == place.stage:
+                out.ep = new_group(store, f"ep{stage}", place.ep_rank, layout.ep, device, host)
     if layout.pp == 1:
         return out
     for src in range(layout.size):
@@ -104,3 +109,13 @@ def join_groups(store: dist.Store, layout: Layout, rank: int, device: torch.devi
     if rank in (src, 0):
         out.back = Link(new_group(store, f"back{src}", 0 if rank == src else 1, 2, device, host))
     return out
+
+
+def share_ids(group, input_ids: torch.Tensor) -> torch.Tensor:
+    """A step's token ids from TP rank 0 to its stage's other ranks (their ``input_ids``, the
+    same length, filled in place): the rows whose token an earlier step is still sampling have
+    it on rank 0's device only (overlapped scheduling)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([input_ids], opts).wait()
+    return input_ids

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store
+from engine.parallel.comm import READY_TIMEOUT, RankGroups, join_groups, open_store, share_ids
+from engine.parallel.experts import expert_shard
 from engine.parallel.layout import Layout
 from engine.parallel.lifeline import Lifeline
 from engine.parallel.remote import RemoteKVPart, RemoteRanks
@@ -92,7 +93,8 @@ def check_devices(device: torch.device, layout: Layout, here: int | None = None)
     one line)."""
     here = layout.size if here is None else here
     if device.type == "cuda" and (device.index or 0) + here > torch.cuda.device_count():
-        raise ValueError(f"--tp {layout.tp} x --pp {layout.pp} needs a GPU per rank on this host ({here}) "
+        ep = f" x --ep {layout.ep}" if layout.ep > 1 else ""
+        raise ValueError(f"--tp {layout.tp} x --pp {layout.pp}{ep} needs a GPU per rank on this host ({here}) "
                          f"from {device}: {torch.cuda.device_count()} visible")
 
 
@@ -110,11 +112,13 @@ class RankGroup:
                  remote: RemoteRanks | None = None):
         self.layout = layout
         self.size = layout.size
-        self.shard = Shard(0, layout.tp)
+        self.shard = Shard(0, layout.tp, experts=expert_shard(layout, 0))
         self.groups = RankGroups()
         self.device = config.torch_device
         self.remote = remote
         far = set(remote.ranks) if remote else set()
+        if far and layout.ep > 1:
+            raise ValueError("--ep > 1 does not run with ranks on other hosts (--local-ranks)")
         if any(r < 1 or r >= self.size for r in far):
             raise ValueError(f"ranks on other hosts must be among 1..{self.size - 1} of {layout.describe()}")
         local = [r for r in range(1, self.size) if r not in far]
@@ -124,9 +128,10 @@ class RankGroup:
         self._store = open_store(self.host, 0, self.size, master=True)
         self._procs: dict[int, subprocess.Popen] = {}
         self._links: dict[int, Lifeline] = {}  # every helper's lifeline, by rank
+        self._agent_conns: dict[int, Connection] = {}  # each local helper's KV agent channel (none across hosts)
         self._paths = {r: f"{kv_base}.r{r}" for r in local} if kv_base else {}
         self._broken: str | None = None
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._links, self._paths)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._links, self._paths, self._agent_conns)
         level = logging.getLogger().getEffectiveLevel() or logging.WARNING
         setup = RankSetup(config, layout, 0, self.host, self._store.port, num_blocks, max_len, None,
                           max(1, torch.get_num_threads() // (1 + len(local))), level)
@@ -141,16 +146,18 @@ class RankGroup:
 
     def _spawn(self, setup: RankSetup) -> None:
         ours, theirs = socket.socketpair()
+        agent_ours, agent_theirs = socket.socketpair()  # its KV part's transfer agent (nixl_ranks)
+        fds = [theirs.fileno(), agent_theirs.fileno()]
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.rank", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
+            proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank", *map(str, fds)], pass_fds=fds,
+                                    stdin=subprocess.DEVNULL)
         finally:
             theirs.close()  # the helper's end lives only in the helper: its death is our EOF
+            agent_theirs.close()
         link = Lifeline(Connection(ours.detach()))
         self._procs[setup.rank] = proc
         self._links[setup.rank] = link
+        self._agent_conns[setup.rank] = Connection(agent_ours.detach())
         link.send(setup)
 
     def _take_remote(self, remote: RemoteRanks, setup: RankSetup) -> None:
@@ -165,15 +172,21 @@ class RankGroup:
 
     def join(self) -> list[KVCache | RemoteKVPart]:
         """Wait for every helper's KV part, then join the groups. The parts come back in rank
-        order: mapped (CPU) or opened (CUDA IPC) in this process, or, for a rank on another
-        host, its spec alone."""
+        order: mapped (CPU) or opened (CUDA IPC) in this process, each with its rank's transfer agent
+        as its ``owner`` (the transports that act where the memory is: nixl), or, for a rank on
+        another host, its spec alone; none from a rank that holds experts only."""
+        from kvstore.transfer.nixl_ranks import RankAgentLink
+
         deadline = time.monotonic() + READY_TIMEOUT
         parts = [self._await_ready(r, deadline) for r in range(1, self.size)]
+        for rank, part in enumerate(parts, start=1):
+            if part is not None and rank in self._agent_conns:
+                part.owner = RankAgentLink(self._agent_conns[rank], rank)
         self.groups = join_groups(self._store, self.layout, 0, self.device, self.host)
-        self.shard.group = self.groups.tp
-        return parts
+        self.shard.join(self.groups.tp, self.groups.ep)
+        return [p for p in parts if p is not None]
 
-    def _await_ready(self, rank: int, deadline: float) -> KVCache | RemoteKVPart:
+    def _await_ready(self, rank: int, deadline: float) -> KVCache | RemoteKVPart | None:
         link, proc = self._links[rank], self._procs.get(rank)
         while not link.poll(0.2):
             if proc is not None and proc.poll() is not None:
@@ -184,6 +197,8 @@ class RankGroup:
             spec_dict, where = link.recv()
         except EOFError:
             raise ParallelGroupError(f"rank {rank} failed while loading{self._where(rank)}") from None
+        if spec_dict is None:  # a rank that holds experts only keeps no KV
+            return None
         spec = KVCacheSpec.from_dict(spec_dict)
         if where is None:
             return RemoteKVPart(spec, rank)
@@ -205,9 +220,13 @@ class RankGroup:
                 self.abort(f"rank {rank} is gone{self._where(rank)}")
                 raise ParallelGroupError(self._broken) from None
 
-    def send_step(self, step) -> None:
-        """Tensor parallelism alone: the step, whole, to every helper."""
-        self.broadcast(StageStep.whole(step))
+    def send_step(self, step, input_ids: torch.Tensor) -> None:
+        """Tensor parallelism alone: the step, whole, to every helper; with rows whose token is
+        in flight (overlapped scheduling), its ``input_ids`` from our device over the TP group."""
+        fed = bool(step.feed)
+        self.broadcast(StageStep.whole(replace(step, feed=[]), fed=fed))  # (a feed names our Sequences)
+        if fed:
+            share_ids(self.groups.tp, input_ids)
 
     def stats(self, reset: bool = False) -> list[StageStats]:
         """Every helper's ``StageStats``, in rank order (between steps)."""
@@ -258,7 +277,8 @@ class RankGroup:
             self.remote.close()
 
 
-def _stop(procs: dict[int, subprocess.Popen], links: dict[int, Lifeline], paths: dict[int, str]) -> None:
+def _stop(procs: dict[int, subprocess.Popen], links: dict[int, Lifeline], paths: dict[int, str],
+          agent_conns: dict[int, Connection]) -> None:
     for link in links.values():
         with contextlib.suppress(OSError):
             link.send(None)
@@ -269,5 +289,7 @@ def _stop(procs: dict[int, subprocess.Popen], links: dict[int, Lifeline], paths:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    for conn in agent_conns.values():
+        conn.close()
     for path in paths.values():
         Path(path).unlink(missing_ok=True)

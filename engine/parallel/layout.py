@@ -1,11 +1,17 @@
 """A worker's layout: how its model is cut over ranks, as one value validated once.
 
-Two dimensions today, tensor (``tp``) and pipeline (``pp``); expert parallelism would be a
-third, inside a stage as TP is. Ranks are numbered stage-major, so rank 0 (the worker: the
-scheduler, the block pool, sampling) is the first rank of the first stage:
+Three dimensions: tensor (``tp``), pipeline (``pp``) and expert (``ep``), the last inside a
+stage as TP is. Ranks are numbered stage-major, so rank 0 (the worker: the scheduler, the
+block pool, sampling) is the first rank of the first stage; a stage has ``width`` ranks,
+``max(tp, ep)``:
 
-    rank = stage * tp + tp_rank            tp 2 x pp 2:   stage 0: ranks 0 1   (layers 0..k-1)
+    rank = stage * width + tp_rank         tp 2 x pp 2:   stage 0: ranks 0 1   (layers 0..k-1)
                                                           stage 1: ranks 2 3   (layers k..L-1)
+
+Expert parallelism (``engine.parallel.experts``) spreads the routed experts of every MoE layer
+over a stage's ``ep`` ranks: the TP group first, then, where ``ep`` > ``tp``, ranks that hold
+experts only (no attention, no KV): ``tp 1 x ep 2`` is rank 0 (everything but half the experts)
+and rank 1 (the other half).
 
 Within a stage the ``tp`` ranks split every layer's heads and MLP columns (``engine.tp``) and
 sum partial outputs in an all-reduce among themselves (the stage's TP group). Between stages the
@@ -26,7 +32,12 @@ class RankPlace:
     """Where a rank sits in its layout."""
 
     stage: int
-    tp_rank: int
+    tp_rank: int | None  # in its stage's TP group; None: a rank that holds experts only
+    ep_rank: int = 0  # in its stage's EP group (its share of the routed experts)
+
+    @property
+    def experts_only(self) -> bool:
+        return self.tp_rank is None
 
 
 @dataclass(frozen=True)
@@ -35,18 +46,24 @@ class Layout:
     pp: int = 1
     # decoder layers per stage, in stage order (``for_model`` fills it in); () before a model is known
     stage_layers: tuple[int, ...] = ()
+    ep: int = 1  # expert-parallel ranks per stage (1: every rank holds its share of every expert)
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"--tp and --pp must be >= 1, got --tp {self.tp} --pp {self.pp}")
+        if self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise ValueError(f"--tp, --pp and --ep must be >= 1, got --tp {self.tp} --pp {self.pp} --ep {self.ep}")
+        if self.ep > 1 and self.ep % self.tp:
+            raise ValueError(f"--ep {self.ep} must be a multiple of --tp {self.tp} (the TP ranks hold experts "
+                             "too; the ranks past them hold experts only)")
+        if self.ep > 1 and self.pp > 1:
+            raise ValueError(f"--ep {self.ep} does not run with --pp {self.pp} yet")
         if self.stage_layers and (len(self.stage_layers) != self.pp or min(self.stage_layers) < 1):
             raise ValueError(f"a layout of {self.pp} stages needs {self.pp} layer counts of at least 1 each, "
                              f"got {','.join(map(str, self.stage_layers))}")
 
     @classmethod
-    def for_model(cls, tp: int, pp: int, num_layers: int, pp_layers: tuple[int, ...] = ()) -> Layout:
-        """The layout of ``tp`` x ``pp`` ranks over a model of ``num_layers`` decoder layers: the
-        stages split the layers as ``pp_layers`` says, else evenly (ValueError in one line)."""
+    def for_model(cls, tp: int, pp: int, num_layers: int, pp_layers: tuple[int, ...] = (), ep: int = 1) -> Layout:
+        """The layout of ``tp`` x ``pp`` ranks (x ``ep``) over a model of ``num_layers`` decoder layers:
+        the stages split the layers as ``pp_layers`` says, else evenly (ValueError in one line)."""
         if pp > num_layers:
             raise ValueError(f"--pp {pp} is more stages than the model's {num_layers} layers")
         if pp_layers:
@@ -55,29 +72,39 @@ class Layout:
             if sum(pp_layers) != num_layers:
                 raise ValueError(f"--pp-layers {','.join(map(str, pp_layers))} sums to {sum(pp_layers)}, "
                                  f"the model has {num_layers} layers")
-            return cls(tp, pp, tuple(pp_layers))
-        return cls(tp, pp, even_split(num_layers, pp))
+            return cls(tp, pp, tuple(pp_layers), ep)
+        return cls(tp, pp, even_split(num_layers, pp), ep)
 
     # -- ranks ----------------------------------------------------------------------
     @property
+    def width(self) -> int:
+        """Ranks per stage: the TP group, and the ranks that hold experts only past it."""
+        return max(self.tp, self.ep)
+
+    @property
     def size(self) -> int:
-        return self.tp * self.pp
+        return self.width * self.pp
 
     @property
     def last_stage(self) -> int:
         return self.pp - 1
 
     def rank(self, stage: int, tp_rank: int) -> int:
-        return stage * self.tp + tp_rank
+        return stage * self.width + tp_rank
 
     def place(self, rank: int) -> RankPlace:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is not in a layout of {self.size} ranks")
-        return RankPlace(rank // self.tp, rank % self.tp)
+        stage, i = divmod(rank, self.width)
+        return RankPlace(stage, i if i < self.tp else None, i if self.ep > 1 else 0)
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """The TP group of ``stage``, in TP-rank order."""
         return tuple(self.rank(stage, t) for t in range(self.tp))
+
+    def expert_ranks(self, stage: int) -> tuple[int, ...]:
+        """The EP group of ``stage``, in EP-rank order (empty at EP 1)."""
+        return tuple(self.rank(stage, e) for e in range(self.ep)) if self.ep > 1 else ()
 
     def next_rank(self, rank: int) -> int | None:
         """Where ``rank`` sends its activations (None: the last stage)."""
@@ -107,8 +134,8 @@ class Layout:
         return range(first, first + self.stage_layers[stage])
 
     def describe(self) -> str:
-        """``tp 2 x pp 2 (layers 3,2)``; ``tp 1`` for one rank."""
-        parts = [f"tp {self.tp}"] + ([f"pp {self.pp}"] if self.pp > 1 else [])
+        """``tp 2 x pp 2 (layers 3,2)``, ``tp 1 x ep 2``; ``tp 1`` for one rank."""
+        parts = [f"tp {self.tp}"] + ([f"ep {self.ep}"] if self.ep > 1 else []) + ([f"pp {self.pp}"] if self.pp > 1 else [])
         split = f" (layers {','.join(map(str, self.stage_layers))})" if self.pp > 1 and self.stage_layers else ""
         return " x ".join(parts) + split
 

@@ -22,8 +22,6 @@ class Pipeline:
 
     def logits(self, step: StepInputs, input_ids: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """The step through every stage; the logits of ``rows`` (in that order; None for none)."""
-        if step.feed:
-            raise RuntimeError("a pipeline step takes no in-flight tokens (--async-scheduling is refused at --pp > 1)")
         plan = split_step(step, rows, microbatch_count(len(step.input_ids), self.microbatches))
         self.ranks.broadcast(plan)
         chunks: list[torch.Tensor] = []

@@ -1,5 +1,6 @@
-"""A helper rank of a worker's layout: ``python -m engine.parallel.rank FD`` (see ``engine.parallel.group``),
-or ``mesh rank --join WORKER`` on another host (``serve_joined``: the same, over a lifeline across hosts).
+"""A helper rank of a worker's layout: ``python -m engine.parallel.rank FD AGENT_FD`` (see
+``engine.parallel.group``), or ``mesh rank --join WORKER`` on another host (``serve_joined``: the
+same, over a lifeline across hosts, with no KV agent channel).
 
 Rank 0 (``RankGroup``) starts this process with one end of a socket pair as ``FD``; the helper
 reads its ``RankSetup``, loads its part of the model (its stage's layers, its share of the
@@ -7,8 +8,11 @@ heads), makes its part of the KV cache, answers with where that part lives, join
 and runs what rank 0 sends until the pipe closes: a ``StageStep`` (its stage of each
 micro-batch), an EAGLE-3 ``RebuildStep`` (tensor parallelism alone: the target's layers up to
 its last auxiliary one, on rank 0's request while it schedules; ``engine.eagle3``), or a
-``StatsRequest``. It lives apart from ``engine.parallel.group`` because it builds a model,
-which rank 0's side of the group never needs.
+``StatsRequest``. ``AGENT_FD``, a second socket pair, is its KV part's transfer agent's channel,
+served on a thread of its own (``kvstore.transfer.nixl_ranks``: nixl, whose agent must sit in
+the process that holds the memory). (A rank that holds experts only runs ``engine.parallel.expert_rank``.) It
+lives apart from ``engine.parallel.group`` because it builds a model, which rank 0's side of
+the group never needs.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.model import ModelPart, use_kernels
 from engine.parallel.comm import join_groups, open_store, rank_device
+from engine.parallel.expert_rank import serve_experts
+from engine.parallel.experts import expert_shard
 from engine.parallel.group import RankSetup, StatsRequest, rank_kv_spec
 from engine.parallel.lifeline import Lifeline
 from engine.parallel.stage import LayerWindow, StageRunner, StageStep
 from engine.tp import Shard
 from kvstore.cache import KVCache
+from kvstore.transfer.nixl_ranks import RankAgentService
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ class RankRefused(Exception):
     """Rank 0 closed a joined rank's lifeline before its setup: why, in one line."""
 
 
-def _serve(link: Lifeline, host: RankHost | None = None) -> int:
+def _serve(link: Lifeline, host: RankHost | None = None, agent_conn: Connection | None = None) -> int:
     try:
         setup: RankSetup = link.recv()
     except EOFError:
@@ -73,16 +80,20 @@ def _serve(link: Lifeline, host: RankHost | None = None) -> int:
     logging.basicConfig(level=setup.log_level,
                         format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s")
     torch.set_num_threads(setup.threads if host is None else host.threads or torch.get_num_threads())
+    if place.experts_only:
+        return serve_experts(link, setup)
     model_dir = (host.model if host else None) or cfg.model
     mc = ModelConfig.from_dir(model_dir)
     device = _device(setup, host)
-    shard = Shard(place.tp_rank, layout.tp)
+    shard = Shard(place.tp_rank, layout.tp, experts=expert_shard(layout, setup.rank))
     layers = layout.layers(place.stage)
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard,
                        ModelPart(layers, embeds=place.stage == 0, samples=False))
     use_kernels(model, Kernels.select(cfg.fused_kernels))  # the same ops as rank 0's
     spec = rank_kv_spec(mc, layout, place.stage, setup.num_blocks, cfg.block_size, cfg.torch_dtype)
     kv = KVCache(spec, device, shm_path=setup.kv_path)
+    if agent_conn is not None:  # this rank's KV transfer agent, made when rank 0 asks (nixl)
+        RankAgentService(agent_conn, kv.tensor).start()
     window = LayerWindow(kv, layers.start)
     attention = create_backend(cfg.attention_backend, window, mc.head_dim**-0.5)
     configure = getattr(attention, "configure", None)
@@ -93,7 +104,7 @@ def _serve(link: Lifeline, host: RankHost | None = None) -> int:
     link.send((spec.to_dict(), where))
     store = open_store(setup.store_host, setup.store_port, layout.size, master=False)
     groups = join_groups(store, layout, setup.rank, device, host.addr if host else setup.store_host)
-    shard.group = groups.tp
+    shard.join(groups.tp, groups.ep)
     stage = StageRunner(model, attention, layout, setup.rank, groups, device, cfg.torch_dtype)
     rebuild: TargetStates | None = None  # made at the first RebuildStep (EAGLE-3 only)
     while True:
@@ -121,11 +132,12 @@ def serve_joined(link: Lifeline, host: RankHost) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``argv``: the step pipe's descriptor, then the KV agent channel's (``kvstore.transfer.nixl_ranks``)."""
     # Ctrl-C reaches the whole process group: rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     link = Lifeline(Connection(int(argv[0])))
     try:
-        return _serve(link)
+        return _serve(link, agent_conn=Connection(int(argv[1])) if len(argv) > 1 else None)
     except (EOFError, BrokenPipeError):
         return 0
     except Exception:

@@ -30,7 +30,7 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.hostcopy import array_to_device
-from engine.parallel.comm import RankGroups
+from engine.parallel.comm import RankGroups, share_ids
 from engine.parallel.layout import Layout
 from engine.runner import StepInputs
 
@@ -45,11 +45,14 @@ class StageStep:
 
     microbatches: list[StepInputs]
     returned: list[list[int]]
+    # rows whose token is in flight (overlapped scheduling): the first stage's ranks take the
+    # step's ids from rank 0 over their TP group (``share_ids``), not from ``input_ids``
+    fed: bool = False
 
     @classmethod
-    def whole(cls, step: StepInputs) -> StageStep:
+    def whole(cls, step: StepInputs, fed: bool = False) -> StageStep:
         """The step as one micro-batch, nothing returned (tensor parallelism alone)."""
-        return cls([step], [[]])
+        return cls([step], [[]], fed)
 
 
 @dataclass
@@ -80,7 +83,7 @@ def split_step(step: StepInputs, wanted: list[int], count: int) -> StageStep:
     for lo, hi in itertools.pairwise(bounds):
         microbatches.append(_rows_of(step, lo, hi))
         returned.append([r - lo for r in rows[bisect.bisect_left(rows, lo):bisect.bisect_left(rows, hi)]])
-    return StageStep(microbatches, returned)
+    return StageStep(microbatches, returned, fed=bool(step.feed))
 
 
 def _rows_of(step: StepInputs, lo: int, hi: int) -> StepInputs:
@@ -141,6 +144,8 @@ class StageRunner:
         states (``[rows, hidden]``, in row order) as they arrive, while later ones still run."""
         t0 = time.perf_counter()
         waited = 0.0
+        if self.embeds and step.fed and self.groups.tp is not None:
+            input_ids = self._share_ids(step, input_ids)
         inbox = None if self.embeds else self._post_receives(step)
         back = self._post_returns(step) if self.collects else None
         sends, row = [], 0
@@ -181,6 +186,13 @@ class StageRunner:
         self.stats.busy_s += time.perf_counter() - t0 - waited
         self.stats.microbatches += len(step.microbatches)
         self.stats.steps += 1
+
+    def _share_ids(self, step: StageStep, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The step's ids, rank 0's (sent to the stage's other ranks), or received from it."""
+        if input_ids is None:
+            rows = sum(len(mb.input_ids) for mb in step.microbatches)
+            input_ids = torch.empty(rows, dtype=torch.long, device=self.device)
+        return share_ids(self.groups.tp, input_ids)
 
     def _post_receives(self, step: StageStep) -> list:
         """A receive posted for every micro-batch's activations, before the first is needed."""

@@ -7,13 +7,14 @@ failure has only that one, and the second of the two is ignored).
 
 Each worker registers its whole KV pool once (``NixlNode.register``); the pool is the
 ``[layers, planes, blocks, ...]`` tensor, so a run of consecutive blocks is one contiguous piece
-per (layer, plane): one descriptor per plane and run (``pieces``). Planes are K and V, or one
+per (layer, plane): one descriptor per plane and run (``nixl_parts``). Planes are K and V, or one
 latent plane for MLA models.
 
     params  {"agent", "host", "rev", "md", "begin",             the receiver's agent and handshake
-             "addr", "size", "num_blocks", "layers",            its registered pool (flat values)
-             "block_size", "heads", "head_dim", "dtype", "gen", the job's write generation
-             "planes"}                                          (absent: 2, K and V)
+             "addr", "size", "num_blocks", "layers",            its registered pool (flat values;
+             "block_size", "heads", "head_dim", "dtype", "gen", its rank 0's part at several ranks),
+             "planes",                                          (absent: 2, K and V)
+             "parts"}                                           (several ranks: every part, ``nixl_parts``)
 
 Trust: the sender writes only into a region the receiver's agent itself lists in its metadata
 (the params' ``addr``/``size`` must be exactly that region, every descriptor inside it, every
@@ -32,11 +33,11 @@ later kicks it first (``NixlBegin`` with ``writing``, one way). A live writer en
 its PrefillDone (ok or not), which frees the blocks; a writer that dies holding a grant is
 seen by the registry (``writer_left``: its card gone or expired), which orphans its jobs.
 
-Several ranks: pools of one rank only (one tensor per side). A TP > 1 worker registers one region
-per rank (``parts``), and a head-range overlap of two shards is strided inside a block
-(heads are the second-last dim), so each (plane, run, overlap) needs a descriptor per token
-row: that is the work left for TP > 1; such workers use shm or nats (a pipeline stage's part is whole
-layers: a descriptor per layer, plane and run, the easier half of the same work).
+Several ranks (TP x PP): every rank runs its own agent and registers its own part
+(``nixl_ranks``); the receiver's params list its parts, and each part of the sender's writes
+what it holds straight into the receiving parts that hold the same layers and heads, one
+transfer per pair, each ending with its own notification (``nixl_parts``). Rank 0 of the
+receiver gathers them; the job is done once every pair's came.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvstore.cache import KVCache, ShardedKVCache, block_runs
+from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, block_runs
 from kvstore.transfer import (
     TransferResult,
     TransferTarget,
@@ -58,16 +60,20 @@ from kvstore.transfer import (
     run_to_end,
 )
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_agent import (
-    Grants,
-    NixlNode,
-    Region,
-    WriteJob,
-    carrying,
-    notif_key,
-    refuse,
+from kvstore.transfer.nixl_agent import NixlNode, Peer, Region, carrying, notif_key, refuse
+from kvstore.transfer.nixl_grants import Grants, WriteJob
+from kvstore.transfer.nixl_parts import (
+    Geometry,
+    PairWrite,
+    PartPlace,
+    check_tiling,
+    inside,
+    part_key,
+    parts_of_params,
+    plan_pairs,
 )
 from kvstore.transfer.nixl_progress import GRANT_FAST_FOR
+from kvstore.transfer.nixl_ranks import LocalPart, RankPart, part_agents
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +87,10 @@ class _Job(WriteJob):
     blocks: list[int] = field(default_factory=list)
 
 
-def one_tensor(kv: KVCache | ShardedKVCache):
-    """The pool as one contiguous tensor (one rank: TP 1, PP 1), or ValueError."""
-    parts = kv.parts()
-    if len(parts) != 1 or not parts[0].cache.tensor.is_contiguous():
-        raise ValueError("the nixl transport serves KV pools of one rank (TP 1, PP 1) only")
-    return parts[0].cache.tensor
-
-
-def region_of(node: NixlNode, kind: str, tensor) -> Region:
-    mem = "VRAM" if tensor.is_cuda else "DRAM"
-    return node.register(kind, tensor.data_ptr(), tensor.numel() * tensor.element_size(), mem,
-                         tensor.device.index or 0 if tensor.is_cuda else 0)
-
-
-def pieces(base: int, num_blocks: int, planes: int, plane_block: int,
-           runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(addr, len) of each (plane, run of ``(first block, count)``) of a ``[planes, blocks, ...]`` pool."""
-    return [(base + (p * num_blocks + first) * plane_block, count * plane_block)
-            for p in range(planes) for first, count in runs]
+def geometry(spec: KVCacheSpec) -> Geometry:
+    """The whole pool's layers and heads, and one head's bytes per token row."""
+    rows = spec.num_layers * spec.num_planes * spec.block_size * spec.num_kv_heads
+    return Geometry(spec.num_layers, spec.num_kv_heads, spec.num_planes, spec.block_size, spec.block_bytes // rows)
 
 
 _INT = ("rev", "addr", "size", "num_blocks", "layers", "block_size", "heads", "head_dim", "gen")
@@ -123,11 +114,12 @@ class NixlReceiver:
     name = "nixl"
 
     def __init__(self, kv: KVCache | ShardedKVCache, bus: Messenger, model: str, worker_id: str, **_):
-        self.tensor = one_tensor(kv)
         self.spec = kv.spec
         self.bus, self.model, self.worker_id = bus, model, worker_id
         self.node = NixlNode.for_worker(worker_id)
-        self.region: Region | None = None
+        self.kv_parts = kv.parts()  # rank 0's own first
+        self.parts = part_agents(self.node, kv, worker_id)
+        self.region: Region | None = None  # rank 0's part
         self.grants: Grants[_Job] = Grants(self.node, "kv")
         s = bus.subjects
         self._static = {"agent": self.node.name, "host": host_id(), "md": s.nixl(model, worker_id, "md"),
@@ -137,8 +129,13 @@ class NixlReceiver:
                         "planes": self.spec.num_planes, "dtype": str(self.spec.dtype).removeprefix("torch.")}
 
     async def start(self) -> None:
-        # registering a large pool can take a while: off the event loop
-        self.region = await asyncio.to_thread(region_of, self.node, "kv", self.tensor)
+        for part in self.parts:  # registering a large pool can take a while: off the event loop
+            await part.start()
+            if isinstance(part, RankPart):  # a helper rank's agent: we answer for it, it tells us what came
+                self.node.proxies[part.name] = part.metadata()
+                part.link.on_notifs = self.node._deliver
+                self.node.relays.append(part)
+        self.region = self.parts[0].region
         self._static.update(addr=self.region.addr, size=self.region.size)
         await self.node.serve(self.bus, self.model, self.worker_id)
 
@@ -149,7 +146,11 @@ class NixlReceiver:
     def params(self, request_id: str, dest_blocks: list[int]) -> dict:
         gen = self.grants.next_gen()
         self.grants.jobs[request_id] = _Job(gen, blocks=list(dest_blocks))
-        return {**self._static, "rev": self.node.rev, "gen": gen}
+        out = {**self._static, "rev": self.node.rev, "gen": gen}
+        if len(self.parts) > 1:
+            out["parts"] = [PartPlace(a.name, a.rev, a.region.addr, a.region.size, p.layers, p.heads).to_param()
+                            for a, p in zip(self.parts, self.kv_parts, strict=True)]
+        return out
 
     async def finish(self, request_id: str) -> bool:
         job = self.grants.jobs.get(request_id)
@@ -180,6 +181,9 @@ class NixlReceiver:
         self.grants.jobs.pop(request_id, None)
 
 
+Destination = tuple[PartPlace, Peer, Region]  # a receiving part: where, its agent, its registered region
+
+
 @register_sender("nixl")
 class NixlSender:
     """``copy_delay_s``: fault injection (tests, chaos runs): each write waits this long after its
@@ -190,52 +194,86 @@ class NixlSender:
 
     def __init__(self, bus: Messenger, worker_id: str = "", copy_delay_s: float = 0.0, **_):
         self.bus = bus
-        self.node = NixlNode.for_worker(worker_id or f"sender-{os.getpid()}")
+        self.worker_id = worker_id or f"sender-{os.getpid()}"
+        self.node = NixlNode.for_worker(self.worker_id)
         self.copy_delay_s = copy_delay_s
         self.grants: OrderedDict[tuple[str, int], asyncio.Future] = OrderedDict()  # asked ahead, by (job, gen)
+        self._sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pool -> its parts' agents
+        self._starting = asyncio.Lock()
 
     def usable(self, params: dict) -> bool:
-        check_params(params)
-        peer = self.node.peers.get(params["agent"])
-        if peer is not None and peer.rev >= params["rev"]:
-            self._region(peer.regions, params)  # Refused now, before the job is taken
+        p = check_params(params)
+        for place in self._places(p):
+            peer = self.node.peers.get(place.agent)
+            if peer is not None and peer.rev >= place.rev:
+                self._region(peer.regions, place)  # Refused now, before the job is taken
         return True
 
     @staticmethod
-    def _region(regions: list[Region], params: dict) -> Region:
-        for r in regions:
-            if r.kind == "kv" and r.addr == params["addr"] and r.size == params["size"]:
-                return r
-        raise refuse("unregistered_memory", f"params name memory agent {params['agent']!r} never registered "
-                                            f"({params['size']} bytes at {params['addr']:#x})")
+    def _places(p: dict) -> list[PartPlace]:
+        """The receiving parts the params name: their ``parts``, or the flat fields' one."""
+        whole = PartPlace(p["agent"], p["rev"], p["addr"], p["size"], (0, p["layers"]), (0, p["heads"]))
+        try:
+            places = parts_of_params(p, whole)
+            check_tiling(places, Geometry(p["layers"], p["heads"], 1, 1, 1))
+        except ValueError as e:
+            raise refuse("malformed", str(e)) from None
+        return places
 
     @staticmethod
-    def _check(target: TransferTarget, p: dict, spec, dst: Region) -> None:
+    def _region(regions: list[Region], place: PartPlace) -> Region:
+        for r in regions:
+            if r.kind == "kv" and r.addr == place.addr and r.size == place.size:
+                return r
+        raise refuse("unregistered_memory", f"params name memory agent {place.agent!r} never registered "
+                                            f"({place.size} bytes at {place.addr:#x})")
+
+    @staticmethod
+    def _check(target: TransferTarget, p: dict, spec: KVCacheSpec, places: list[PartPlace]) -> None:
         """The job's destination is the decode worker's registered pool, of our layout, in range."""
         if (p["layers"], p.get("planes", 2), p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
                 spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim,
                 str(spec.dtype).removeprefix("torch.")):
             raise ValueError("the decode worker's KV layout or dtype differs from ours")
-        nb = p["num_blocks"]
-        if nb * spec.block_bytes != dst.size:
+        nb, geo = p["num_blocks"], geometry(spec)
+        if any(nb * geo.part_block_bytes(place) != place.size for place in places):
             raise refuse("malformed", "blocks do not match the registered pool")
         if any(not 0 <= b < nb for b in target.dest_block_ids):
             raise refuse("block_range", "destination block out of range")
 
-    def _plan(self, target: TransferTarget, p: dict, src, src_blocks: list[int], mine: Region, dst: Region):
-        """The local and remote (addr, len) pieces of this job's blocks, every remote one inside ``dst``."""
-        spec, nb = src.spec, p["num_blocks"]
-        self._check(target, p, spec, dst)
+    async def _destination(self, target: TransferTarget, p: dict, spec: KVCacheSpec) -> list[Destination]:
+        """Every receiving part, checked against what its agent registered (``Refused`` otherwise)."""
+        places = self._places(p)
+        self._check(target, p, spec, places)
+        out = []
+        for place in places:
+            peer = await self.node.peer(self.bus, p["md"], place.agent, place.rev)
+            out.append((place, peer, self._region(peer.regions, place)))
+        return out
+
+    async def _source(self, src: KVCache | ShardedKVCache) -> list[LocalPart | RankPart]:
+        """Our pool's parts, each registered by its rank's agent (once: registering takes a while)."""
+        async with self._starting:
+            agents = self._sources.get(src)
+            if agents is None:
+                agents = part_agents(self.node, src, self.worker_id)
+                for agent in agents:
+                    await agent.start()
+                self._sources[src] = agents
+        return agents
+
+    def _plan(self, target: TransferTarget, src: KVCache | ShardedKVCache, src_blocks: list[int],
+              agents: list[LocalPart | RankPart], dest: list[Destination], dst_blocks: int) -> list[PairWrite]:
+        """Each (our part, their part) pair's local and remote pieces, every remote one inside its region."""
         if len(target.dest_block_ids) != len(src_blocks):
             raise refuse("malformed", "blocks do not match the registered pool")
-        planes = spec.num_planes * spec.num_layers  # (layer, plane) pairs, each [blocks, ...]
-        plane_block = spec.block_bytes // planes
-        runs = block_runs(src_blocks, target.dest_block_ids)
-        local = pieces(mine.addr, spec.num_blocks, planes, plane_block, [(s, n) for s, _, n in runs])
-        remote = pieces(dst.addr, nb, planes, plane_block, [(d, n) for _, d, n in runs])
-        if not all(dst.holds(a, n) for a, n in remote):
+        mine = [PartPlace(a.name, a.rev, a.region.addr, a.region.size, part.layers, part.heads)
+                for a, part in zip(agents, src.parts(), strict=True)]
+        pairs = plan_pairs(mine, src.spec.num_blocks, [place for place, _, _ in dest], dst_blocks,
+                           geometry(src.spec), block_runs(src_blocks, target.dest_block_ids))
+        if not all(inside(pw.remote, dest[pw.dst][2].addr, dest[pw.dst][2].size) for pw in pairs):
             raise refuse("unregistered_memory", "a descriptor outside the registered pool")
-        return local, remote
+        return pairs
 
     def prepare(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache) -> None:
         """The job is taken: ask its write grant now, while the prefill computes (``send`` awaits
@@ -247,24 +285,23 @@ class NixlSender:
             while len(self.grants) > GRANTS_KEPT:  # asked for jobs that never sent (failed first)
                 self.grants.popitem(last=False)[1].cancel()
 
-    async def _grant(self, target: TransferTarget, p: dict, spec) -> float:
+    async def _grant(self, target: TransferTarget, p: dict, spec: KVCacheSpec) -> float:
         """The job's write grant; when it came (monotonic)."""
-        peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
-        self._check(target, p, spec, self._region(peer.regions, p))
+        await self._destination(target, p, spec)
         await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
         return time.monotonic()
 
     async def send(self, target: TransferTarget, params: dict, src: KVCache | ShardedKVCache,
                    src_blocks: list[int], done: bytes = b"") -> TransferResult:
-        """Write the blocks; ``done`` (the job's encoded PrefillDone) rides in the notification."""
+        """Write the blocks, from each of our parts into each of theirs that holds the same layers
+        and heads; ``done`` (the job's encoded PrefillDone) rides in the first pair's notification."""
         p = check_params(params)
         t0 = time.perf_counter()
-        tensor = one_tensor(src)
-        mine = self.node.registered(tensor.data_ptr(), tensor.numel() * tensor.element_size()) or \
-            await asyncio.to_thread(region_of, self.node, "kv", tensor)  # once: registering takes a while
-        peer = await self.node.peer(self.bus, p["md"], p["agent"], p["rev"])
-        dst = self._region(peer.regions, p)
-        local, remote = self._plan(target, p, src, src_blocks, mine, dst)
+        agents = await self._source(src)
+        dest = await self._destination(target, p, src.spec)
+        pairs = self._plan(target, src, src_blocks, agents, dest, p["num_blocks"])
+        for pw in pairs:  # the receiving rank's agent, known to the sending rank's
+            await agents[pw.src].ensure_peer(dest[pw.dst][1])
         grant = self.grants.pop((target.request_id, p["gen"]), None)
         if grant is None or grant.cancelled():  # not asked ahead (or dropped unsent)
             await self.node.ask_grant(self.bus, p["begin"], "kv", target.request_id, p["gen"])
@@ -272,16 +309,29 @@ class NixlSender:
             # the receiver's fast polls after its grant are over (a long prefill): poll fast now.
             # Within them the kick is left out: it cost the send 0.4-0.7 ms (a publish, a loop turn)
             await self.node.writing(self.bus, p["begin"], "kv", target.request_id, p["gen"])
-        # Granted: from here the write runs to its end even if this task is cancelled (a timeout),
-        # so that the PrefillDone sent after it means nothing writes the blocks any more.
-        notif = carrying(notif_key("kv", target.request_id, p["gen"]), done)
+        # Granted: from here the writes run to their end even if this task is cancelled (a timeout),
+        # so that the PrefillDone sent after them means nothing writes the blocks any more.
+        key = notif_key("kv", target.request_id, p["gen"])
+        writes = [agents[pw.src].write(dest[pw.dst][1], pw.local, dest[pw.dst][2], pw.remote,
+                                       carrying(part_key(key, i, len(pairs)), done if i == 0 else b""))
+                  for i, pw in enumerate(pairs)]
         if self.copy_delay_s:  # fault injection: a write that ends after the deadline
-            await run_to_end(self._late_write(peer, mine, local, dst, remote, notif))
-        else:  # the post comes before the first yield; the wait is shielded (``NixlNode.write``)
-            await self.node.write(peer, mine, local, dst, remote, notif)
+            await run_to_end(self._late(writes))
+        elif len(writes) == 1:  # the post comes before the first yield; the wait is shielded (``NixlNode.write``)
+            await writes[0]
+        else:
+            await run_to_end(_every(writes))
         nbytes = len(src_blocks) * src.spec.block_bytes
-        return TransferResult(self.name, nbytes, time.perf_counter() - t0, len(local))
+        return TransferResult(self.name, nbytes, time.perf_counter() - t0, sum(len(pw.local) for pw in pairs))
 
-    async def _late_write(self, peer, mine: Region, local, dst: Region, remote, notif: bytes) -> None:
+    async def _late(self, writes: list) -> None:
         await asyncio.sleep(self.copy_delay_s)
-        await self.node.write(peer, mine, local, dst, remote, notif)
+        await _every(writes)
+
+
+async def _every(writes: list) -> None:
+    """Run every write to its end; then the first failure, if any (all have ended by then)."""
+    results = await asyncio.gather(*writes, return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed

@@ -36,17 +36,17 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
-from typing import Generic, TypeVar
+from typing import Protocol
 
+import numpy as np
 from prometheus_client import Counter
 
 from kvstore.transfer import Refused, run_to_end
 from kvstore.transfer.messages import NixlBegin, NixlMetadata, NixlMetadataRequest, NixlReply
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_progress import GRANT_FAST_FOR, Notifs, Progress
+from kvstore.transfer.nixl_parts import PairNotifs, split_part_key
+from kvstore.transfer.nixl_progress import FAST_FOR, GRANT_FAST_FOR, Notifs, Progress
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,16 @@ def agent_worker(agent: str) -> str:
     return agent.rpartition("-")[0]
 
 
+class Writes(Protocol):
+    """The writes of one kind into a node's memory, as the node sees them (``nixl_grants.Grants``)."""
+
+    on_done: object  # None, or what takes a carried payload
+
+    def grant(self, job_id: str, gen: int, agent: str) -> str | None: ...
+
+    def carried(self, key: bytes, who: str, payload: bytes) -> None: ...
+
+
 @dataclass(frozen=True)
 class Region:
     kind: str  # "kv" | "fetch"
@@ -106,6 +116,7 @@ class Peer:
     agent: str
     rev: int
     regions: list[Region]
+    metadata: bytes = b""  # its agent metadata (a helper rank's agent adds it too: ``nixl_ranks``)
 
 
 def notif_key(kind: str, job_id: str, gen: int) -> bytes:
@@ -150,12 +161,18 @@ class NixlNode:
         self._registering = threading.Lock()  # registration runs in threads
         self.peers: OrderedDict[str, Peer] = OrderedDict()  # remote agents added, by name
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self.writes: dict[str, Grants] = {}  # kind -> the writes of that kind into our memory
+        self.writes: dict[str, Writes] = {}  # kind -> the writes of that kind into our memory
         self.notifs: dict[bytes, str] = {}  # notification -> the agent it came from, until taken
         self._arrived: dict[bytes, asyncio.Event] = {}  # notifications someone waits for
         self.progress = Progress(self.agent, self._deliver)
         self._served = False
         self.bus: Messenger | None = None  # the one that serves our handshake
+        # A worker of several ranks: its helper ranks' agents, whose metadata we answer for on our
+        # subject, and whose notifications they forward to us (``nixl_ranks``); ``relays`` progress
+        # them while a write into their part is expected.
+        self.proxies: dict[str, NixlMetadata] = {}
+        self.relays: list = []
+        self.pairs = PairNotifs()
 
     @classmethod
     def for_worker(cls, worker_id: str) -> NixlNode:
@@ -200,43 +217,63 @@ class NixlNode:
         await bus.flush(timeout=5)  # subscribed at the server before a job names them
 
     async def _on_md(self, msg: NixlMetadataRequest, raw) -> None:
-        if msg.agent != self.name:  # the asker sees our name and refuses its job
+        md = self.proxies.get(msg.agent)
+        if md is None and msg.agent != self.name:  # the asker sees our name and refuses its job
             log.info("nixl: metadata asked of agent %r, this is %r", msg.agent, self.name)
-        await self.bus.respond(raw, self.metadata())
+        await self.bus.respond(raw, md or self.metadata())
 
     async def _on_begin(self, msg: NixlBegin, raw) -> None:
         if msg.writing:  # a granted writer starts its bytes: poll for them fast (no answer)
-            if self.progress.expected(notif_key(msg.kind, msg.job_id, msg.gen)):
+            key = notif_key(msg.kind, msg.job_id, msg.gen)
+            if self.progress.expected(key):
                 self.progress.kick()
+                for relay in self.relays:
+                    relay.expect(key, FAST_FOR)  # (again: fast polls from now)
             return
         writes = self.writes.get(msg.kind)
         why = "no such kind of job" if writes is None else writes.grant(msg.job_id, msg.gen, msg.agent)
         if why is not None:
             log.info("nixl: no write grant for %s %s: %s", msg.kind, msg.job_id, why)
         else:  # its write may come soon (a short prefill's): poll fast for a while
-            self.progress.expect(notif_key(msg.kind, msg.job_id, msg.gen), GRANT_FAST_FOR)
+            self.expect(notif_key(msg.kind, msg.job_id, msg.gen), GRANT_FAST_FOR)
         await self.bus.respond(raw, NixlReply(why is None, why or ""))
 
     # -- notifications -------------------------------------------------------------
-    def expect(self, key: bytes) -> None:
-        """A write was granted: progress the agent until its notification ``key`` comes."""
-        self.progress.expect(key)
+    def expect(self, key: bytes, fast_for: float = FAST_FOR) -> None:
+        """A write was granted: progress the agent (and our helper ranks') until its notification
+        ``key`` comes (all of its pairs' notifications, for a write of several: ``nixl_parts``)."""
+        self.progress.expect(key, fast_for)
+        for relay in self.relays:
+            relay.expect(key, fast_for)
 
     def unexpect(self, key: bytes) -> None:
-        """The write of ``key`` will not land (its writer is gone): stop progressing for it."""
+        """The write of ``key`` will not land (its writer is gone), or it has: stop progressing for it."""
         self.progress.unexpect(key)
+        self.pairs.forget(key)
+        for relay in self.relays:
+            relay.unexpect(key)
 
     def poll_notifs(self) -> None:
         """Move the agent's new notifications into ``notifs`` (a quick call: no waiting)."""
         self._deliver(self.agent.get_new_notifs())
 
     def _deliver(self, got: Notifs) -> None:
+        """Notifications from our agent's progress, or forwarded by a helper rank's (on the loop)."""
         for agent, msgs in got.items():
             who = agent.decode() if isinstance(agent, bytes) else str(agent)
             for m in msgs:
                 key, payload = carried(bytes(m))
+                if split_part_key(key) is not None:  # one pair of a write of several
+                    try:
+                        whole = self.pairs.add(key, who, payload)
+                    except ValueError as e:
+                        refuse("malformed", f"a notification from {who!r}: {e}")
+                        continue
+                    if whole is None:
+                        continue  # more pairs to come
+                    key, who, payload = whole
                 self.notifs[key] = who
-                self.progress.unexpect(key)
+                self.unexpect(key)
                 if (event := self._arrived.pop(key, None)) is not None:
                     event.set()
                 if payload:
@@ -303,7 +340,7 @@ class NixlNode:
                 raise refuse("malformed", f"agent {agent!r} lists regions of unequal parts")
             await asyncio.to_thread(self._add, md)
             regions = [Region(*r) for r in zip(md.kinds, md.addrs, md.sizes, md.mems, md.devices, strict=True)]
-            self.peers[agent] = peer = Peer(agent, md.rev, regions)
+            self.peers[agent] = peer = Peer(agent, md.rev, regions, md.metadata)
             while len(self.peers) > PEERS_KEPT:
                 self.drop_peer(next(iter(self.peers)))
             return peer
@@ -312,6 +349,11 @@ class NixlNode:
         with contextlib.suppress(Exception):
             self.agent.remove_remote_agent(md.agent)  # it registered more: its metadata anew
         self.agent.add_remote_agent(md.metadata)
+
+    def add_peer(self, agent: str, rev: int, metadata: bytes) -> None:
+        """Add a remote agent whose metadata came another way (a helper rank's, from its rank 0)."""
+        self._add(NixlMetadata(agent, rev, metadata, [], [], [], [], []))
+        self.peers[agent] = Peer(agent, rev, [], metadata)
 
     def drop_peer(self, agent: str) -> None:
         """Forget a remote agent (it left, or a transfer to it failed): asked anew next time."""
@@ -353,8 +395,8 @@ class NixlNode:
         await self._wait_done(peer, handle, self.progress.watch(handle))
 
     def _post(self, peer: Peer, src: Region, local, dst: Region, remote, notif: bytes):
-        src_descs = self.agent.get_xfer_descs([(a, n, src.device) for a, n in local], src.mem)
-        dst_descs = self.agent.get_xfer_descs([(a, n, dst.device) for a, n in remote], dst.mem)
+        src_descs = self.agent.get_xfer_descs(_descs(local, src.device), src.mem)
+        dst_descs = self.agent.get_xfer_descs(_descs(remote, dst.device), dst.mem)
         handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer.agent, notif)
         state = self.agent.transfer(handle)
         if state == "ERR":
@@ -373,110 +415,20 @@ class NixlNode:
                 self.agent.release_xfer_handle(handle)
 
 
-# -- the receiving side of a kind of write -----------------------------------------
-class JobState(Enum):
-    ARMED = 1  # params handed out: no write granted yet
-    WRITING = 2  # a writer has its grant: bytes may land until its notification
-    DONE = 3  # the notification came
-    REVOKED = 4  # given up before any grant: none will be given
-    ORPHANED = 5  # granted, and its writer's worker left the registry: nothing of it lands any more
+def region_of(node: NixlNode, kind: str, tensor) -> Region:
+    """Register a contiguous tensor (a KV pool, or a rank's part of one) with ``node``'s agent."""
+    if not tensor.is_contiguous():
+        raise ValueError("the nixl transport registers contiguous KV tensors only")
+    mem = "VRAM" if tensor.is_cuda else "DRAM"
+    return node.register(kind, tensor.data_ptr(), tensor.numel() * tensor.element_size(), mem,
+                         tensor.device.index or 0 if tensor.is_cuda else 0)
 
 
-@dataclass
-class WriteJob:
-    gen: int
-    state: JobState = JobState.ARMED
-    writer: str = ""
-
-
-J = TypeVar("J", bound=WriteJob)
-
-
-class Grants(Generic[J]):
-    """The writes of one kind into a node's memory ("kv": the decode worker's pool; "fetch": a
-    requester's fetch buffer). A job is armed with a fresh generation (``arm``), granted once to
-    one writer (``NixlBegin``: the node asks ``grant``), and done when that writer's
-    notification came (``landed``). Who holds the memory: the caller, until ``landed`` or a
-    revoke before any grant (``revoke``)."""
-
-    def __init__(self, node: NixlNode, kind: str):
-        self.node, self.kind = node, kind
-        self.jobs: dict[str, J] = {}
-        self._gen = 0
-        self.on_done: Callable[[str, bytes], None] | None = None  # (job id, payload) of a carried write
-        node.writes[kind] = self
-
-    def next_gen(self) -> int:
-        self._gen = self._gen % (1 << 62) + 1
-        return self._gen
-
-    def grant(self, job_id: str, gen: int, agent: str) -> str | None:
-        """Grant the job's write to ``agent``: None, or why not."""
-        job = self.jobs.get(job_id)
-        if job is None or job.gen != gen:
-            return f"no such {self.kind} job armed (late, or forged)"
-        if job.state is not JobState.ARMED:
-            return f"the {self.kind} job is {job.state.name.lower()}"
-        job.state, job.writer = JobState.WRITING, agent
-        return None
-
-    def carried(self, key: bytes, who: str, payload: bytes) -> None:
-        """A notification with a payload came (``on_done`` is set): if it ends a job of ours,
-        granted to ``who``, the job is DONE and ``on_done`` gets the payload (a forged or late one
-        is dropped here; a writer's word over NATS still counts)."""
-        job_id = key.decode(errors="replace").removeprefix(f"{self.kind}:").rpartition(":")[0]
-        job = self.jobs.get(job_id)
-        if job is None or notif_key(self.kind, job_id, job.gen) != key or job.state is not JobState.WRITING:
-            return  # not ours (late, or forged): as a plain notification, it ends nothing
-        if self.landed(job_id, job):
-            self.on_done(job_id, payload)
-
-    def landed(self, job_id: str, job: J) -> bool:
-        """Has the writer's notification come (then the job is DONE)?"""
-        if job.state is JobState.WRITING:
-            who = self.node.take_notif(notif_key(self.kind, job_id, job.gen))
-            if who is not None and who != job.writer:
-                refuse("unknown_agent", f"a completion of {self.kind} {job_id} from {who!r}, not its writer")
-            elif who is not None:
-                job.state = JobState.DONE
-        return job.state is JobState.DONE
-
-    async def wait(self, job_id: str, job: J, timeout: float) -> bool:
-        """Wait (up to ``timeout``) for a granted job's notification; False if it was never
-        granted or did not come in time."""
-        if self.landed(job_id, job):
-            return True
-        if job.state is not JobState.WRITING:
-            return False
-        await self.node.arrival(notif_key(self.kind, job_id, job.gen), timeout)
-        return self.landed(job_id, job)
-
-    def writer_left(self, worker_id: str) -> int:
-        """The registry says worker ``worker_id`` left (its card was deleted, or expired: it has
-        not refreshed it for the registry's TTL, seconds). Its granted jobs are ORPHANED: their
-        blocks can be reused. Before that the agent is progressed once more, so that bytes of
-        its write still in our socket land now, not in reused blocks (a dead process's last
-        bytes arrive within milliseconds; the progress thread drained them long before the TTL).
-        Returns how many jobs were orphaned."""
-        self.node.poll_notifs()
-        orphaned = 0
-        for job_id, job in self.jobs.items():
-            if job.state is JobState.WRITING and agent_worker(job.writer) == worker_id \
-                    and not self.landed(job_id, job):
-                job.state = JobState.ORPHANED
-                self.node.unexpect(notif_key(self.kind, job_id, job.gen))
-                orphaned += 1
-        if orphaned:
-            log.warning("nixl: writer %s left with %d %s write(s) granted: their memory is free again",
-                        worker_id, orphaned, self.kind)
-        return orphaned
-
-    def revoke(self, job_id: str) -> bool:
-        """No write will land any more: True for a job never granted (its grant is refused from
-        now on) or one whose notification came; False while a granted write may still land."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            return True
-        if job.state is JobState.ARMED:
-            job.state = JobState.REVOKED
-        return job.state is not JobState.WRITING or self.landed(job_id, job)
+def _descs(pieces, device: int):
+    """(addr, len) pieces, a list or an ``[n, 2]`` array, as NIXL takes them: (addr, len, device)."""
+    if isinstance(pieces, np.ndarray):
+        rows = np.empty((len(pieces), 3), dtype=np.uint64)
+        rows[:, :2] = pieces
+        rows[:, 2] = device
+        return rows
+    return [(a, n, device) for a, n in pieces]

@@ -26,15 +26,8 @@ from dataclasses import dataclass
 
 from kvstore.transfer import host_id
 from kvstore.transfer.messenger import Messenger
-from kvstore.transfer.nixl_agent import (
-    Grants,
-    JobState,
-    NixlNode,
-    Region,
-    WriteJob,
-    notif_key,
-    refuse,
-)
+from kvstore.transfer.nixl_agent import NixlNode, Region, notif_key, refuse
+from kvstore.transfer.nixl_grants import Grants, JobState, WriteJob
 
 log = logging.getLogger(__name__)
 

@@ -209,14 +209,16 @@ async def test_revoke_waits_for_a_granted_write_and_refuses_one_not_yet_granted(
         params = rx.params("r3", [4])
         await tx.node.ask_grant(bus, params["begin"], "kv", "r3", params["gen"])  # granted, not yet written
         assert not rx.revoke("r3")  # a write may still land
-        peer = await tx.node.peer(bus, params["md"], params["agent"], params["rev"])
-        mine = tx.node.registered(src.tensor.data_ptr(), spec.total_bytes)
-        dst_region = tx._region(peer.regions, params)
-        local, remote = tx._plan(TransferTarget("r3", "fence-dec", [4], 4), params, src, [3], mine, dst_region)
-        await tx.node.write(peer, mine, local, dst_region, remote, f"kv:r3:{params['gen']}".encode())
+        target = TransferTarget("r3", "fence-dec", [4], 4)
+        dest = await tx._destination(target, params, spec)
+        ((_, peer, dst_region),) = dest
+        agents = await tx._source(src)
+        (pair,) = tx._plan(target, src, [3], agents, dest, params["num_blocks"])
+        await tx.node.write(peer, agents[0].region, pair.local, dst_region, pair.remote,
+                            f"kv:r3:{params['gen']}".encode())
         await wait_until(lambda: rx.revoke("r3"), 5, "the write's notification")
         with pytest.raises(Refused):  # a block past the pool
-            tx._plan(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), src, [3], mine, dst_region)
+            await tx._destination(TransferTarget("r4", "fence-dec", [16], 4), rx.params("r4", [16]), spec)
 
 
 async def test_the_prefill_done_rides_in_the_notification_after_the_bytes(nats_server):

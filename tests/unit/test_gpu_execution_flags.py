@@ -45,7 +45,8 @@ def test_mesh_up_passes_the_flags_on_to_its_workers(tiny_model):
     (["--fused-kernels", "rope,warp_speed"], "unknown fused kernel"),
     (["--enforce-eager", "--cuda-graphs"], "contradict"),
     (["--attention-backend", "tensorrt"], "unknown attention backend"),
-    (["--async-scheduling", "--tp", "2"], "--tp > 1"),
+    (["--cuda-graphs", "--pp", "2"], "--pp 2 does not run with --cuda-graphs"),
+    (["--cuda-graphs", "--tp", "2"], "--cuda-graphs is not supported with --tp 2"),
     (["--peer-pin-max-s", "0"], "--peer-pin-max-s must be > 0"),
 ])
 def test_bad_combinations_are_one_line_errors(tiny_model, capsys, flags, message):

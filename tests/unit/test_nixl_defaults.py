@@ -1,4 +1,4 @@
-"""Which KV transports a worker uses by default: nixl between hosts when NIXL imports (TP 1), and
+"""Which KV transports a worker uses by default: nixl between hosts when NIXL imports (any layout), and
 without it one log line that KV between hosts goes over nats (a child process where the
 ``nixl_cu12`` import fails, as on a machine without the extra). And why nixl can be a default:
 a worker's idle NIXL agent costs no CPU (no UCX progress thread spinning a core)."""
@@ -70,7 +70,9 @@ def test_cpu_workers_offer_nixl_by_default():
     named = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu"), transports=("shm", "nixl", "nats"))
     assert named.transport_names() == ["shm", "nixl", "nats"]
     tp2 = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu", tp=2), transports=("nixl", "nats"))
-    assert tp2.transport_names() == ["nats"]  # nixl registers one pool tensor: TP 1 only
+    assert tp2.transport_names() == ["nixl", "nats"]  # each rank's agent registers its part
+    pp2 = WorkerSettings("nats://x", engine=EngineConfig("unused", device="cpu", tp=2, pp=2))
+    assert pp2.transport_names() == ["shm", "nixl", "nats"]
 
 
 @pytest.mark.skipif(not nixl_available(), reason="the nixl extra is not installed")

@@ -234,8 +234,7 @@ def test_layouts_that_do_not_fit_the_model_are_refused(models, kw, message):
 
 
 @pytest.mark.parametrize(("kw", "refused"), [
-    (dict(host_kv_blocks=16), "a KV tier"), (dict(loras=(("a", "/x"),)), "--lora"),
-    (dict(async_scheduling=True), "--async-scheduling"), (dict(cuda_graphs=True), "--cuda-graphs"),
+    (dict(loras=(("a", "/x"),)), "--lora"), (dict(cuda_graphs=True), "--cuda-graphs"),
     (dict(speculative="eagle3:/x"), "--speculative eagle3"), (dict(pp_layers=(5,)), "--pp-layers names 1 stages"),
 ])
 def test_combinations_not_supported_are_refused_at_config(kw, refused):
@@ -245,8 +244,8 @@ def test_combinations_not_supported_are_refused_at_config(kw, refused):
 
 @pytest.mark.parametrize("argv", [
     ["--pp", "6"], ["--pp", "2", "--pp-layers", "1,2"], ["--pp", "2", "--pp-layers", "2,x"],
-    ["--tp", "2", "--pp", "2", "--device", "cuda"], ["--pp", "2", "--host-kv-gb", "1"],
-    ["--pp", "2", "--transports", "nixl,nats"], ["--pp", "2", "--async-scheduling"],
+    ["--tp", "2", "--pp", "2", "--device", "cuda"], ["--pp", "2", "--cuda-graphs"],
+    ["--pp", "2", "--transports", "cuda_ipc,nats"],
 ])
 def test_the_cli_refuses_a_layout_in_one_line(models, capsys, argv):
     from cli import main
