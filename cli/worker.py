@@ -153,6 +153,8 @@ def _check_remote_ranks(args: argparse.Namespace, ws, role: str) -> None:
                        "token is derived from it")
     if ws.peer_fetch:
         raise CliError("--peer-fetch does not run with ranks on other hosts (no transport reaches their KV)")
+    if e.has_host_tier:
+        raise CliError("the KV tiers (--host-kv-gb) do not run with ranks on other hosts (rank 0 cannot reach their KV)")
 
 
 def _check_embed(ws) -> None:

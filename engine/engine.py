@@ -61,6 +61,8 @@ class Engine(EngineCore):
         with ``--local-ranks``; ``engine.parallel.remote``); by default every rank runs here."""
         self.config = config
         self.remote_ranks = remote_ranks
+        if remote_ranks is not None and config.has_host_tier:  # the tiers copy every rank's part through rank 0
+            raise ValueError("the KV tiers do not run with ranks on other hosts (rank 0 cannot reach their KV)")
         self.model_config = mc = ModelConfig.from_dir(config.model)
         mc.check_tp(config.tp, config.ep)
         mc.check_ep(config.ep)

@@ -157,12 +157,19 @@ def tiny(tmp_path_factory):
     (["--pp", "2", "--rank-addr", "10.0.0.1"], "--rank-addr is for a worker with ranks on other hosts"),
     (["--pp", "2", "--local-ranks", "1", "--worker-id", "w", "--hash-key-file", "KEY", "--transports", "nats"],
      "drop --transports"),
+    (["--pp", "2", "--local-ranks", "1", "--worker-id", "w", "--hash-key-file", "KEY", "--host-kv-blocks", "8"],
+     "the KV tiers (--host-kv-gb) do not run with ranks on other hosts"),
+    (["--model", "MOE", "--ep", "2", "--local-ranks", "1", "--worker-id", "w", "--hash-key-file", "KEY"],
+     "--ep > 1 does not run with ranks on other hosts"),
 ])
 def test_the_worker_refuses_remote_ranks_it_cannot_run_in_one_line(tiny, tmp_path, capsys, monkeypatch, argv, message):
     from cli import main
 
     monkeypatch.delenv("MESH_HASH_KEY", raising=False)
     (tmp_path / "key").write_text(KEY.hex())
+    if "MOE" in argv:  # a later --model wins
+        moe = write_tiny_model(tmp_path / "moe", "moe", num_hidden_layers=2)
+        argv = [str(moe) if a == "MOE" else a for a in argv]
     argv = [str(tmp_path / "key") if a == "KEY" else a for a in argv]
     rc = main(["worker", "decode", "--model", str(tiny), "--nats", "nats://127.0.0.1:9", *argv])
     err = capsys.readouterr().err.strip()
