@@ -11,10 +11,10 @@ import argparse
 import logging
 import sys
 
-from cli import gateway, generate, model, planner, top, up, worker
+from cli import gateway, generate, model, planner, rank, top, up, worker
 from cli.flags import CliError
 
-SUBCOMMANDS = (model, generate, worker, gateway, up, planner, top)  # in the order --help lists them
+SUBCOMMANDS = (model, generate, worker, rank, gateway, up, planner, top)  # in the order --help lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

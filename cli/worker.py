@@ -83,6 +83,13 @@ def add_parser(sub) -> None:
     p.add_argument("--peer-pin-max-s", type=float, default=10.0,
                    help="decode: the longest a peer's fetch keeps this worker's blocks pinned, whatever "
                         "deadline the peer asks for")
+    p.add_argument("--local-ranks", type=int, default=0, metavar="N",
+                   help="decode, --tp x --pp ranks: run ranks 0..N-1 on this host and wait for the others to "
+                        "join from other hosts (mesh rank --join WORKER_ID; needs --worker-id and the mesh "
+                        "secret); default: every rank here")
+    p.add_argument("--rank-addr", default="", metavar="ADDR",
+                   help="with --local-ranks: the address the ranks on other hosts reach this worker at "
+                        "(default: this host's address toward the NATS server)")
     p.set_defaults(func=run)
 
 
@@ -107,17 +114,47 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout, metrics_host=args.metrics_host,
         peer_fetch=args.peer_fetch and name == "decode",  # the mocker's is in its MockConfig
         peer_fetch_timeout=args.peer_fetch_timeout, peer_pin_max_s=args.peer_pin_max_s, pooling=args.pooling,
+        local_ranks=args.local_ranks, rank_addr=args.rank_addr,
     )
     if args.drain_timeout < 0:
         raise CliError("--drain-timeout must be >= 0")
     if args.peer_pin_max_s <= 0:
         raise CliError("--peer-pin-max-s must be > 0")
+    if ws.remote_ranks or args.local_ranks or args.rank_addr:
+        _check_remote_ranks(args, ws, name)
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if name == "embed":
         _check_embed(ws)
     worker = role.worker_class()(ws)
     _run_loop(worker.run())
     return worker.exit_code
+
+
+def _check_remote_ranks(args: argparse.Namespace, ws, role: str) -> None:
+    """``--local-ranks``: what a worker whose ranks join from other hosts needs, refused in one line."""
+    e = ws.engine
+    size = getattr(e, "tp", 1) * getattr(e, "pp", 1)
+    if args.rank_addr and not ws.remote_ranks:
+        raise CliError("--rank-addr is for a worker with ranks on other hosts (--local-ranks)")
+    if getattr(e, "ep", 1) > 1:
+        raise CliError("--ep > 1 does not run with ranks on other hosts (--local-ranks) yet")
+    if size == 1:
+        raise CliError("--local-ranks is for a layout of several ranks (--tp, --pp)")
+    if not 1 <= args.local_ranks < size:
+        raise CliError(f"--local-ranks {args.local_ranks}: a layout of {size} rank(s) runs 1 to {size - 1} of them "
+                       "here when the others join from other hosts")
+    if role != "decode" or ws.is_mock:
+        raise CliError("--local-ranks runs a decode worker on a model (a prefill worker's KV leaves through a "
+                       "transport, which cannot reach ranks on other hosts)")
+    if not args.worker_id:
+        raise CliError("--local-ranks needs --worker-id: the ranks on other hosts join the worker by its id")
+    if e.hash_key.is_default:
+        raise CliError("--local-ranks needs the mesh secret (--hash-key-file or MESH_HASH_KEY): the ranks' group "
+                       "token is derived from it")
+    if ws.peer_fetch:
+        raise CliError("--peer-fetch does not run with ranks on other hosts (no transport reaches their KV)")
+    if e.has_host_tier:
+        raise CliError("the KV tiers (--host-kv-gb) do not run with ranks on other hosts (rank 0 cannot reach their KV)")
 
 
 def _check_embed(ws) -> None:

@@ -206,6 +206,8 @@ class Admission:
         outlast the prefill pool's scaling up. Past that one, ``remote`` anyway: they queue for
         the pool (a JetStream work queue, pulled by the next free prefill worker;
         ``prefill_timeout`` still falls back here). Per request; the load data is per second."""
+        if not self.ctx.transports:  # no KV can reach this worker (its ranks on other hosts: --local-ranks)
+            return "local"
         cards = [c for c in self.membership.cards(self.ctx.model, "prefill")
                  if c.status == "ready" and (not adapter or adapter in c.adapters)]
         if not cards:

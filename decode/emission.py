@@ -48,6 +48,7 @@ class Emission:
                  admitted_locally: Callable[[DecodeRequest], None]):
         self.active = active
         self.worker_id = ctx.worker_id
+        self.engine_loop = ctx.loop
         self.bus = ctx.bus
         self.counters = ctx.counters
         # the engine stepped a request before the event loop saw its admission's result
@@ -143,7 +144,11 @@ class Emission:
         rec.chunks_sent += 1
         if out.finish_reason is not None:
             self._finish(rec, out, now, step)
-            if out.finish_reason == "error":
+            if out.finish_reason == "error" and self.engine_loop.failure is not None:
+                # the engine can never step again (a rank is lost): the worker leaves, and the
+                # gateway resumes the request elsewhere with the tokens it has
+                chunk.error, chunk.error_status = "the worker's engine failed for good", 503
+            elif out.finish_reason == "error":
                 chunk.error, chunk.error_status = "the engine failed on this request", 500
         return chunk
 

@@ -80,7 +80,7 @@ class DecodeWorker(WorkerBase):
 
             remove_stale_files()
             shm = shm_path(self.worker_id)
-        return build_engine(self.settings, shm_path=shm)
+        return build_engine(self.settings, shm_path=shm, remote_ranks=self.remote_ranks)
 
     def transport_names(self) -> list[str]:
         return self.settings.transport_names()

@@ -382,7 +382,7 @@ class EngineConfig:
     def pipeline_microbatches(self) -> int:
         """At most this many micro-batches per step (1: micro-batching off). By default one per
         stage: on a CPU each micro-batch reads the stage's weights again, and two per stage cost
-        more in those reads than they gain in overlap (bench/parallel.py)."""
+        more in those reads than they gain in overlap (python -m bench parallel)."""
         return self.pp_microbatches or self.pp
 
     def _check_gpu_execution(self) -> None:

@@ -39,6 +39,7 @@ from engine.overlap import OverlappedSteps
 from engine.parallel.group import ParallelGroupError, RankGroup, rank_kv_spec
 from engine.parallel.layout import Layout
 from engine.parallel.pipeline import Pipeline
+from engine.parallel.remote import RemoteRanks
 from engine.parallel.stage import StageRunner, StageStats
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import Sampler
@@ -55,8 +56,13 @@ _GIB = 1 << 30
 
 
 class Engine(EngineCore):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, remote_ranks: RemoteRanks | None = None):
+        """``remote_ranks``: the ranks of the layout on other hosts, which join through it (a worker
+        with ``--local-ranks``; ``engine.parallel.remote``); by default every rank runs here."""
         self.config = config
+        self.remote_ranks = remote_ranks
+        if remote_ranks is not None and config.has_host_tier:  # the tiers copy every rank's part through rank 0
+            raise ValueError("the KV tiers do not run with ranks on other hosts (rank 0 cannot reach their KV)")
         self.model_config = mc = ModelConfig.from_dir(config.model)
         mc.check_tp(config.tp, config.ep)
         mc.check_ep(config.ep)
@@ -164,7 +170,9 @@ class Engine(EngineCore):
         self.ranks = None
         if layout.size > 1:
             self.ranks = RankGroup(replace(config, attention_backend=backend), layout, num_blocks, max_len,
-                                   _rank_kv_files(config, self.device))
+                                   _rank_kv_files(config, self.device), self.remote_ranks)
+        elif self.remote_ranks is not None:
+            raise ValueError("ranks on other hosts need a layout of several ranks (--tp, --pp)")
         try:
             if self.model is None:
                 self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, shard=self.ranks.shard,

@@ -97,7 +97,7 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
         grammar_spin_ms=args.grammar_spin_ms, **speculative_fields(args), **{k: v for k, v in tiers.items() if v is not None}, **lora_fields(args),
     )
     check_loras(config, mc)
-    check_layout(config, mc)
+    check_layout(config, mc, getattr(args, "local_ranks", 0) or None)  # a worker's --local-ranks: the others elsewhere
     return config
 
 
@@ -137,14 +137,15 @@ def pipeline_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--pp-microbatches", str(args.pp_microbatches)] if args.pp_microbatches else [])
 
 
-def check_layout(config: EngineConfig, mc: ModelConfig) -> None:
+def check_layout(config: EngineConfig, mc: ModelConfig, here: int | None = None) -> None:
     """The ranks' layout against the model and the devices, before anything starts (ValueError
-    in one line: more stages than layers, a split that does not add up, too few GPUs)."""
+    in one line: more stages than layers, a split that does not add up, too few GPUs for the
+    ``here`` ranks on this host, default all)."""
     from engine.parallel.group import check_devices
     from engine.parallel.layout import Layout
 
-    check_devices(config.torch_device, Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers,
-                                                        config.ep))
+    layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers, config.ep)
+    check_devices(config.torch_device, layout, min(here or layout.size, layout.size))
 
 
 def check_loras(config: EngineConfig, mc: ModelConfig) -> None:

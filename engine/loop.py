@@ -118,6 +118,7 @@ class EngineLoop:
                     log.exception("engine step failed; failing the running requests")
                     outs = self._fail_running()
                     if getattr(e, "fatal", False):  # ...unless the engine can never step again
+                        self.failure = e  # before its requests' outputs: they fail with the worker
                         self.emit(outs)
                         raise
                 self.step_seconds = time.perf_counter() - t0
@@ -261,6 +262,7 @@ class InlineEngineLoop(EngineLoop):
                         log.exception("engine step failed; failing the running requests")
                         outs = self._fail_running()
                         if getattr(e, "fatal", False):
+                            self.failure = e  # as EngineLoop's
                             self.emit(outs)
                             raise
                     t1 = time.perf_counter()

@@ -10,8 +10,9 @@ One NATS user per role; each may publish and subscribe only what its role does:
     decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, embed, kv_ready, kv_data,
               replies to gateway, prefill and decode      nccl, nixl, kv_fetch, kv_fetch_data,
               inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
-              kv_fetch_release and nixl (peer fetch),     its inbox
-              its card
+              kv_fetch_release and nixl (peer fetch),     ranks.*.join, its inbox
+              its card, ranks.*.join (mesh rank runs
+              as the decode user)
     prefill   kv_ready, kv_data, nccl and nixl            lora, its inbox (jobs come by a JetStream
               (requests), load, lora replies (only to a   pull)
               gateway's LoRA inboxes), its registry card
@@ -122,6 +123,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     decode = f"{m}.decode.{ANY}"
     load = s.load_all()
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
+    rank_join = f"{ns}.ranks.{ANY}.join"  # a worker's ranks on other hosts join it (mesh rank: the decode user's credentials)
     if role == "gateway":
         # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}",
@@ -131,11 +133,11 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
                inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
-               f"{decode}.nixl.{ANY}",
+               f"{decode}.nixl.{ANY}", rank_join,
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
         sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "embed", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
                                             f"nixl.{ANY}", "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
-               f"{m}.kv.snapshot.{ANY}", load, lora, inbox("decode")]
+               f"{m}.kv.snapshot.{ANY}", load, lora, rank_join, inbox("decode")]
     elif role == "prefill":
         pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", f"{decode}.nixl.{ANY}", load,
                f"_INBOX.gateway.{LORA_REPLIES}.>", *_registry(ns, True)]

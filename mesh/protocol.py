@@ -50,6 +50,8 @@ from mesh.side_messages import LinkHello as LinkHello
 from mesh.side_messages import LinkReady as LinkReady
 from mesh.side_messages import LoraReply as LoraReply
 from mesh.side_messages import LoraRequest as LoraRequest
+from mesh.side_messages import RankInvite as RankInvite
+from mesh.side_messages import RankJoin as RankJoin
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import max_bytes
 from mesh.subjects import subject_token as subject_token

@@ -1,4 +1,5 @@
-"""Messages off the request path: a token link's handshake (``mesh.tokenlink``) and the LoRA admin's.
+"""Messages off the request path: a token link's handshake (``mesh.tokenlink``), the LoRA admin's,
+and a worker's ranks on other hosts joining it (``engine.parallel.rendezvous``).
 
 They have the form of every message of the mesh (msgspec Structs: a msgpack map of their fields
 plus ``"type"``, the class name; fields at their default left out), like the embed pool's
@@ -48,4 +49,32 @@ class LoraReply(SideMessage):
     adapters: list[str] = field(default_factory=list)
 
 
-MESSAGES = (LinkHello, LinkReady, LoraRequest, LoraReply)
+class RankJoin(SideMessage):
+    """``mesh rank --join`` -> the worker, request on ``rank_join``: take rank ``rank`` of its layout
+    (-1: any it still waits for). ``proof``: HMAC-SHA256 under the worker's group token of the
+    other fields (``engine.parallel.rendezvous.join_proof``); the token itself never travels."""
+
+    worker: str
+    nonce: str  # fresh per join, hex
+    proof: str  # hex
+    rank: int = -1
+    host: str = ""  # the joiner's hostname, for logs
+
+
+class RankInvite(SideMessage):
+    """The worker's answer to a ``RankJoin``: refused (``error``), or the rank held for the joiner
+    and where its lifeline connects (a TCP address and port), with the worker's layout.
+    ``proof``: HMAC-SHA256 under the group token (``invite_proof``): the joiner connects only to
+    the worker that holds it."""
+
+    ok: bool
+    error: str = ""
+    rank: int = -1
+    address: str = ""
+    port: int = 0
+    tp: int = 1
+    pp: int = 1
+    proof: str = ""
+
+
+MESSAGES = (LinkHello, LinkReady, LoraRequest, LoraReply, RankJoin, RankInvite)

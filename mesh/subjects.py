@@ -100,6 +100,10 @@ class Subjects:
         """Per-worker control (drain), used by the planner's local connector."""
         return f"{self.ns}.control.{subject_token(worker)}"
 
+    def rank_join(self, worker: str) -> str:
+        """A worker with ranks on other hosts: their joins (``RankJoin``, answered ``RankInvite``)."""
+        return f"{self.ns}.ranks.{subject_token(worker)}.join"
+
     def workers_bucket(self) -> str:
         return f"{subject_token(self.ns)}_workers"
 

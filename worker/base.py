@@ -40,13 +40,14 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: WorkerSettings, shm_path: str | None = None) -> EngineCore:
+def build_engine(settings: WorkerSettings, shm_path: str | None = None, remote_ranks=None) -> EngineCore:
+    """``remote_ranks``: the engine's ranks on other hosts (``WorkerBase.before_engine``)."""
     if settings.is_mock:
         return settings.engine.build()
     from engine.engine import Engine
 
     cfg = settings.engine if shm_path is None else replace(settings.engine, kv_shm_path=shm_path)
-    return Engine(cfg)
+    return Engine(cfg, remote_ranks)
 
 
 class Window:
@@ -179,12 +180,13 @@ class WorkerBase(WorkerCore):
         self.engine: EngineCore | None = None
         self.loop: EngineLoop | None = None
         self.kv_events: KvEventPublisher | None = None
+        self.remote_ranks = None  # engine.parallel.remote.RemoteRanks: its ranks on other hosts
         self._tasks: list[asyncio.Task] = []
         self.expert_tokens: ExpertTokens | None = None  # MoE engines: refreshed with each load report
 
     # -- for subclasses -----------------------------------------------------------
     def build(self) -> EngineCore:
-        return build_engine(self.settings)
+        return build_engine(self.settings, remote_ranks=self.remote_ranks)
 
     def _engine_died(self, stop: asyncio.Event) -> None:
         """The engine can never step again: leave (drain what is left, deregister) and exit non-zero,
@@ -246,6 +248,28 @@ class WorkerBase(WorkerCore):
         )
 
     # -- WorkerCore's hooks: the engine ---------------------------------------------
+    async def before_engine(self, stack: AsyncExitStack) -> None:
+        """With ranks on other hosts (``--local-ranks``): the door they join through, and its
+        answers on the bus, open while the engine loads (it waits for them)."""
+        ranks = self.settings.remote_ranks
+        if not ranks:
+            return
+        from engine.parallel.remote import RemoteRanks
+        from engine.parallel.rendezvous import group_token, serve_joins
+        from mesh.tokenlink import local_address_toward
+
+        e = self.settings.engine
+        addr = self.settings.rank_addr
+        if not addr:
+            url = self.bus.nc.connected_url
+            addr = await asyncio.to_thread(local_address_toward, url.hostname, url.port or 4222)
+        token = group_token(e.hash_key, self.bus.subjects.ns, self.worker_id)
+        self.remote_ranks = RemoteRanks(self.worker_id, ranks, token, addr)
+        stack.callback(self.remote_ranks.close)
+        await serve_joins(self.bus, self.remote_ranks, token, e.tp, e.pp, stack)
+        log.warning("worker %s waits for rank(s) %s on other hosts (at %s): mesh rank --join %s", self.worker_id,
+                    ", ".join(map(str, ranks)), addr, self.worker_id)
+
     def open_engine(self) -> None:
         self.engine = self.build()
 
@@ -272,6 +296,9 @@ class WorkerBase(WorkerCore):
                                name=f"engine-{self.role}", on_failure=lambda e: self._engine_died(stop))
         self.loop.start()
         stack.callback(self.loop.stop)
+        if self.remote_ranks is not None:  # a rank lost on another host: leave now, not at the next step
+            main = asyncio.get_running_loop()
+            self.engine.ranks.on_lost = lambda why: main.call_soon_threadsafe(self._engine_died, stop)
         if self.kv_events is not None:
             await self.kv_events.start(self.loop)
             stack.push_async_callback(self.kv_events.stop)

@@ -5,7 +5,7 @@ and the embed worker (``decode.embed``: a forward without a KV cache) subclass i
 the engine (``open_engine``, ``warm_up``, ``close_engine``), ``start()``, ``card()``,
 ``next_load()`` and ``in_flight()``.
 
-Lifecycle (``run``): connect -> build the engine and warm it up (in a thread: the event loop
+Lifecycle (``run``): connect -> ``before_engine`` -> build the engine and warm it up (in a thread: the event loop
 never waits for torch) -> metrics server -> the role's ``start`` (its parts, subscriptions) ->
 register card -> load reports -> serve until stop -> drain (status "draining", finish in-flight
 work) -> stop load reports -> deregister -> the role's cleanups, last pushed first -> close
@@ -88,6 +88,10 @@ class WorkerCore:
         self.exit_code = 0
 
     # -- for roles ----------------------------------------------------------------
+    async def before_engine(self, stack: AsyncExitStack) -> None:
+        """Once connected, before the engine builds: what must be on the bus while it does (the
+        joins of a worker's ranks on other hosts); cleanups onto ``stack``."""
+
     def open_engine(self) -> None:
         """In a thread, once connected: build what computes (and keep it)."""
 
@@ -129,6 +133,7 @@ class WorkerCore:
         async with AsyncExitStack() as stack:
             self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
             stack.push_async_callback(self.bus.close)
+            await self.before_engine(stack)
             await asyncio.to_thread(self.open_engine)
             stack.callback(self.close_engine)
             await asyncio.to_thread(self.warm_up)

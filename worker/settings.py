@@ -49,6 +49,14 @@ class WorkerSettings(CoreSettings):
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
     peer_pin_max_s: float = 10.0  # decode: the longest a peer's fetch keeps our blocks pinned, whatever it asks
     pooling: str = "last"  # embed: the pooling of a model whose directory names none (sentence-transformers')
+    local_ranks: int = 0  # ranks of the engine's layout on this host (0: all); the others join from other hosts
+    rank_addr: str = ""  # where those ranks reach this worker ("": its address toward the NATS server)
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        """The ranks of the engine's layout that join from other hosts (``mesh rank --join``)."""
+        size = getattr(self.engine, "tp", 1) * getattr(self.engine, "pp", 1)
+        return tuple(range(self.local_ranks, size)) if 0 < self.local_ranks < size else ()
 
     @property
     def is_mock(self) -> bool:
@@ -60,6 +68,11 @@ class WorkerSettings(CoreSettings):
 
         if self.is_mock:
             return ["mock"]
+        if self.remote_ranks:  # rank 0 cannot reach their KV parts: this worker prefills its own prompts
+            if self.transports:
+                raise ValueError("a worker with ranks on other hosts moves no KV (it prefills its own prompts): "
+                                 "drop --transports")
+            return []
         on_cuda = self.engine.torch_device.type == "cuda"
         pp = getattr(self.engine, "pp", 1)
         one_tensor = [n for n in self.transports if n in ONE_TENSOR_TRANSPORTS]

@@ -11,9 +11,7 @@ the token ranks send.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
-from multiprocessing.connection import Connection
 
 import torch
 
@@ -25,13 +23,14 @@ from engine.moe import SparseMoE
 from engine.parallel.comm import join_groups, open_store, rank_device
 from engine.parallel.experts import expert_shard
 from engine.parallel.group import RankSetup, StatsRequest
+from engine.parallel.lifeline import Lifeline
 from engine.parallel.stage import StageStats, StageStep
 from engine.tp import Shard
 
 log = logging.getLogger(__name__)
 
 
-def serve_experts(conn: Connection, setup: RankSetup) -> int:
+def serve_experts(link: Lifeline, setup: RankSetup) -> int:
     layout, cfg = setup.layout, setup.config
     place = layout.place(setup.rank)
     mc = ModelConfig.from_dir(cfg.model)
@@ -42,7 +41,7 @@ def serve_experts(conn: Connection, setup: RankSetup) -> int:
     experts = {m.layer: m.experts for m in model.modules() if isinstance(m, SparseMoE)}
     log.info("rank %d holds experts %s of MoE layers %s", setup.rank,
              shard.experts.local(mc.moe.num_experts), sorted(experts))
-    conn.send((None, None))  # ready, with no KV part
+    link.send((None, None))  # ready, with no KV part
     store = open_store(setup.store_host, setup.store_port, layout.size, master=False)
     groups = join_groups(store, layout, setup.rank, device, setup.store_host)
     shard.join(None, groups.ep)
@@ -60,7 +59,7 @@ def serve_experts(conn: Connection, setup: RankSetup) -> int:
 
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = link.recv()
         except EOFError:
             return 0  # rank 0 is gone
         if message is None:
@@ -70,7 +69,7 @@ def serve_experts(conn: Connection, setup: RankSetup) -> int:
         elif isinstance(message, RebuildStep):
             serve(1)
         elif isinstance(message, StatsRequest):
-            conn.send(StageStats(**vars(stats)))
+            link.send(StageStats(**vars(stats)))
             if message.reset:
                 stats = StageStats(setup.rank, place.stage)
         else:

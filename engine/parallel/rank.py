@@ -1,5 +1,6 @@
 """A helper rank of a worker's layout: ``python -m engine.parallel.rank FD AGENT_FD`` (see
-``engine.parallel.group``).
+``engine.parallel.group``), or ``mesh rank --join WORKER`` on another host (``serve_joined``: the
+same, over a lifeline across hosts, with no KV agent channel).
 
 Rank 0 (``RankGroup``) starts this process with one end of a socket pair as ``FD``; the helper
 reads its ``RankSetup``, loads its part of the model (its stage's layers, its share of the
@@ -17,9 +18,9 @@ the group never needs.
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
 import sys
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -35,6 +36,7 @@ from engine.parallel.comm import join_groups, open_store, rank_device
 from engine.parallel.expert_rank import serve_experts
 from engine.parallel.experts import expert_shard
 from engine.parallel.group import RankSetup, StatsRequest, rank_kv_spec
+from engine.parallel.lifeline import Lifeline
 from engine.parallel.stage import LayerWindow, StageRunner, StageStep
 from engine.tp import Shard
 from kvstore.cache import KVCache
@@ -43,17 +45,46 @@ from kvstore.transfer.nixl_ranks import RankAgentService
 log = logging.getLogger(__name__)
 
 
-def _serve(conn: Connection, agent_conn: Connection | None = None) -> int:
-    setup: RankSetup = conn.recv()
+@dataclass(frozen=True)
+class RankHost:
+    """What a rank on another host takes from its own host rather than from rank 0's setup."""
+
+    addr: str  # where its process groups listen (its address toward rank 0)
+    model: str | None = None  # the model directory here (None: the path rank 0 has)
+    device: str | None = None  # None: the CPU, or the first GPU
+    threads: int | None = None  # torch threads (None: torch's default, from this host's cores)
+
+
+def _device(setup: RankSetup, host: RankHost | None) -> torch.device:
+    cfg = setup.config
+    if host is None:
+        return rank_device(cfg.torch_device, setup.rank)
+    if host.device:
+        return torch.device(host.device)
+    return torch.device("cuda", 0) if cfg.torch_device.type == "cuda" else torch.device("cpu")
+
+
+class RankRefused(Exception):
+    """Rank 0 closed a joined rank's lifeline before its setup: why, in one line."""
+
+
+def _serve(link: Lifeline, host: RankHost | None = None, agent_conn: Connection | None = None) -> int:
+    try:
+        setup: RankSetup = link.recv()
+    except EOFError:
+        raise RankRefused("the worker closed the group before this rank started") from None
+    if isinstance(setup, str):  # a joined rank's connection refused after the handshake
+        raise RankRefused(setup)
     layout, cfg = setup.layout, setup.config
     place = layout.place(setup.rank)
     logging.basicConfig(level=setup.log_level,
                         format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s")
-    torch.set_num_threads(setup.threads)
+    torch.set_num_threads(setup.threads if host is None else host.threads or torch.get_num_threads())
     if place.experts_only:
-        return serve_experts(conn, setup)
-    mc = ModelConfig.from_dir(cfg.model)
-    device = rank_device(cfg.torch_device, setup.rank)
+        return serve_experts(link, setup)
+    model_dir = (host.model if host else None) or cfg.model
+    mc = ModelConfig.from_dir(model_dir)
+    device = _device(setup, host)
     shard = Shard(place.tp_rank, layout.tp, experts=expert_shard(layout, setup.rank))
     layers = layout.layers(place.stage)
     model = load_model(mc, device, cfg.torch_dtype, setup.max_len, shard,
@@ -68,15 +99,17 @@ def _serve(conn: Connection, agent_conn: Connection | None = None) -> int:
     configure = getattr(attention, "configure", None)
     if configure is not None:  # as rank 0's runner configures its own
         configure(model.layers[layers.start].self_attn.num_heads, cfg.torch_dtype)
-    conn.send((spec.to_dict(), setup.kv_path if device.type == "cpu" else reduce_tensor(kv.tensor)))
+    # where rank 0 finds this part: a file it maps, a CUDA IPC handle, or (another host) nowhere
+    where = None if host else setup.kv_path if device.type == "cpu" else reduce_tensor(kv.tensor)
+    link.send((spec.to_dict(), where))
     store = open_store(setup.store_host, setup.store_port, layout.size, master=False)
-    groups = join_groups(store, layout, setup.rank, device, setup.store_host)
+    groups = join_groups(store, layout, setup.rank, device, host.addr if host else setup.store_host)
     shard.join(groups.tp, groups.ep)
     stage = StageRunner(model, attention, layout, setup.rank, groups, device, cfg.torch_dtype)
     rebuild: TargetStates | None = None  # made at the first RebuildStep (EAGLE-3 only)
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = link.recv()
         except EOFError:
             return 0  # rank 0 is gone
         if message is None:
@@ -87,18 +120,24 @@ def _serve(conn: Connection, agent_conn: Connection | None = None) -> int:
             rebuild = rebuild or TargetStates(model, window, cfg.attention_backend)
             rebuild(message)  # this rank's share of the all-reduces; the states are rank 0's to keep
         elif isinstance(message, StatsRequest):
-            conn.send(stage.take_stats(message.reset))
+            link.send(stage.take_stats(message.reset))
         else:
             raise TypeError(f"rank {setup.rank}: unknown message {type(message).__name__}")
+
+
+def serve_joined(link: Lifeline, host: RankHost) -> int:
+    """A rank on another host, its lifeline to rank 0 open: serve until rank 0 closes the group
+    (0); when rank 0 is lost the lifeline's ``on_lost`` ends the process. Exceptions propagate."""
+    return _serve(link, host)
 
 
 def main(argv: list[str]) -> int:
     """``argv``: the step pipe's descriptor, then the KV agent channel's (``kvstore.transfer.nixl_ranks``)."""
     # Ctrl-C reaches the whole process group: rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
+    link = Lifeline(Connection(int(argv[0])))
     try:
-        return _serve(conn, Connection(int(argv[1])) if len(argv) > 1 else None)
+        return _serve(link, agent_conn=Connection(int(argv[1])) if len(argv) > 1 else None)
     except (EOFError, BrokenPipeError):
         return 0
     except Exception:

@@ -1,7 +1,9 @@
-"""One model over several ranks on this CPU: decode throughput, step time and pipeline utilisation.
+"""One model over several ranks: decode throughput, step time and pipeline utilisation on this CPU,
+or (``--hosts 2``) PP 2 with one stage per simulated host against PP 2 on one.
 
-    python -m bench.parallel             # the `small` model, batch 32 and 128
-    python -m bench.parallel --quick     # a short smoke run: batch 32, a few tokens
+    python -m bench parallel             # the `small` model, batch 32 and 128
+    python -m bench parallel --quick     # a short run: batch 32, a few tokens
+    sudo python -m bench parallel --hosts 2   # PP 2 across two namespace hosts vs on one (root)
 
 The model is ``small`` (``mesh model tiny --size small``: 10 layers, hidden 640) with its 10
 query and 5 KV heads of 64 regrouped as 8 and 4 of 80, so that TP 2 divides them: every matrix
@@ -27,12 +29,15 @@ every layout in turn, all of a batch's engines open at once):
 Every layout's tokens are compared with PP 1's (``identical``). The last line of the output is
 one JSON object with every figure. On a shared machine, wall times measure the other tenants
 too: compare layouts of one run, and rerun on a quiet one for figures to keep.
+
+``--hosts 2`` (``bench.engine.parallel_hosts``): real decode workers of ``--pp 2`` on simulated
+hosts (``tests.helpers.hostbed``), one with both stages on host 1, one with its second stage
+joined from host 2 (``mesh rank --join``); decode tok/s of a batch of greedy requests sent to
+each in turn over the bus. Target: across hosts within 1.3x of one host.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import random
@@ -42,9 +47,20 @@ from pathlib import Path
 
 import torch
 
+from bench.common import DRY_RUN_HELP, Benchmark, emit, parse, parser
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+
+BENCHMARK = Benchmark(
+    name="parallel",
+    measures="decode tok/s, step time and pipeline utilisation of PP 1, PP 2 (micro-batches off and on), TP 2 "
+             "and TP 2 x PP 2 on the `small` model (CPU), batch 32 and 128; or (--hosts 2, root) PP 2 with one "
+             "stage per simulated host against PP 2 on one",
+    target="utilisation >= 0.7 with micro-batching at batch 32; across hosts within 1.3x of one host (issue 50)",
+    minutes=6,
+    smoke=("--dry-run",),
+)
 
 BLOCK_SIZE = 16
 LAYOUTS = {  # name -> EngineConfig fields
@@ -129,25 +145,12 @@ def measure(engines: dict[str, Engine], prompts: list[list[int]], n: int, reps: 
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model directory (default: the `small` model in a cache dir)")
-    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 32 and 128)")
-    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=DEFAULT_LAYOUTS)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="CPU threads of every layout, all ranks together")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="batch 32, 8 new tokens, one round")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.new_tokens, args.reps = args.batch or [32], 8, 1
+def run_layouts(args) -> dict:
+    """Every layout of ``args.layouts`` at every batch size, in this process (the helper ranks as its children)."""
     model_dir = Path(args.model) if args.model else small_model_dir()
     rows = []
     print(f"{'layout':<8} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'util':>5}  identical", flush=True)
-    for batch in args.batch or [32, 128]:
+    for batch in args.batch:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(8, 4096) for _ in range(args.prompt_len)] for _ in range(batch)]
         engines: dict[str, Engine] = {}
@@ -169,12 +172,37 @@ def main(argv: list[str] | None = None) -> int:
             util = f"{row['utilisation']:.2f}" if "utilisation" in row else "-"
             print(f"{name:<8} {batch:>5} {row['decode_tok_s']:>8.1f} {row['step_ms']:>8.1f} {util:>5}  "
                   f"{row['identical']}", flush=True)
-    result = {"bench": "parallel", "model": model_dir.name, "threads": args.threads, "cpu": platform.processor()
-              or platform.machine(), "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-              "load_avg": os.getloadavg()[0], "rows": rows}
-    print(json.dumps(result))
-    return 0 if all(r["identical"] for r in rows) else 1
+    return {"model": model_dir.name, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
+            "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "rows": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    p = parser(BENCHMARK, __doc__)
+    p.add_argument("--model", help="model directory (default: the `small` model in a cache dir)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 32 and 128; --hosts: 32)")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=DEFAULT_LAYOUTS)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="CPU threads of every layout, all ranks together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="batch 32, 8 new tokens, one round")
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                   help="2: PP 2 with one stage per simulated host against PP 2 on one (real workers; root)")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    args = parse(BENCHMARK, p, argv)
+    if args.quick:
+        args.batch, args.new_tokens, args.reps = args.batch or [32], 8, 1
+    if args.hosts == 2:
+        from bench.engine import parallel_hosts
+
+        return parallel_hosts.run_hosts(BENCHMARK, args)
+    args.batch = args.batch or [32, 128]
+    if args.dry_run:
+        print(f"DRY RUN: layouts {', '.join(args.layouts)} at batch {', '.join(map(str, args.batch))}, "
+              f"{args.new_tokens} new tokens after {args.prompt_len}-token prompts, best of {args.reps}")
+        return emit(BENCHMARK, {"model": "small", "threads": args.threads, "rows": []}, args)
+    figures = run_layouts(args)
+    emit(BENCHMARK, figures, args)
+    return 0 if all(r["identical"] for r in figures["rows"]) else 1
