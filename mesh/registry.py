@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
@@ -109,10 +110,21 @@ class Membership:
         self._hold_until = 0.0  # monotonic: no card expires before (the watch was just re-opened)
         self._stall_task: asyncio.Task | None = None
         self.ready = asyncio.Event()
+        # bumped by every join, leave or change of a card (not a refresh): views derived from
+        # the cards (``cards_of``) are rebuilt only when it moves
+        self.version = 0
+        self._views: dict[tuple[str | None, str | None], tuple[int, list[WorkerCard]]] = {}
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
-        """``fn(worker_id, card)`` on every join or update; ``card`` is None when a worker leaves."""
+        """``fn(worker_id, card)`` when a worker joins or its card changes; ``card`` is None when it
+        leaves. A refresh that only moves ``updated`` notifies nobody: at 1,000 workers refreshes
+        come 500 a second, and each listener would run for every one."""
         self._listeners.append(fn)
+
+    def off_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
+        """Stop calling ``fn`` (a worker that shares this view with others in its process leaves)."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(fn)
 
     async def start(self, wait: float = 5.0) -> None:
         await self._open_watch()
@@ -166,6 +178,21 @@ class Membership:
             if (model is None or c.model == model) and (role is None or c.role == role)
         ]
 
+    def cards_of(self, model: str | None = None, role: str | None = None) -> list[WorkerCard]:
+        """``cards(model, role)`` kept until the membership changes: what a per-request path reads
+        (at 1,000 workers, filtering every card per request was its cost). A card in it may be an
+        earlier refresh of the worker's (only its ``updated`` differs). Do not change the list."""
+        key = (model, role)
+        got = self._views.get(key)
+        if got is not None and got[0] == self.version:
+            return got[1]
+        view = [c for c in self._cards.values()
+                if (model is None or c.model == model) and (role is None or c.role == role)]
+        if len(self._views) > 256:  # a view per (model, role) asked: bounded anyway
+            self._views.clear()
+        self._views[key] = (self.version, view)
+        return view
+
     def get(self, worker_id: str) -> WorkerCard | None:
         return self._cards.get(worker_id)
 
@@ -202,10 +229,14 @@ class Membership:
             self._seen[card.worker_id] = time.monotonic() - age
             if age >= self.ttl:
                 continue
+            old = self._cards.get(card.worker_id)
             self._cards[card.worker_id] = card
-            self._last_entry = time.monotonic()
-            self._models_seen[card.model] = time.monotonic()
-            self._notify(card.worker_id, card)
+            now = time.monotonic()
+            self._last_entry = now
+            self._models_seen[card.model] = now
+            if old is None or msgspec.structs.replace(old, updated=card.updated) != card:
+                self.version += 1
+                self._notify(card.worker_id, card)
             self.ready.set()
 
     def _drop_key(self, key: str) -> None:
@@ -215,6 +246,7 @@ class Membership:
     def _drop(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
         if self._cards.pop(worker_id, None) is not None:
+            self.version += 1
             self._notify(worker_id, None)
 
     async def _sweep(self) -> None:

@@ -28,7 +28,7 @@ from mesh.bus import Bus
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, WorkerCard, subject_token
-from mesh.registry import CardPublisher
+from mesh.registry import CardPublisher, Membership
 from mesh.telemetry import serve_metrics, setup_tracing
 from worker.settings import WorkerSettings
 
@@ -51,6 +51,16 @@ class Counters:
         self.by_key[key] = self.by_key.get(key, 0) + n
 
 
+@dataclass(frozen=True)
+class SharedParts:
+    """What the workers of one process share when it runs several (``worker.host``: the mocker's
+    ``--num-workers``): one NATS connection and one view of the registry, both the host's to open
+    and close. A worker without them opens its own."""
+
+    bus: Bus
+    membership: Membership
+
+
 class WorkerCore:
     role = ""
 
@@ -66,6 +76,7 @@ class WorkerCore:
         self.last_load: LoadReport | None = None
         self.metrics_port = 0
         self.exit_code = 0
+        self.shared: SharedParts | None = None  # set by a host running several workers in its process
 
     # -- for roles ----------------------------------------------------------------
     def open_engine(self) -> None:
@@ -107,8 +118,11 @@ class WorkerCore:
         s = self.settings
         setup_tracing(f"pdmesh-{self.role}")
         async with AsyncExitStack() as stack:
-            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
-            stack.push_async_callback(self.bus.close)
+            if self.shared is None:
+                self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
+                stack.push_async_callback(self.bus.close)
+            else:
+                self.bus = self.shared.bus
             await asyncio.to_thread(self.open_engine)
             stack.callback(self.close_engine)
             await asyncio.to_thread(self.warm_up)
@@ -119,7 +133,8 @@ class WorkerCore:
             stack.push_async_callback(self.cards.stop)
             load = asyncio.create_task(self._report_load(), name="load")
             stack.push_async_callback(cancel_and_wait, [load])
-            settle_heap()  # start-up state built: out of the collector's way
+            if self.shared is None:
+                settle_heap()  # start-up state built: out of the collector's way (a host: once, for all)
             self.ready.set()
             log.info("%s worker %s serving %s%s", self.role, self.worker_id, self.served_model(),
                      self.serving_note())
