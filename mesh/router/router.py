@@ -142,6 +142,8 @@ class KvRouter:
         self.decisions = 0
         self.fetches = 0
         self.ignored = 0  # load reports and KV event batches from ids the registry does not vouch for
+        self._kv_batches = metrics.ROUTER_KV_EVENTS.labels("batches")
+        self._kv_hashes = metrics.ROUTER_KV_EVENTS.labels("hashes")
 
     def index(self, model: str) -> KvIndex:
         idx = self.indexes.get(model)
@@ -202,6 +204,9 @@ class KvRouter:
         if not self.index(batch.model).apply(batch):
             self._buffered.setdefault(w, []).append(batch)
             self._spawn(self._resync(batch.model, w))
+            return
+        self._kv_batches.inc()
+        self._kv_hashes.inc(sum(len(ev.hashes) for ev in batch.events))
 
     async def _on_load(self, report: LoadReport, raw) -> None:
         if report.role != "decode":
