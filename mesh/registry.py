@@ -257,10 +257,10 @@ class Membership:
                 # the replay after the watch is back refreshes every live card: count from then
                 self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
                 continue
-            for wid in [w for w, t in self._seen.items() if now - t > self.ttl]:
+            for wid, t in [(w, t) for w, t in self._seen.items() if now - t > self.ttl]:
                 self._seen.pop(wid, None)
                 if wid in self._cards:
-                    log.info("worker %s expired from the registry", wid)
+                    log.info("worker %s expired from the registry (its newest card is %.1f s old)", wid, now - t)
                     self._drop(wid)
             self._check_stall(now)
 

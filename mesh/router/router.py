@@ -31,7 +31,7 @@ from mesh.protocol import (
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
-    LoadReport,
+    LoadSummary,
     RouterDecision,
     WorkerCard,
 )
@@ -129,7 +129,7 @@ class KvRouter:
         self.table = LoadTable(self.slots)
         self._views: dict[str, _View] = {}
         self.indexes: dict[str, KvIndex] = {}
-        self.loads: dict[str, LoadReport] = {}
+        self.loads: dict[str, LoadSummary] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
         self.inflight: dict[str, _InflightQueue] = {}  # worker -> its routed requests (request id -> load)
         self._buffered: dict[str, list[KvEventBatch]] = {}
@@ -156,7 +156,7 @@ class KvRouter:
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
-            await self.bus.subscribe(s.load_all(), self._on_load, LoadReport),
+            await self.bus.subscribe(s.load_all(), self._on_load, LoadSummary),
             await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
         ]
         self.membership.on_change(self._on_member)
@@ -208,7 +208,7 @@ class KvRouter:
         self._kv_batches.inc()
         self._kv_hashes.inc(sum(len(ev.hashes) for ev in batch.events))
 
-    async def _on_load(self, report: LoadReport, raw) -> None:
+    async def _on_load(self, report: LoadSummary, raw) -> None:
         if report.role != "decode":
             return
         if not self.membership.vouches(report.worker_id, "decode", report.model):
