@@ -2,7 +2,9 @@
 ``../shared/peers/side_by_side.sh`` (nats-server, ``mesh gateway`` with the KV router, 2
 ``mesh worker mock`` stepping at a fixed ``--step-ms`` with prefill almost free, as STEP=match
 runs them) under the same closed-loop chat load (C streams, N requests, T tokens, a 100-word
-prompt), with every process writing its spans (``OTEL_TRACES_EXPORTER=file``). Each request's
+prompt), with every process exporting its spans in batches from a thread of its own
+(``OTEL_TRACES_EXPORTER=console`` to a file: the synchronous ``file`` exporter cost the gateway
+more than its requests did). Each request's
 spans share one trace (the gateway's server span, its child spans, the worker's, continued over
 the bus); the client records when it sent each request and when its first token came, by wall
 clock, and finds the trace by the completion's id. The parts:
@@ -81,11 +83,17 @@ async def load(url: str, model: str, n: int, c: int, tokens: int) -> list[dict]:
 
 def spans_by_trace(paths: list[Path]) -> dict[str, dict[str, dict]]:
     traces: dict[str, dict[str, dict]] = {}
+    dec = json.JSONDecoder()
     for path in paths:
         if not path.exists():
             continue
-        for line in path.read_text().splitlines():
-            s = json.loads(line)
+        text, pos = path.read_text(), 0
+        while True:
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            if pos >= len(text):
+                break
+            s, pos = dec.raw_decode(text, pos)  # the console exporter's objects, one after another
             trace = s["context"]["trace_id"]
             name = s["name"]
             if name.startswith("POST "):
@@ -135,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                   "prefill_base_ms=0", "prefill_ms_per_token=0.001", "prefill_ms_per_token_ctx=0"]
 
         def spawn(argv, name):
-            env = {**os.environ, "OTEL_TRACES_EXPORTER": "file", "MESH_TRACE_FILE": str(work / f"{name}.jsonl"),
-                   "TOKENIZERS_PARALLELISM": "false"}
-            procs.append(subprocess.Popen(argv, env=env, stdout=open(work / f"{name}.log", "wb"),  # noqa: SIM115
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_MAX_QUEUE_SIZE": "200000",
+                   "OTEL_BSP_SCHEDULE_DELAY": "500", "TOKENIZERS_PARALLELISM": "false"}
+            procs.append(subprocess.Popen(argv, env=env, stdout=open(work / f"{name}.jsonl", "wb"),  # noqa: SIM115
+                                          stderr=open(work / f"{name}.log", "wb"),  # noqa: SIM115
+                                          start_new_session=True))
 
         spawn([*mesh, "gateway", "--nats", nats.url, "--model", args.tok, "--served-name", "tiny", "--host",
                "127.0.0.1", "--port", str(port), *args.gateway_flags.split()], "gateway")
