@@ -189,3 +189,43 @@ async def test_a_worker_that_leaves_gives_back_its_slot_and_leaves_nothing_behin
     router._on_member("c", cards.get("c"))
     assert router.slots.slot("c") == slot_a  # reused, and empty
     assert idx.match([1, 2, 3]) == {"b": PrefixMatch(3)}
+
+
+async def test_at_1000_workers_with_many_blocks_the_router_still_picks_the_holder_and_the_idlest():
+    """1,000 workers, each caching a system prompt they all share and a conversation of its own
+    (~100,000 blocks indexed): a continued conversation goes to the worker holding it, a prompt
+    sharing only the system prompt to the least busy of all, and every decision is ``pick_worker``'s."""
+    rng = random.Random(3)
+    seed = hash_seed(DEFAULT_HASH_KEY, "m")
+    ids = [f"w{i:04d}" for i in range(1000)]
+    cards = Cards([card(w) for w in ids])
+    router = KvRouter(None, cards, RouterConfig())
+    router._spawn = lambda coro: coro.close()
+    idx = router.index("m")
+    system = [rng.randrange(32000) for _ in range(16 * 32)]
+    shared = block_hashes(system, 16, seed)
+    convs = {}
+    for i, w in enumerate(ids):
+        conv = system + [rng.randrange(32000) for _ in range(16 * 64)]
+        convs[w] = conv
+        idx.load_snapshot(w, 0, {"device": block_hashes(conv, 16, seed)})
+        await router._on_load(LoadReport(w, "m", "decode", 0.0, kv_blocks_used=100 + (i * 7919) % 500), None)  # busier by < 64 blocks of prefill
+    assert sum(idx.num_blocks(w) for w in ids) == 1000 * 96
+    assert idx.match(shared + [1])["w0500"].depth == 32  # everyone holds the system prompt
+    least = min(router.loads[w].kv_blocks_used for w in ids)
+    idlest = {w for w in ids if router.loads[w].kv_blocks_used == least}
+    for k in range(20):
+        w = rng.choice(ids)
+        tokens = convs[w] + [rng.randrange(32000) for _ in range(40)]
+        expect = _slow_decision(router, tokens, set(), k)
+        router.rng = random.Random(k)
+        d = router.route("m", tokens, f"c{k}")
+        assert (d.worker_id, d.hit_blocks) == (expect.worker_id, expect.hit_blocks) == (w, 96)
+        router.finished(w, f"c{k}")
+        tokens = system + [rng.randrange(32000) for _ in range(16 * 20)]
+        expect = _slow_decision(router, tokens, set(), 100 + k)
+        router.rng = random.Random(100 + k)
+        d = router.route("m", tokens, f"s{k}")
+        assert (d.worker_id, d.hit_blocks, d.cost) == (expect.worker_id, expect.hit_blocks, expect.cost)
+        assert d.worker_id in idlest and d.hit_blocks == 32
+        router.finished(d.worker_id, f"s{k}")
