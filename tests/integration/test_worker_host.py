@@ -114,7 +114,10 @@ async def test_a_process_of_workers_killed_mid_load_leaves_routing_and_its_strea
 
         async with httpx.AsyncClient(timeout=60) as http:
             clients = [asyncio.create_task(client(http)) for _ in range(24)]
-            await asyncio.sleep(3.0)  # streams everywhere, hostK's included
+            await asyncio.sleep(2.0)  # streams everywhere
+            await w.wait_for(  # one of hostK's is well under way (60 tokens take ~2.4 s)
+                lambda: any(wid.startswith("hostK-") and 0.4 < time.monotonic() - t < 1.2 for t, wid in decisions),
+                30, "a stream on hostK")
             killed_at = time.monotonic()
             hosts["hostK"].send_signal(signal.SIGKILL)  # the process: its 8 workers with it
             stop_at[0] = killed_at + 10.0  # new requests keep coming for 10 s after the kill
