@@ -109,6 +109,7 @@ class Membership:
         self._last_entry = time.monotonic()  # of the last fresh card the watch delivered
         self._hold_until = 0.0  # monotonic: no card expires before (the watch was just re-opened)
         self._stall_task: asyncio.Task | None = None
+        self._freshest = float("inf")  # the age of the freshest card read since the last sweep
         self.ready = asyncio.Event()
         # bumped by every join, leave or change of a card (not a refresh): views derived from
         # the cards (``cards_of``) are rebuilt only when it moves
@@ -226,6 +227,7 @@ class Membership:
                 log.warning("ignoring a malformed card %s: %s", entry.key, e)
                 continue
             age = min(max(time.time() - card.updated, 0.0), self.ttl)
+            self._freshest = min(self._freshest, age)
             self._seen[card.worker_id] = time.monotonic() - age
             if age >= self.ttl:
                 continue
@@ -253,7 +255,14 @@ class Membership:
         while True:
             await asyncio.sleep(min(1.0, self.ttl / 4))
             now = time.monotonic()
-            if self._rewatching or now < self._hold_until:
+            behind = self.ttl / 3 < self._freshest < float("inf")  # none read: _check_stall's to judge
+            self._freshest = float("inf")
+            if behind:
+                # Even the freshest card read since the last sweep was older than a refresh period:
+                # this process reads the registry late (its loop is busy), and the newer cards wait
+                # in its queue. Its lag is not the workers' silence: none expires until it catches up.
+                log.info("reading the registry late: no card expires until it catches up")
+            if self._rewatching or now < self._hold_until or behind:
                 # the replay after the watch is back refreshes every live card: count from then
                 self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
                 continue

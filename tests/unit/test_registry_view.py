@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -55,3 +57,38 @@ async def test_a_cached_view_is_rebuilt_only_when_the_membership_changes():
     await m._watch(entries(Entry("c", encode(card("c"))), Entry("a", b"", "DEL")))
     assert [c.worker_id for c in m.cards_of("m", "decode")] == ["b", "c"]
     assert m.cards_of("m", "prefill") == [] and m.cards("m", "decode") == m.cards_of("m", "decode")
+
+
+async def test_a_view_that_reads_the_registry_late_expires_nobody_until_it_catches_up(monkeypatch):
+    """The cards this process reads are all older than a refresh period: it is behind (its loop was
+    busy), not the workers silent. Its lag expires none of them; their silence still does."""
+    import mesh.registry as registry
+
+    clock = [1000.0]
+    monkeypatch.setattr(registry.time, "monotonic", lambda: clock[0])
+    turns = []
+
+    async def one_turn(seconds):  # each _sweep() call below runs its loop body once
+        turns.append(seconds)
+        if len(turns) % 2 == 0:
+            raise asyncio.CancelledError
+
+    async def sweep():
+        monkeypatch.setattr(registry.asyncio, "sleep", one_turn)
+        with contextlib.suppress(asyncio.CancelledError):
+            await m._sweep()
+        monkeypatch.undo()
+        monkeypatch.setattr(registry.time, "monotonic", lambda: clock[0])
+
+    m = Membership(bus=None, ttl=6.0)
+    a, b = card("a"), card("b")
+    await m._watch(entries(Entry("a", encode(a)), Entry("b", encode(b))))
+    await sweep()
+    clock[0] += 7.0  # nothing read for 7 s...
+    late = msgspec.structs.replace(a, updated=time.time() - 4.0)  # ...then a's card, 4 s old when read
+    await m._watch(entries(Entry("a", encode(late))))
+    await sweep()
+    assert m.get("a") is not None and m.get("b") is not None  # b kept too: we are the ones behind
+    clock[0] += 7.0  # and then nothing at all for 7 more seconds: silence, not lag
+    await sweep()
+    assert m.get("a") is None and m.get("b") is None
