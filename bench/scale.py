@@ -68,6 +68,11 @@ class Spec:
     seconds: float = 30.0
     kill_after: float = 0.0  # --kill: SIGKILL one worker process this long into the window
 
+    def settle_s(self) -> float:
+        """Warm-up: the initial burst admitted and a request's time run, so that requests end and
+        start through the window as they would for good (a stream's first request has any length)."""
+        return max(self.warmup, min(1.2 * self.tokens * self.step_ms / 1000, 120.0))
+
     @property
     def per_worker_seqs(self) -> int:
         return max(16, 2 * -(-self.streams // self.workers) + 8)
@@ -243,9 +248,10 @@ def snapshot(mesh: Mesh) -> Snapshot:
     cpu = {c: cpu_seconds(mesh.pids(c)) for c in COMPONENTS if c != "nats-server"}
     cpu["nats-server"] = cpu_seconds([mesh.nats.proc.pid])
     varz = json.loads(http_get(f"http://127.0.0.1:{mesh.monitor}/varz"))
-    try:
-        metrics = http_get(f"http://127.0.0.1:{mesh.port}/metrics").decode()
-    except OSError:
+    try:  # a busy gateway answers late (its loop serves the streams first)
+        metrics = http_get(f"http://127.0.0.1:{mesh.port}/metrics", timeout=60.0).decode()
+    except OSError as e:
+        print(f"scale: the gateway's /metrics did not answer: {e}", file=sys.stderr)
         metrics = ""
     rss = {c: rss_mb(mesh.pids(c)) for c in COMPONENTS if c != "nats-server"}
     rss["nats-server"] = rss_mb([mesh.nats.proc.pid])
@@ -301,14 +307,16 @@ async def measure(mesh: Mesh, spec: Spec, vocab: int, ready_s: float) -> dict:
     client = await asyncio.create_subprocess_exec(
         sys.executable, str(PROBES), "client", f"http://127.0.0.1:{mesh.port}", mesh.model_dir.name,
         "--streams", str(spec.streams), "--tokens", str(spec.tokens), "--system-tokens", str(SYSTEM_TOKENS),
-        "--own-tokens", str(OWN_TOKENS), "--vocab", str(vocab), "--warmup", str(spec.warmup),
-        "--seconds", str(spec.seconds), stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        "--own-tokens", str(OWN_TOKENS), "--vocab", str(vocab), "--warmup", str(spec.settle_s()),
+        "--seconds", str(spec.seconds), "--drain", str(spec.tokens * spec.step_ms / 1000 * 1.5 + 30),
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
     watch = await KillWatch.open(mesh) if spec.kill_after else None
     first = last = None
     cpu_client = []
     try:
         while True:
-            line = (await asyncio.wait_for(client.stdout.readline(), spec.warmup + spec.seconds + 180)).decode()
+            wait = spec.settle_s() + spec.seconds + spec.tokens * spec.step_ms / 1000 * 1.5 + 120
+            line = (await asyncio.wait_for(client.stdout.readline(), wait)).decode()
             if not line:
                 raise RuntimeError(f"the load client exited ({await client.wait()})")
             if line.startswith("measure-start"):

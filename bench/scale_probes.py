@@ -70,19 +70,25 @@ class Load:
     async def stream(self, host: str, port: int) -> None:
         conn = Connection(host, port)
         a = self.args
-        try:
+        n = self.rng.randint(1, a.tokens)  # the first of a stream: any length, so that the streams end,
+        try:  # and start again, spread over a request's time from the start (no waves to wait out)
             while self.sending:
                 prompt = self.prompt()
-                body = orjson.dumps({"model": a.model, "prompt": prompt, "max_tokens": a.tokens, "stream": True,
+                body = orjson.dumps({"model": a.model, "prompt": prompt, "max_tokens": n, "stream": True,
                                      "ignore_eos": True, "return_token_ids": True, "temperature": 0})
-                await self.one(conn, prompt, body)
+                await self.one(conn, prompt, body, n)
+                n = a.tokens
         finally:
             await conn.close()
 
-    async def one(self, conn: Connection, prompt: list[int], body: bytes) -> None:
+    @property
+    def measuring(self) -> bool:
+        return self.window is not None and self.window[1] == 0.0
+
+    async def one(self, conn: Connection, prompt: list[int], body: bytes, n: int) -> None:
         a = self.args
         began = time.monotonic()
-        counted = self.window is not None and self.window[1] == 0.0
+        counted = self.measuring  # its TTFT counts if it started in the window
         got: list[int] = []
         first = last = None
         try:
@@ -97,10 +103,15 @@ class Load:
                 ids = event["choices"][0].get("token_ids") or [] if event.get("choices") else []
                 if not ids:
                     continue
+                measuring = self.measuring
                 if first is None:
                     first = at
-                elif counted:
+                    if counted:
+                        self.ttft.append(first - began)
+                elif measuring:
                     self.gaps.extend([(at - last) / len(ids)] * len(ids))
+                if measuring:
+                    self.tokens += len(ids)  # as they come: a request may outlast the window
                 last = at
                 got += ids
         except Exception as e:  # a refused request (HTTP status) or a connection cut
@@ -111,11 +122,8 @@ class Load:
             await asyncio.sleep(0.1)
             return
         self.done += 1
-        self.tokens += len(got)
-        if got != expected_tokens(prompt, a.tokens, a.vocab):
+        if got != expected_tokens(prompt, n, a.vocab):
             self.mismatched += 1
-        if counted and first is not None:
-            self.ttft.append(first - began)
 
     async def run(self) -> dict:
         a = self.args
@@ -126,7 +134,7 @@ class Load:
             if len(tasks) % 64 == 0:
                 await asyncio.sleep(0.01)  # connect in waves: not 4,096 SYNs at once
         await asyncio.sleep(a.warmup)
-        self.ttft, self.gaps = [], []
+        self.ttft, self.gaps, self.tokens = [], [], 0
         self.window = (time.monotonic(), 0.0)
         done0, tokens0, cpu0 = self.done, self.tokens, time.process_time()
         print("measure-start", flush=True)
