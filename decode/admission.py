@@ -57,7 +57,9 @@ class Admission:
         self.peer_fetch = peer_fetch
         self.accepting = accepting  # False once the worker drains
         self._owns_membership = ctx.membership is None
-        self.membership = ctx.membership or Membership(ctx.bus, ttl=ctx.settings.registry_ttl)
+        # the prefill pool's cards (every decode worker's too with peer fetch: its sources)
+        self.membership = ctx.membership or Membership(ctx.bus, ttl=ctx.settings.registry_ttl,
+                                                       role=None if ctx.settings.peer_fetch else "prefill")
         self.prefill_loads: dict[str, LoadReport] = {}
         self._load_subs: dict[str, object] = {}  # prefill worker -> the subscription to its load reports
 

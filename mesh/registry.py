@@ -4,6 +4,12 @@ A worker puts its card when it starts and refreshes it every ``ttl / 3``; on a
 clean exit it deletes it. The bucket's max age drops cards nobody refreshes,
 and every watcher also expires them locally (a KV watch is not told when a
 value ages out), so a killed worker leaves everyone's view within the TTL.
+
+A card's key is ``{role}.{worker id}`` (both as subject tokens), so that a
+watcher that needs one role watches only its keys: a decode worker follows the
+prefill pool, not every decode worker's refreshes (at N decode workers each
+refreshing every 2 s, watching all of them cost the bus N x N / 2 deliveries a
+second). Gateways, routers and planners watch every key.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
         return await bus.js.key_value(name)
 
 
+def card_key(card: WorkerCard) -> str:
+    """The card's key in the registry bucket: ``{role}.{worker id}``."""
+    return f"{subject_token(card.role)}.{subject_token(card.worker_id)}"
+
+
 class CardPublisher:
     """Keeps one worker's card in the registry while the worker lives."""
 
@@ -65,7 +76,7 @@ class CardPublisher:
     async def put(self) -> None:
         card = self.card_fn()
         began, card.updated = time.monotonic(), time.time()
-        self._key = subject_token(card.worker_id)
+        self._key = card_key(card)
         await asyncio.wait_for(self._kv.put(self._key, encode(card)), 5.0)
         self._put_at = began
 
@@ -93,11 +104,13 @@ class CardPublisher:
 
 
 class Membership:
-    """A live view of the registry: cards by worker id, stale ones expired locally."""
+    """A live view of the registry: cards by worker id, stale ones expired locally. ``role``: only
+    the cards of workers of this role (a decode worker's view of the prefill pool)."""
 
-    def __init__(self, bus: Bus, ttl: float = DEFAULT_TTL):
+    def __init__(self, bus: Bus, ttl: float = DEFAULT_TTL, role: str | None = None):
         self.bus = bus
         self.ttl = ttl
+        self.role = role
         self._cards: dict[str, WorkerCard] = {}
         self._seen: dict[str, float] = {}  # monotonic time of the card's last refresh
         self._listeners: list[Callable[[str, WorkerCard | None], None]] = []
@@ -136,7 +149,7 @@ class Membership:
 
     async def _open_watch(self) -> None:
         kv = await open_bucket(self.bus, self.ttl)
-        self._watcher = await kv.watchall()
+        self._watcher = await (kv.watch(f"{subject_token(self.role)}.>") if self.role else kv.watchall())
         self._watch_task = asyncio.create_task(self._watch(self._watcher), name="registry-watch")
         self._tasks.append(self._watch_task)
 
@@ -226,6 +239,8 @@ class Membership:
             except DecodeError as e:
                 log.warning("ignoring a malformed card %s: %s", entry.key, e)
                 continue
+            if self.role is not None and card.role != self.role:
+                continue  # a card under a key that is not its role's
             age = min(max(time.time() - card.updated, 0.0), self.ttl)
             self._freshest = min(self._freshest, age)
             self._seen[card.worker_id] = time.monotonic() - age
@@ -242,7 +257,8 @@ class Membership:
             self.ready.set()
 
     def _drop_key(self, key: str) -> None:
-        for wid in [w for w in self._cards if subject_token(w) == key]:
+        token = key.rsplit(".", 1)[-1]  # {role}.{worker id}, or a bare worker id (an older writer's)
+        for wid in [w for w in self._cards if subject_token(w) == token]:
             self._drop(wid)
 
     def _drop(self, worker_id: str) -> None:

@@ -55,12 +55,14 @@ def child_stop(parent: StopEvent) -> StopEvent:
 
 
 class WorkerHost:
-    def __init__(self, workers: list[WorkerCore], settings: WorkerSettings, name: str = "host"):
+    def __init__(self, workers: list[WorkerCore], settings: WorkerSettings, name: str = "host",
+                 registry_role: str | None = "prefill"):
         if not workers:
             raise ValueError("a host runs at least one worker")
         self.workers = workers
         self.settings = settings  # the bus and metrics of the process (the workers' own settings: theirs)
         self.name = name
+        self.registry_role = registry_role  # the cards its workers follow (decode workers: the prefill pool's)
         self.exit_code = 0
         self.metrics_port = 0
         self.ready = asyncio.Event()
@@ -72,7 +74,7 @@ class WorkerHost:
         async with AsyncExitStack() as stack:
             bus = await Bus.connect(s.nats_url, name=self.name, ns=s.ns, config=s.nats)
             stack.push_async_callback(bus.close)
-            membership = Membership(bus, ttl=s.registry_ttl)
+            membership = Membership(bus, ttl=s.registry_ttl, role=self.registry_role)
             await membership.start(wait=1.0)
             stack.push_async_callback(membership.stop)
             if s.metrics_port >= 0:

@@ -92,3 +92,21 @@ async def test_a_view_that_reads_the_registry_late_expires_nobody_until_it_catch
     clock[0] += 7.0  # and then nothing at all for 7 more seconds: silence, not lag
     await sweep()
     assert m.get("a") is None and m.get("b") is None
+
+
+async def test_a_view_of_one_role_keeps_that_roles_cards_under_role_keys():
+    """Keys are ``{role}.{worker id}``: a decode worker watches ``prefill.>``, the prefill pool only
+    (watching every decode worker's refreshes was N x N / 2 deliveries a second across the mesh)."""
+    from mesh.registry import card_key
+
+    p, d = card("p1", role="prefill"), card("d1")
+    assert (card_key(p), card_key(d)) == ("prefill.p1", "decode.d1")
+    m = Membership(bus=None, role="prefill")
+    await m._watch(entries(Entry(card_key(p), encode(p)), Entry("d1", encode(d))))  # a card under a bare key
+    assert [c.worker_id for c in m.cards()] == ["p1"]
+    await m._watch(entries(Entry(card_key(p), b"", "DEL")))
+    assert m.cards() == []
+    every = Membership(bus=None)  # a gateway's: every key, bare ones too (an older writer's)
+    await every._watch(entries(Entry(card_key(p), encode(p)), Entry("d1", encode(d))))
+    await every._watch(entries(Entry("d1", b"", "DEL")))
+    assert [c.worker_id for c in every.cards()] == ["p1"]
