@@ -433,10 +433,10 @@ class KillWatch:
 
 
 # -- the router alone at 1,000 workers ----------------------------------------------------------
-def router_figures(workers: int, blocks: int, decisions: int) -> dict:
-    """``KvRouter`` as the gateway runs it, fed ``workers`` x ``blocks`` blocks: each worker a
-    64-block system prompt all share and conversations of its own; decisions on prompts that share
-    the system prompt (half continue a worker's conversation)."""
+def router_at_scale(workers: int, blocks: int):
+    """``KvRouter`` as the gateway runs it, fed ``workers`` x ``blocks`` blocks as wire batches: each
+    worker a 64-block system prompt all share and conversations of its own. Returns the router,
+    the system prompt, each worker's first conversation, and the seconds the batches took to index."""
     import gc
 
     from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
@@ -463,39 +463,50 @@ def router_figures(workers: int, blocks: int, decisions: int) -> dict:
     convs: dict[str, list[int]] = {}
     wire = []
     for w in ids:
-        own = []
-        while len(own) < blocks - 64:
-            conv = system + [rng.randrange(32000) for _ in range(16 * 60)]
-            convs.setdefault(w, conv)
-            own += block_hashes(conv, 16, seed)[64:]
-        wire.append(encode(KvEventBatch(w, "m", 1, [KvEvent("stored", shared), KvEvent("stored", own[: blocks - 64])])))
+        conv = system + [rng.randrange(32000) for _ in range(16 * 60)]
+        convs[w] = conv
+        own = block_hashes(conv, 16, seed)[64:]
+        own += [rng.getrandbits(63) for _ in range(blocks - 64 - len(own))]  # older conversations' blocks
+        wire.append(encode(KvEventBatch(w, "m", 1, [KvEvent("stored", shared), KvEvent("stored", own)])))
     idx = router.index("m")
     for w in ids:
         idx.load_snapshot(w, 0, {})
     gc.collect()
     t0 = time.perf_counter()
     for raw in wire:
-        batch = decode(raw, KvEventBatch)
-        assert idx.apply(batch)
+        assert idx.apply(decode(raw, KvEventBatch))
     ingest = time.perf_counter() - t0
     for w in ids:
         router._heard[w] = time.monotonic()
         router.table.report(w, rng.randrange(0, 2000), 0, time.monotonic())
         router.loads[w] = LoadReport(w, "m", "decode", now)
+    return router, system, convs, ingest
+
+
+def router_figures(workers: int, blocks: int, decisions: int) -> dict:
+    """Decisions of ``router_at_scale``'s router on prompts that share the system prompt, half of
+    them continuing a worker's conversation; the index's bytes per block; the ingest rate."""
+    router, system, convs, ingest = router_at_scale(workers, blocks)
+    rng = random.Random(1)
     indexed = workers * blocks
-    nbytes = idx.nbytes()
-    lat = []
+    nbytes = router.index("m").nbytes()
+    lat, cpu = [], []  # wall and this thread's CPU: on a shared machine the wall p99 is the scheduler's
+    conv_list = list(convs.values())
     for i in range(decisions):
         if i % 2:
-            tokens = rng.choice(list(convs.values()))[: 64 * 16 + 16 * rng.randrange(1, 60)] + [7]
+            tokens = rng.choice(conv_list)[: 64 * 16 + 16 * rng.randrange(1, 60)] + [7]
         else:
             tokens = system + [rng.randrange(32000) for _ in range(16 * rng.randrange(4, 64))]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         d = router.route("m", tokens, f"r{i}")
         lat.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         router.finished(d.worker_id, f"r{i}")
     lat.sort()
+    cpu.sort()
     return {"workers": workers, "blocks_indexed": indexed, "index_bytes_per_block": round(nbytes / indexed, 1),
+            "decision_cpu_p50_ms": round(cpu[len(cpu) // 2] * 1000, 3),
+            "decision_cpu_p99_ms": round(cpu[int(len(cpu) * 0.99)] * 1000, 3),
             "ingest_blocks_s": round(indexed / ingest), "decision_p50_ms": round(lat[len(lat) // 2] * 1000, 3),
             "decision_p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
             "decision_mean_ms": round(statistics.fmean(lat) * 1000, 3), "load_avg": os.getloadavg()[0]}

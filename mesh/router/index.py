@@ -191,12 +191,24 @@ class KvIndex:
             pred = self._predicted[worker] = OrderedDict()
         was_empty = not pred
         exp = now + ttl
+        slot = self.slots.slot(worker)
+        wbit = self.slots.bits[slot]
+        any_, off = self._any, self._off
+        guessed = []
         for h in hashes:
+            m = any_.get(h)
+            if m is not None and m & wbit:
+                o = off.get(h)
+                if o is None or o.get(slot, DEVICE) & DEVICE:
+                    # on its device already: a guess would add no credit, and the next event about
+                    # the block (an eviction) would take the guess with it anyway
+                    continue
             pred.pop(h, None)
             pred[h] = exp
+            guessed.append(h)
         if was_empty and pred:
             self._queue_expiry(worker, next(iter(pred.values())))
-        self._add(worker, hashes, TIERS["predicted"])
+        self._add(worker, guessed, TIERS["predicted"])
 
     def _queue_expiry(self, worker: str, at: float) -> None:
         """Keep one heap entry per worker with predictions, at or before its earliest expiry."""

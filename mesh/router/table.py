@@ -9,7 +9,7 @@ that hold part of the prompt off the device (their onboarding cost) are looked a
 Everything else goes through ``pick_worker`` as before; ``tests/unit/test_router_table.py`` checks
 that both choose alike, ties and their random break included.
 
-    row (slot)   active   pending_tokens   inflight_new   inflight_prompt   heard   block_size
+    row (slot)   active   pending_blocks   inflight_new   inflight_prompt   heard   block_size
                  from its load report      from this router's own decisions  (monotonic)
 """
 
@@ -25,14 +25,14 @@ from mesh.router.costs import KvCosts
 from mesh.router.index import Slots, slot_array
 from mesh.router.policy import Decision, RouterConfig
 
-_COLUMNS = ("active", "pending_tokens", "inflight_new", "inflight_prompt", "block_size")
+_COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
 
 
 class LoadTable:
     def __init__(self, slots: Slots, capacity: int = 64):
         self.slots = slots
         self.capacity = 0
-        self.active = self.pending_tokens = self.inflight_new = self.inflight_prompt = np.zeros(0)
+        self.active = self.pending_tokens = self.pending_blocks = self.inflight_new = self.inflight_prompt = np.zeros(0)
         self.block_size = np.zeros(0)
         self.heard = np.zeros(0)
         self._grow(capacity)
@@ -63,6 +63,7 @@ class LoadTable:
         s = self.row(worker)
         self.active[s] = active_blocks
         self.pending_tokens[s] = pending_tokens
+        self.pending_blocks[s] = -(-pending_tokens // int(self.block_size[s]))
         self.heard[s] = heard
 
     def set_heard(self, worker: str, heard: float) -> None:
@@ -72,7 +73,9 @@ class LoadTable:
 
     def set_block_size(self, worker: str, block_size: int) -> None:
         s = self.row(worker)  # first: it may grow the arrays
-        self.block_size[s] = block_size
+        if self.block_size[s] != block_size:
+            self.block_size[s] = block_size
+            self.pending_blocks[s] = -(-int(self.pending_tokens[s]) // block_size)
 
     def set_inflight(self, worker: str, new_blocks: int, prompt_blocks: int) -> None:
         s = self.row(worker)
@@ -126,12 +129,12 @@ def pick_kv(req: KvRequest, table: LoadTable, candidates: np.ndarray, config: Ro
                 costs = costs_of(ids[slot])
                 own[slot] = sum(costs.block_cost(bits) for pos, bits in held if pos < run)
     # the order of pick_worker's sums, so that equal costs are equal here too
-    prefill = -np.floor_divide(-table.pending_tokens, table.block_size) + table.inflight_new
+    prefill = table.pending_blocks + table.inflight_new
     if own is not None:
         prefill = prefill + own
     prefill = prefill + req.prompt_blocks - depth
     cost = config.prefill_weight * prefill + config.decode_weight * (table.active + table.inflight_prompt)
-    cost = np.where(candidates, cost, np.inf)
+    cost[~candidates] = np.inf
     best = cost.min()
     if best == np.inf:
         raise LookupError("no candidate workers")
