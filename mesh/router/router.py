@@ -19,7 +19,6 @@ import logging
 import random
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +36,10 @@ from mesh.protocol import (
 )
 from mesh.registry import Membership
 from mesh.router.costs import KvCosts
-from mesh.router.index import KvIndex, Slots
+from mesh.router.index import KvIndex
+from mesh.router.inflight import _Inflight, _InflightQueue
 from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
+from mesh.router.slots import Slots
 from mesh.router.table import KvRequest, LoadTable, pick_kv
 
 log = logging.getLogger(__name__)
@@ -47,62 +48,6 @@ INFLIGHT_TTL = 30.0  # seconds a decision counts as load if no load report shows
 REPORT_MARGIN = 0.25  # a load report this much newer than a decision already shows it
 SILENT_AFTER = 3.5  # seconds without a load report (workers send one a second) before a worker gets no new work
 SNAPSHOT_TIMEOUT = 5.0
-
-
-@dataclass
-class _Inflight:
-    """A routed request its worker's load reports may not show yet."""
-
-    timestamp: float
-    prompt_blocks: int
-    new_blocks: int  # still to prefill; 0 once the first token is out
-
-
-class _InflightQueue:
-    """One worker's routed requests, oldest first, and their sums: a route reads a worker's load
-    without walking its requests (at C=128 that walk was a quarter of a route's time)."""
-
-    __slots__ = ("items", "new_blocks", "prompt_blocks")
-
-    def __init__(self):
-        self.items: OrderedDict[str, _Inflight] = OrderedDict()
-        self.prompt_blocks = 0
-        self.new_blocks = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def add(self, request_id: str, d: _Inflight) -> None:
-        old = self.items.get(request_id)
-        if old is not None:
-            self._less(old)
-        self.items[request_id] = d
-        self.prompt_blocks += d.prompt_blocks
-        self.new_blocks += d.new_blocks
-
-    def get(self, request_id: str) -> _Inflight | None:
-        return self.items.get(request_id)
-
-    def pop(self, request_id: str) -> None:
-        d = self.items.pop(request_id, None)
-        if d is not None:
-            self._less(d)
-
-    def prefilled(self, request_id: str) -> None:
-        d = self.items.get(request_id)
-        if d is not None:
-            self.new_blocks -= d.new_blocks
-            d.new_blocks = 0
-
-    def drop_before(self, timestamp: float) -> None:
-        """Forget the oldest ones, up to the first at or after ``timestamp``."""
-        items = self.items
-        while items and next(iter(items.values())).timestamp < timestamp:
-            self._less(items.popitem(last=False)[1])
-
-    def _less(self, d: _Inflight) -> None:
-        self.prompt_blocks -= d.prompt_blocks
-        self.new_blocks -= d.new_blocks
 
 
 _NO_INFLIGHT = _InflightQueue()  # read-only: the load of a worker nothing was routed to

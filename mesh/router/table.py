@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh.router.costs import KvCosts
-from mesh.router.index import Slots, slot_array
 from mesh.router.policy import Decision, RouterConfig
+from mesh.router.slots import Slots, slot_array
 
 _COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
 

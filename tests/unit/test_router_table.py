@@ -42,7 +42,17 @@ def card(w: str, **kw) -> WorkerCard:
     return WorkerCard(w, "decode", "m", 16, 4096, 1 << 16, "h", 1, 0.0, 0.0, **kw)
 
 
-async def test_the_decision_over_all_workers_is_pick_workers_decision():
+def frozen_clock(monkeypatch) -> None:
+    """A clock that stands still: a worker's last load report never ages past SILENT_AFTER while a
+    slow (loaded) machine runs the test, so both paths see the same live workers."""
+    import mesh.router.router as router_module
+
+    now = router_module.time.monotonic()
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: now)
+
+
+async def test_the_decision_over_all_workers_is_pick_workers_decision(monkeypatch):
+    frozen_clock(monkeypatch)
     rng = random.Random(11)
     seed = hash_seed(DEFAULT_HASH_KEY, "m")
     system = [rng.randrange(32000) for _ in range(16 * 12)]
@@ -191,10 +201,11 @@ async def test_a_worker_that_leaves_gives_back_its_slot_and_leaves_nothing_behin
     assert idx.match([1, 2, 3]) == {"b": PrefixMatch(3)}
 
 
-async def test_at_1000_workers_with_many_blocks_the_router_still_picks_the_holder_and_the_idlest():
+async def test_at_1000_workers_with_many_blocks_the_router_still_picks_the_holder_and_the_idlest(monkeypatch):
     """1,000 workers, each caching a system prompt they all share and a conversation of its own
     (~100,000 blocks indexed): a continued conversation goes to the worker holding it, a prompt
     sharing only the system prompt to the least busy of all, and every decision is ``pick_worker``'s."""
+    frozen_clock(monkeypatch)
     rng = random.Random(3)
     seed = hash_seed(DEFAULT_HASH_KEY, "m")
     ids = [f"w{i:04d}" for i in range(1000)]
