@@ -123,8 +123,6 @@ class Gateway:
         self.retry_policy = RetryPolicy(config.retries, config.max_migrations, config.unreachable_wait,
                                         config.first_token_timeout, config.idle_timeout)
         self._background: set[asyncio.Task] = set()
-        self._derived_cache: dict[tuple, object] = {}
-        self._derived_version = -1
 
     async def start(self) -> None:
         self.tracing = setup_tracing("pdmesh-gateway")
@@ -184,30 +182,20 @@ class Gateway:
             await self.bus.close()
 
     # -- models and workers -----------------------------------------------------------
-    # What these derive from the registry is kept until it changes (``Membership.version``): a
-    # request asks several of them, and at 1,000 workers each was a pass over every card. The
-    # lists and maps they return are shared: callers only read them.
-    def _derived(self, key: tuple, build):
-        version = self.membership.version
-        if self._derived_version != version:
-            self._derived_cache.clear()
-            self._derived_version = version
-        got = self._derived_cache.get(key)
-        if got is None:
-            got = self._derived_cache[key] = build()
-        return got
-
+    # kept until the registry changes (Membership.derived): at 1,000 workers each was a pass over every card
     def decode_workers(self, model: str) -> list[WorkerCard]:
-        return self._derived(("decode", model), lambda: [
-            c for c in self.membership.cards_of(model, "decode") if c.status == "ready"])
+        m = self.membership
+        return m.derived(("decode", model), lambda: [c for c in m.cards_of(model, "decode") if c.status == "ready"])
 
     def live_models(self) -> list[str]:
-        return self._derived(("live",), lambda: sorted({c.model for c in self.membership.cards_of(role="decode")}))
+        m = self.membership
+        return m.derived(("live",), lambda: sorted({c.model for c in m.cards_of(role="decode")}))
 
     def embed_models(self) -> list[str]:
         """Models with ready embed workers (``--task embed``: /v1/embeddings only)."""
-        return self._derived(("embed",), lambda: sorted(
-            {c.model for c in self.membership.cards_of(role="embed") if c.status == "ready"}))
+        m = self.membership
+        return m.derived(("embed",), lambda: sorted({c.model for c in m.cards_of(role="embed")
+                                                     if c.status == "ready"}))
 
     def served_models(self) -> list[str]:
         """What /v1/models lists: models with decode or embed workers."""
@@ -224,8 +212,9 @@ class Gateway:
 
     def adapters(self) -> dict[str, str]:
         """LoRA adapter -> its base model, over every ready decode worker's card."""
-        return self._derived(("adapters",), lambda: {
-            a: c.model for c in self.membership.cards_of(role="decode") if c.status == "ready" for a in c.adapters})
+        m = self.membership
+        return m.derived(("adapters",), lambda: {
+            a: c.model for c in m.cards_of(role="decode") if c.status == "ready" for a in c.adapters})
 
     def resolve(self, name: str) -> Target:
         """A request's ``model``: a served model, else a LoRA adapter some decode worker holds;
@@ -253,12 +242,9 @@ class Gateway:
         return tok
 
     def max_model_len(self, model: str) -> int:
-        def build() -> int:
-            lens = [c.max_model_len for c in self.membership.cards_of(model, "decode")]
-            lens = lens or [c.max_model_len for c in self.membership.cards_of(model, "embed")]
-            return min(lens) if lens else 0
-
-        return self._derived(("max_len", model), build)
+        m = self.membership
+        return min(m.derived(("max_len", model), lambda: [c.max_model_len for c in m.cards_of(model, "decode")]
+                             or [c.max_model_len for c in m.cards_of(model, "embed")] or [0]))
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
                     parent: trace.Span | None = None, adapter: str = "", cache_scope: str = "") -> Decision:

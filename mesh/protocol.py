@@ -339,20 +339,6 @@ class LoadReport(Message):
     deferrable: int = 0  # of running + waiting + waiting_for_kv: below priority 0 (batch work; the planner defers it)
 
 
-class LoadSummary(msgspec.Struct, tag_field="type", tag="LoadReport", omit_defaults=True):
-    """What a router reads of a ``LoadReport``, decoded from the same bytes: the counters and latency
-    windows are skipped unread (a fifth of the decode; every gateway process decodes every worker's
-    report each second). Not a message of its own: it is never sent."""
-
-    worker_id: str
-    model: str
-    role: str
-    timestamp: float
-    kv_blocks_used: int = 0
-    pending_prefill_tokens: int = 0
-    hot_adapters: list[str] = field(default_factory=list)
-
-
 
 class KvEvent(Part):
     """One change to a worker's cache. ``stored``: a chain of blocks, each the child of the one

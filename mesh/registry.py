@@ -127,7 +127,8 @@ class Membership:
         # bumped by every join, leave or change of a card (not a refresh): views derived from
         # the cards (``cards_of``) are rebuilt only when it moves
         self.version = 0
-        self._views: dict[tuple[str | None, str | None], tuple[int, list[WorkerCard]]] = {}
+        self._derived: dict[tuple, object] = {}
+        self._derived_version = 0
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
         """``fn(worker_id, card)`` when a worker joins or its card changes; ``card`` is None when it
@@ -196,16 +197,18 @@ class Membership:
         """``cards(model, role)`` kept until the membership changes: what a per-request path reads
         (at 1,000 workers, filtering every card per request was its cost). A card in it may be an
         earlier refresh of the worker's (only its ``updated`` differs). Do not change the list."""
-        key = (model, role)
-        got = self._views.get(key)
-        if got is not None and got[0] == self.version:
-            return got[1]
-        view = [c for c in self._cards.values()
-                if (model is None or c.model == model) and (role is None or c.role == role)]
-        if len(self._views) > 256:  # a view per (model, role) asked: bounded anyway
-            self._views.clear()
-        self._views[key] = (self.version, view)
-        return view
+        return self.derived(("cards", model, role), lambda: self.cards(model, role))
+
+    def derived(self, key: tuple, build: Callable[[], object]):
+        """``build()``, kept under ``key`` until the membership changes (a join, a leave, a card that
+        changed: not a refresh). Callers only read what it returns."""
+        if self._derived_version != self.version or len(self._derived) > 256:
+            self._derived.clear()
+            self._derived_version = self.version
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = build()
+        return got
 
     def get(self, worker_id: str) -> WorkerCard | None:
         return self._cards.get(worker_id)

@@ -30,7 +30,6 @@ from mesh.protocol import (
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
-    LoadSummary,
     RouterDecision,
     WorkerCard,
 )
@@ -40,7 +39,7 @@ from mesh.router.index import KvIndex
 from mesh.router.inflight import _Inflight, _InflightQueue
 from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
 from mesh.router.slots import Slots
-from mesh.router.table import KvRequest, LoadTable, pick_kv
+from mesh.router.table import KvRequest, LoadSummary, LoadTable, pick_kv
 
 log = logging.getLogger(__name__)
 

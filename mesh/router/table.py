@@ -19,11 +19,27 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from mesh.router.costs import KvCosts
 from mesh.router.policy import Decision, RouterConfig
 from mesh.router.slots import Slots, slot_array
+
+
+class LoadSummary(msgspec.Struct, tag_field="type", tag="LoadReport", omit_defaults=True):
+    """What a router reads of a ``LoadReport``, decoded from the same bytes: the counters and latency
+    windows are skipped unread (a fifth of the decode; every gateway process decodes every worker's
+    report each second). Not a message of its own: it is never sent."""
+
+    worker_id: str
+    model: str
+    role: str
+    timestamp: float
+    kv_blocks_used: int = 0
+    pending_prefill_tokens: int = 0
+    hot_adapters: list[str] = msgspec.field(default_factory=list)
+
 
 _COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
 

@@ -30,6 +30,9 @@ class FakeMembership:
 
     cards_of = cards
 
+    def derived(self, key, build):
+        return build()
+
 
 def test_the_least_busy_worker_wins_and_ties_take_turns():
     cards = [card("a"), card("b"), card("c")]
