@@ -226,16 +226,20 @@ def histogram_quantile(before: dict[str, float], after: dict[str, float], q: flo
 
 @dataclass
 class Snapshot:
-    at: float
+    at: float  # when the CPU, the counts and /varz were read (together, first)
     cpu: dict[str, float]
     varz: dict
     counts: dict
     metrics: str
+    metrics_at: float  # the gateway's /metrics comes last, when its loop gets to it
     load: tuple[float, float, float]
     rss: dict[str, float]
 
 
 def snapshot(mesh: Mesh) -> Snapshot:
+    at = time.monotonic()
+    cpu = {c: cpu_seconds(mesh.pids(c)) for c in COMPONENTS if c != "nats-server"}
+    cpu["nats-server"] = cpu_seconds([mesh.nats.proc.pid])
     counter = mesh.procs["nats counter"][0]
     path = mesh.work / "counts.json"
     before = path.stat().st_mtime_ns if path.exists() else 0
@@ -244,9 +248,7 @@ def snapshot(mesh: Mesh) -> Snapshot:
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline and (not path.exists() or path.stat().st_mtime_ns == before):
         time.sleep(0.01)
-    counts = json.loads(path.read_text()) if path.exists() else {}
-    cpu = {c: cpu_seconds(mesh.pids(c)) for c in COMPONENTS if c != "nats-server"}
-    cpu["nats-server"] = cpu_seconds([mesh.nats.proc.pid])
+    counts = json.loads(path.read_text()) if path.exists() and path.stat().st_mtime_ns != before else {}
     varz = json.loads(http_get(f"http://127.0.0.1:{mesh.monitor}/varz"))
     try:  # a busy gateway answers late (its loop serves the streams first)
         metrics = http_get(f"http://127.0.0.1:{mesh.port}/metrics", timeout=60.0).decode()
@@ -255,7 +257,7 @@ def snapshot(mesh: Mesh) -> Snapshot:
         metrics = ""
     rss = {c: rss_mb(mesh.pids(c)) for c in COMPONENTS if c != "nats-server"}
     rss["nats-server"] = rss_mb([mesh.nats.proc.pid])
-    return Snapshot(time.monotonic(), cpu, varz, counts, metrics, os.getloadavg(), rss)
+    return Snapshot(at, cpu, varz, counts, metrics, time.monotonic(), os.getloadavg(), rss)
 
 
 async def wait_ready(mesh: Mesh, timeout: float) -> float:
@@ -348,10 +350,13 @@ def figures(spec: Spec, a: Snapshot, b: Snapshot, load: dict, cpu_client: list[f
     cpu = {c: round((b.cpu[c] - a.cpu[c]) / dt, 3) for c in b.cpu}
     cpu["client"] = round((cpu_client[1] - cpu_client[0]) / dt, 3)
     per_token_us = {c: round(v * dt / tokens * 1e6, 1) if tokens else None for c, v in cpu.items()}
-    fam = {}
-    for k, (n, nbytes) in b.counts.get("counts", {}).items():
-        n0, b0 = a.counts.get("counts", {}).get(k, (0, 0))
-        fam[k] = {"msg_s": round((n - n0) / dt, 1), "bytes_s": round((nbytes - b0) / dt)}
+    fam: dict = {}
+    if not a.counts or not b.counts:
+        fam = {"(the counter did not answer)": {}}
+    else:
+        for k, (n, nbytes) in b.counts.get("counts", {}).items():
+            n0, b0 = a.counts.get("counts", {}).get(k, (0, 0))
+            fam[k] = {"msg_s": round((n - n0) / dt, 1), "bytes_s": round((nbytes - b0) / dt)}
     va, vb = a.varz, b.varz
     nats = {k: round((vb[k] - va[k]) / dt, 1) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
     dec_a = metric_lines(a.metrics, "pdmesh_router_decision_seconds_bucket")
@@ -370,7 +375,8 @@ def figures(spec: Spec, a: Snapshot, b: Snapshot, load: dict, cpu_client: list[f
         "cpu_s_per_s": cpu, "cpu_us_per_token": per_token_us, "rss_mb": rss,
         "router_decision_p50_ms": histogram_quantile(dec_a, dec_b, 0.5),
         "router_decision_p99_ms": histogram_quantile(dec_a, dec_b, 0.99),
-        "kv_events_indexed_s": round((sum(kv.values()) - sum(kv0.values())) / dt / spec.gateways, 1),
+        "kv_events_indexed_s": round((sum(kv.values()) - sum(kv0.values())) / (b.metrics_at - a.metrics_at)
+                                     / spec.gateways, 1) if a.metrics and b.metrics else None,
         "nats_totals_s": nats, "nats_by_family_s": fam, "counter_dropped": b.counts.get("closed", False),
     }
 
@@ -554,6 +560,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the runs' cleanups: no mesh left behind
     model_dir = Path(tempfile.mkdtemp(prefix="pdmesh-scale-model-")) / "tiny"
     subprocess.run([sys.executable, "-m", "cli", "model", "tiny", str(model_dir)], check=True,
                    stdout=subprocess.DEVNULL)  # (bench/engine.py would shadow the engine package here)
