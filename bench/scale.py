@@ -310,14 +310,14 @@ async def measure(mesh: Mesh, spec: Spec, vocab: int, ready_s: float) -> dict:
         sys.executable, str(PROBES), "client", f"http://127.0.0.1:{mesh.port}", mesh.model_dir.name,
         "--streams", str(spec.streams), "--tokens", str(spec.tokens), "--system-tokens", str(SYSTEM_TOKENS),
         "--own-tokens", str(OWN_TOKENS), "--vocab", str(vocab), "--warmup", str(spec.settle_s()),
-        "--seconds", str(spec.seconds), "--drain", str(spec.tokens * spec.step_ms / 1000 * 1.5 + 30),
+        "--seconds", str(spec.seconds), "--drain", str(spec.tokens * spec.step_ms / 1000 * 3 + 60),
         stdout=asyncio.subprocess.PIPE, start_new_session=True)
     watch = await KillWatch.open(mesh) if spec.kill_after else None
     first = last = None
     cpu_client = []
     try:
         while True:
-            wait = spec.settle_s() + spec.seconds + spec.tokens * spec.step_ms / 1000 * 1.5 + 120
+            wait = spec.settle_s() + spec.seconds + spec.tokens * spec.step_ms / 1000 * 3 + 180
             line = (await asyncio.wait_for(client.stdout.readline(), wait)).decode()
             if not line:
                 raise RuntimeError(f"the load client exited ({await client.wait()})")
