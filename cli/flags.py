@@ -96,7 +96,7 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
 
 
-BATCH_FLAGS = (  # (flag, type, default, help): the Batch API's limits and pacing (gateway.batch_store.BatchConfig)
+BATCH_FLAGS = (  # (flag, type, default, help): the Batch API's limits and pacing (gateway.limits.BatchConfig)
     ("--batch-max-files", int, 100, "batch input files one tenant may keep (beyond: 429)"),
     ("--batch-max-file-bytes", int, 200 << 20, "bytes of one uploaded file, and of a tenant's batch files in all"),
     ("--batch-max-queued-requests", int, 50_000, "lines of one tenant's unfinished batches (beyond: 429)"),
@@ -123,7 +123,7 @@ def batch_flags(args: argparse.Namespace) -> list[str]:
 
 def batch_config(args: argparse.Namespace):
     """The gateway's ``BatchConfig`` from ``add_batch_flags`` (a bad value: one line now)."""
-    from gateway.batch_store import BatchConfig
+    from gateway.limits import BatchConfig
 
     try:
         return BatchConfig(max_files=args.batch_max_files, max_file_bytes=args.batch_max_file_bytes,
@@ -156,8 +156,8 @@ def auth_config(args: argparse.Namespace):
 
 def add_parser_flags(p: argparse.ArgumentParser) -> None:
     """The gateway's output parsers, when a model's chat template does not show its formats."""
-    from gateway.reasoning import REASONING_FORMATS
-    from gateway.tools import TOOL_FORMATS
+    from gateway.outputs.reasoning import REASONING_FORMATS
+    from gateway.outputs.tools import TOOL_FORMATS
 
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_FORMATS),
                    help="the tool-call format of every model (default: found in each chat template)")

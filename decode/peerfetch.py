@@ -32,7 +32,7 @@ The holder's engine thread does the copy itself, between two steps, for at most
 ``COPY_SHARE`` of the last step's time per pause: on a CPU host a copy thread running
 beside the step would take cores from the step's own threads (an OpenMP region waits for
 its slowest thread), and the holder's ITL p99 rose 40% serving fetches that way
-(bench/peer_serve.py); a whole fetch in one pause adds all of its copy to one step (60
+(python -m bench peer-serve); a whole fetch in one pause adds all of its copy to one step (60
 tiny-small blocks: ~4.5 ms on a ~46 ms step). Budgeted, a large fetch spreads over steps.
 The requester's engine thread does nothing for the transfer (the stage has its own lock).
 The holder's event loop only awaits threads, the engine's calls and the bus.
@@ -97,7 +97,7 @@ class PeerFetch:
         # One send at a time (as a NIC sends): the copies of concurrent fetches would take that
         # many cores from the engine's own steps at once, and concurrent nats sends would crowd
         # this event loop (each chunk is encoded and written here); queued fetches wait within
-        # their deadline (measured: docs/benchmarks.md, "KV fabric").
+        # their deadline (measured: docs/benchmarks.md, "peer-serve").
         self._sending = asyncio.Semaphore(1)
         self.lendable = self._lend_files()  # {"kv", "slots", "spec"}: a peer on this host reads our blocks
         self._lent: dict[str, str] = {}  # fetch id -> its release key, while the pins wait for the release

@@ -183,7 +183,7 @@ class InlineEngineLoop(EngineLoop):
     The steps run in a task on the event loop itself, so a step's outputs reach the worker with
     no GIL hand-over and no wake-up through the loop's self-pipe, and a paused engine costs
     nothing: per step, the worker spends on scheduling, bookkeeping and emission only, which is
-    what the mocker is there to measure (bench/host_overhead.py, ../shared/peers). Same
+    what the mocker is there to measure (python -m bench host-overhead, ../shared/peers). Same
     contract: commands run in order between steps, outputs come in order from ``outputs()``.
 
     The pace: each step's simulated seconds are added to a due time and awaited, so over many

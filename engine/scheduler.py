@@ -442,7 +442,7 @@ class Scheduler:
                 or seq.num_tokens + seq.num_placeholders >= self.config.max_model_len)
 
     # take_token, check_stop and output_of run once per row per step: they read the sequence's
-    # lists directly rather than through its properties (bench/host_overhead.py).
+    # lists directly rather than through its properties (python -m bench host-overhead).
 
     def take_token(self, seq: Sequence, tok: SampledToken) -> bool:
         """A sampled token joins the sequence (and its grammar), then the stop conditions are checked.

@@ -76,7 +76,7 @@ def validation_error(errors: list[dict]) -> APIError:
     first = errors[0]
     kind = first.get("type", "")
     ctx = first.get("ctx") or {}
-    if kind == "named_field_error":  # a cross-field check that names its field (gateway.schemas.field_error)
+    if kind == "named_field_error":  # a cross-field check naming its field (output_schemas.field_error)
         return APIError(400, str(ctx.get("message", first.get("msg", ""))), ctx.get("param"),
                         ctx.get("code", "invalid_value"))
     if kind == "json_invalid":

@@ -85,7 +85,7 @@ BATCHED_CHUNKS = Tally(Counter("pdmesh_gateway_batched_chunks", "Token chunks th
 LIVE_CHOICES = Gauge("pdmesh_gateway_live_choices", "Choices routing, waiting or streaming (not final)",
                      registry=REGISTRY, multiprocess_mode="livesum")
 DIRECT_DELTAS = Counter("pdmesh_gateway_direct_deltas", "Mid-stream deltas written to the client from the reply "
-                        "handler (gateway/direct.py), not through the choice's task", registry=REGISTRY)
+                        "handler (gateway/choices/direct.py), not through the choice's task", registry=REGISTRY)
 INFLIGHT = Gauge("pdmesh_gateway_inflight_requests", "Choices admitted and not finished",
                  registry=REGISTRY, multiprocess_mode="livesum")
 

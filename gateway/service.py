@@ -20,14 +20,14 @@ from urllib.parse import urlsplit
 import msgspec
 from opentelemetry import trace
 
-from gateway.batch_store import BatchConfig
-from gateway.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
-from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
-from gateway.direct import DeltaWriter, DirectSink
+from gateway.choices.choice import UNREACHABLE_BACKOFF, ChoiceRun, ChoiceState, RetryPolicy
+from gateway.choices.direct import DeltaWriter, DirectSink
+from gateway.choices.replies import ReplyStream, ReplyStreams
 from gateway.errors import APIError
+from gateway.limits import BatchConfig
 from gateway.metrics import TOKEN_LINKS, ChoiceFigures, GatewayStats, workers_registry
-from gateway.outputs import OutputPlan
-from gateway.replies import ReplyStream, ReplyStreams
+from gateway.outputs.detok import IncrementalDetokenizer, StopMatcher, TokenTexts
+from gateway.outputs.plan import OutputPlan
 from mesh import client, metrics
 from mesh.bus import Bus
 from mesh.client import StreamError
@@ -96,8 +96,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
-    # chat with a reasoning or tool-call parser (gateway.outputs.ChoiceOutput): what of the text
-    # was thinking, and the tool-call deltas (``text`` is then the rest, the content)
+    # chat with a reasoning or tool-call parser (gateway.outputs.plan.ChoiceOutput): what of the
+    # text was thinking, and the tool-call deltas (``text`` is then the rest, the content)
     reasoning: str = ""
     tool_calls: list | None = None
 
@@ -194,8 +194,7 @@ class Gateway:
     def embed_models(self) -> list[str]:
         """Models with ready embed workers (``--task embed``: /v1/embeddings only)."""
         m = self.membership
-        return m.derived(("embed",), lambda: sorted({c.model for c in m.cards_of(role="embed")
-                                                     if c.status == "ready"}))
+        return m.derived(("embed",), lambda: sorted({c.model for c in m.cards_of(role="embed") if c.status == "ready"}))
 
     def served_models(self) -> list[str]:
         """What /v1/models lists: models with decode or embed workers."""
@@ -285,13 +284,14 @@ class Gateway:
         adapter: str = "", cache_scope: str = "", direct: DeltaWriter | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """One ``ChoiceDelta`` per batch of chunks that has arrived; the last has a finish reason.
-        ``ChoiceRun`` (gateway/choice.py) decides what each failure leads to; this does the I/O.
+        ``ChoiceRun`` (gateway/choices/choice.py) decides what each failure leads to; this does the
+        I/O.
 
         Who cancels on the worker: this generator's ``finally`` (``_ended``), whenever it ends
         before the worker's last chunk (client gone, stop string, error), whether it is closed or
         cancelled; and a migration (``_lost``), on the worker it leaves.
-        ``direct``: where a ``DirectSink`` writes the mid-stream deltas (gateway/direct.py); they
-        are then not yielded here.
+        ``direct``: where a ``DirectSink`` writes the mid-stream deltas
+        (gateway/choices/direct.py); they are then not yielded here.
         """
         text = _ChoiceText(index, self.tokenizer(model), stops, len(prompt_ids), sampling.min_tokens, plan)
         run = ChoiceRun(self.retry_policy)
@@ -454,7 +454,7 @@ class _ChoiceText:
     def push_plain(self, ids: list[int]) -> str:
         """``delta``'s text for a mid-stream chunk of only ``ids`` (no logprobs, usage or finish) of
         a ``plain`` choice with no stop strings, counted as ``delta`` counts, with no ``ChoiceDelta``
-        made (``gateway.direct.DirectSink``, once per token at GPU pace)."""
+        made (``gateway.choices.direct.DirectSink``, once per token at GPU pace)."""
         self.completion += len(ids)
         return self.detok.push(ids)
 

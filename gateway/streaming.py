@@ -92,7 +92,7 @@ async def close_all(streams) -> None:
 
 async def sse_events(fmt, streams, first: list[ChoiceDelta | None], include_usage: bool, has_tok: bool,
                      release: Callable[[], None]) -> AsyncIterator[str]:
-    """The SSE text of a response (``fmt`` is a ``gateway.formats`` format); ``release`` runs at the end.
+    """The SSE text of a response (``fmt``: a ``gateway.formats.Format``); ``release`` runs at the end.
     One choice's deltas are read here directly, not through ``_one_stream``: an async generator
     less to pass through per token."""
     events = None if len(streams) == 1 else _merged_streams(streams, first)
@@ -216,7 +216,7 @@ class SSEResponse(Response):
 
 class SSEWriter:
     """One choice's deltas as SSE events, written straight to the client's socket by its
-    ``DirectSink`` (gateway/direct.py) rather than through the response's ASGI ``send``.
+    ``DirectSink`` (gateway/choices/direct.py) rather than through the response's ASGI ``send``.
 
     Only behind uvicorn's httptools protocol, whose ``send`` is a method of the connection's
     request-response cycle: ``attach`` takes the cycle's transport, and ``write`` frames each event
@@ -263,7 +263,7 @@ class SSEWriter:
     def write_text(self, frame: TextFrame, text: str) -> None:
         """The event ``write`` would write for a delta of only ``text`` (not empty): the same bytes,
         built without the ``ChoiceDelta``, the event's str and its encoding (one token's event at GPU
-        pace: bench/stream_costs.py)."""
+        pace: python -m bench stream-costs)."""
         body = _js(text).encode()
         self.cycle.transport.write(b"%x\r\n%b%b%b\r\n" % (frame.size + len(body), frame.head, body, frame.tail))
 

@@ -30,7 +30,7 @@ Why this construction (issue 32):
 - Names are truncated to 64 bits: the birthday bound (~2^32 blocks in one scope before an
   accidental collision is likely) is far beyond any pool, and a deliberate one needs the key.
 - Speed: AES-NI through ``cryptography`` hashes a 128k-token prompt in well under 2 ms
-  (``bench/hashing.py``); keyed BLAKE2b per block was 3-5 ms.
+  (``python -m bench hashing``); keyed BLAKE2b per block was 3-5 ms.
 
 Without a configured secret every process uses ``DEFAULT_HASH_KEY`` (public, so processes
 still hash alike); that is unkeyed in effect and processes that serve the bus say so once.

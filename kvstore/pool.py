@@ -21,7 +21,7 @@ reverse so that a chain's last blocks are evicted before its first (a prefix is 
 as useful as its leading blocks). Blocks holding generated tokens (past the prompt)
 join probation at the front: no request asked for them yet, so they are the first
 cached blocks to go. This is segmented LRU; on the Mooncake trace with 8 workers it
-keeps ~3 points more of the prompt tokens cached than plain LRU (``bench/cache_policy.py``).
+keeps ~3 points more of the prompt tokens cached than plain LRU (``python -m bench cache-policy``).
 
 Who frees what:
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_PAGE = 50_000  # hashes per reply page (~450 KB of msgpack)
 SNAPSHOT_TTL = 30.0  # seconds a snapshot's later pages stay available
-INTERVAL = 0.1  # seconds: at most one batch per interval (why 100 ms: docs/benchmarks.md, s47)
+INTERVAL = 0.1  # seconds: at most one batch per interval (why 100 ms: docs/operations.md, --kv-event-interval-ms)
 
 
 def to_wire(events: list[BlockEvent]) -> list[KvEvent]:

@@ -134,7 +134,7 @@ def settle_heap() -> None:
     what exists now out of the collector's view (``gc.freeze``) and collect the young generation
     less often. A serving process allocates a few objects per token and keeps most of what it
     built at start; with the defaults the collector ran every 700 allocations and its older
-    generations rescanned the whole start-up heap (bench/host_overhead.py, batch 256: 2.6 -> 1.2 ms
+    generations rescanned the whole start-up heap (python -m bench host-overhead, batch 256: 2.6 -> 1.2 ms
     of host work per step). vLLM's engine freezes its start-up heap the same way."""
     gc.collect()
     gc.freeze()

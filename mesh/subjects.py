@@ -104,7 +104,7 @@ class Subjects:
         return f"{subject_token(self.ns)}_workers"
 
     def responses_bucket(self) -> str:
-        """Stored responses of the Responses API (``gateway.conversations``)."""
+        """Stored responses of the Responses API (``gateway.responses.conversations``)."""
         return f"{subject_token(self.ns)}_responses"
     def files_bucket(self) -> str:
         """The object store of /v1/files (batch inputs, outputs and error files)."""

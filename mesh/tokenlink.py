@@ -12,7 +12,7 @@ request's chunks never take two paths and arrive out of order.
 Trust: the key is an HMAC of the worker's id under a secret the gateway drew at start, sent only in
 requests on that worker's own subject. A connection opens with ``LinkHello(worker, key)``; the
 gateway checks the key, binds the connection to that worker and answers ``LinkReady``; a batch
-naming another worker is refused, as on the bus (``gateway.replies``). A connection that says
+naming another worker is refused, as on the bus (``gateway.choices.replies``). A connection that says
 anything else first, sends a frame over its type's bound, or stays silent past ``HELLO_TIMEOUT``
 is logged, counted and closed, as is any beyond ``MAX_UNPROVEN`` still to say who they are. The
 link carries what the bus carries in the clear, so a gateway whose bus runs over TLS runs no link

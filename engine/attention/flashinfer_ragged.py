@@ -14,7 +14,7 @@ the way SGLang's FlashInfer backend does:
 
 Pure decode steps (and CUDA graphs) are the parent's. The new K/V still go to the
 pages, for the steps after. Which is faster for 2k/8k prompts with and without
-prefix hits is for ``bench/engine.py --gpu`` to say; ``tests/gpu`` checks it
+prefix hits is for ``python -m bench engine-gpu`` to say; ``tests/gpu`` checks it
 against the torch backend. Sequences without a prefix are left out of the paged
 pass rather than sent with an empty KV range.
 """

@@ -13,7 +13,7 @@
 
 The grammar process is the default where the backend allows it: a fill thread in this process
 costs the engine thread GIL hand-overs that slowed the 0.2M-parameter model's batch-32 decoding by
-~25% (docs/benchmarks.md, "Structured output"); the process costs a small message per step. The
+~25% (docs/benchmarks.md, "structured"); the process costs a small message per step. The
 engine's own matchers check only the tokens it did not sample under its masks (replayed ones, a
 prefill worker's first token); the process's replicas check the rest, and their verdict (complete,
 or broken) comes back with the next step's masks (state.py).

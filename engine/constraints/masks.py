@@ -70,7 +70,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
     Each byte of the bitmask looks up its eight tokens' additive bias (0 or -inf) in a 256 x 8
     table: one gather and one add, 3-6x faster on CPU than unpacking bits into a boolean mask for
-    ``masked_fill`` (bench/structured.py), and the same kernels on CUDA.
+    ``masked_fill`` (python -m bench structured), and the same kernels on CUDA.
     """
     vocab = logits.shape[1]
     bias = _bias(bitmask.to(logits.device, non_blocking=True), vocab, logits.dtype)

@@ -1,7 +1,7 @@
 """The mask fill in a grammar process: replica matchers, masks written into shared memory.
 
 A thread that fills masks in the engine process costs the engine thread GIL hand-overs even when
-the fill itself runs in native code (docs/benchmarks.md, "Structured output"); in another process it
+the fill itself runs in native code (docs/benchmarks.md, "structured"); in another process it
 costs nothing. The grammar process keeps a replica of each sequence's matcher and is told which
 tokens each sequence took since it was last sent, and in which rows of which batch its masks go.
 The replicas check the tokens sampled under their masks (the engine's own matchers only those it

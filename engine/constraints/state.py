@@ -23,7 +23,7 @@ masks the replica checks, and its verdict (the grammar is complete, or broke) co
 next step's masks: the manager sets ``verdict`` (and ``is_done`` or ``error``), and the scheduler
 ends the sequence there, without that step's token. A constrained sequence so ends one step later
 than it would with the engine checking each token, the same tokens out; the engine thread saves a
-matcher call per row per step (bench/structured.py). An engine that drafts (speculative decoding)
+matcher call per row per step (python -m bench structured). An engine that drafts (speculative decoding)
 has its own matcher take every token: the drafts are checked and masked from the state after the
 sequence's tokens (``draft_prefix``, ``fill_drafted``), in the engine thread.
 """

@@ -1,4 +1,4 @@
-"""``oracle`` (bench/speculative.py): proposes the target's own greedy continuation of each
+"""``oracle`` (python -m bench speculative): proposes the target's own greedy continuation of each
 request, known from a run without speculation, each token replaced at rate ``1 - alpha`` by a
 wrong one. It sets the acceptance rate, so decode speed can be measured against it."""
 

@@ -22,7 +22,7 @@ A holder on the requester's host whose KV pool and host tier are files in /dev/s
 worker with the shm transport) writes nothing: it *lends* the pinned run (``KvFetchDone.lent``:
 its files, and where each block is in them), and the requester copies the blocks out itself
 (``take``), then releases the pins (``KvFetchRelease``). The holder's cores do no copying at
-all, which is what keeps its own steps' pace (bench/peer_serve.py): a copy on the holder's
+all, which is what keeps its own steps' pace (python -m bench peer-serve): a copy on the holder's
 engine thread lengthens its steps, and a copy thread beside it takes a core from the step's
 own threads. Only blocks of the holder's disk tier are written (into the requester's buffer,
 on a thread), their bytes being in no shared file. The lent blocks are pinned until the
@@ -202,7 +202,7 @@ class ShmChannel:
         n = nbytes // bb if bb else 0
         if n <= 0 or n * bb != nbytes or len(where) < n or len(index) < n:
             raise Refused(f"a lent run of {len(where)} blocks of {bb} bytes does not make {nbytes} bytes")
-        block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        block_shape = spec.block_shape
         if any(not isinstance(index[i], int) for i in range(n)):
             raise Refused("a lent block's index is not an integer")
         files: dict[int, Any] = {}  # place -> the holder's file as blocks (the pool: layer-major)
@@ -217,7 +217,7 @@ class ShmChannel:
             count = flat.numel() * flat.element_size() // bb
             if any(not 0 <= index[i] < count for i in range(n) if where[i] == kind):
                 raise Refused("a lent block is outside the holder's file")
-            files[kind] = (flat.view(spec.num_layers, 2, count, *block_shape[2:]) if kind == 0
+            files[kind] = (flat.view(spec.num_layers, spec.num_planes, count, *block_shape[2:]) if kind == 0
                            else flat.view(count, *block_shape))
         sources: list = [DeviceBlock(index[i]) if where[i] == 0 else index[i] for i in range(n)]
         if 2 in where[:n]:  # the holder's disk blocks, written into our buffer at their rows

@@ -6,11 +6,11 @@ agent runs without UCX's progress thread (it spins a core, idle or not). Polling
 loop cannot be fine enough: ``asyncio.sleep`` waits in ``epoll_wait``, whose timeout is whole
 milliseconds (0.1 ms sleeps took 1.1 ms), so every poll of a 1 MB write cost a millisecond
 (in the mesh a 1 MB write took 1.5-2.1 ms; NIXL alone between the same two namespaces, polled
-every 0.05-0.1 ms from a plain loop on a quiet machine, 0.43-0.74 ms: ``bench/nixl_bound.py``).
+every 0.05-0.1 ms from a plain loop on a quiet machine, 0.43-0.74 ms: ``bench/nixl_bound.py``, a probe kept in git at 95db059).
 This thread waits on a condition between polls (a futex: microseconds; a new transfer, grant or
 ``kick`` ends the wait at once). Its timer slack is 1 us (``TIMER_SLACK_NS``): Linux lets a
 thread's timed wait run 50 us late by default, so a 0.05 ms wait took 0.10-0.16 ms and every
-poll of a write came twice as late (``bench/nixl_bound.py --slack-ns``: a 1 MB write 0.85-5.5 ms
+poll of a write came twice as late (``nixl_bound.py --slack-ns``: a 1 MB write 0.85-5.5 ms
 median at load 6 with the default slack, 0.49-0.97 ms with 1 us):
 
     POLL_FAST    for FAST_FOR seconds after the newest transfer, arrival or kick (a write in
@@ -24,7 +24,7 @@ median at load 6 with the default slack, 0.49-0.97 ms with 1 us):
 Why a grant's window: the writer's kick crosses nats-server (two process wake-ups: 0.3-1 ms on a
 busy machine) while its bytes already wait in the receiver's socket; a 1 MB write whose grant
 was given 50 ms earlier took 2.4-4.9 ms with the kick alone against 1.4-2.1 ms when the receiver
-was still polling fast (``bench/transfer.py --hosts 2 --mb 1 --compute-ms 50`` and ``0``, load 14).
+was still polling fast (``python -m bench transfer --hosts 2 --mb 1 --compute-ms 50`` and ``0``, load 14).
 Its cost: ~14% of a core while it lasts (0.05 ms polls at load 13: 6,000 a second, 22 us of
 CPU each), at most GRANT_FAST_FOR per grant, less when the write lands sooner (the thread parks
 once nothing is in flight).

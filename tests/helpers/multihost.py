@@ -10,8 +10,8 @@ import time
 import httpx
 import openai
 
-from bench.chaos import Outcome
-from bench.chaos import checked_request as chaos_request
+from bench.mesh.chaos import Outcome
+from bench.mesh.chaos import checked_request as chaos_request
 from mesh.natsauth import NatsConfig
 from mesh.protocol import WorkerCard
 from tests.helpers.cluster import Watcher
@@ -76,7 +76,7 @@ async def gateway_counter(url: str, name: str) -> int | None:
 async def checked_request(client: httpx.AsyncClient, url: str, prompt: list[int], expected: list[int],
                           out: Outcome, timeout: float, model: str = "tiny") -> None:
     """One streamed greedy completion of ``prompt``, checked against ``expected`` and counted in
-    ``out`` (``bench.chaos.checked_request``: correct, incorrect, a clear error, or hung)."""
+    ``out`` (``bench.mesh.chaos.checked_request``: correct, incorrect, a clear error, or hung)."""
     body = {"model": model, "prompt": prompt, "max_tokens": len(expected), "temperature": 0, "ignore_eos": True}
     await chaos_request(client, url, body, expected, out, timeout)
 

@@ -1,10 +1,10 @@
-"""A short chaos run (12 s; `python bench/chaos.py --seconds 120` is the long one): steady load
+"""A short chaos run (12 s; `python -m bench chaos --seconds 120` is the long one): steady load
 while workers are killed and restarted at random and NATS restarts once. No request may hang or
 return wrong tokens."""
 
 from __future__ import annotations
 
-from bench.chaos import report, run_chaos
+from bench.mesh.chaos import report, run_chaos
 
 
 async def test_chaos_loses_nothing_and_hangs_nothing():

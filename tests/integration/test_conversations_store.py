@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from gateway.conversations import Conversations
 from gateway.errors import APIError
+from gateway.responses.conversations import Conversations
 from mesh.bus import Bus
 
 RID = "resp_" + "a" * 32

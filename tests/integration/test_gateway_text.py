@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from gateway.detok import IncrementalDetokenizer, StopMatcher, TokenTexts, text_offsets
 from gateway.errors import from_pydantic
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.outputs.detok import IncrementalDetokenizer, StopMatcher, TokenTexts, text_offsets
+from gateway.requests.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.tokenizer import Tokenizer
 
 TEXTS = ["héllo wörld, 你好 🎉 ñandú!", "plain ascii text with spaces", "🎉🎉🎉 emoji only", "ЖЖЖ кириллица"]

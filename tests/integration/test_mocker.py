@@ -154,7 +154,7 @@ async def test_a_holder_killed_mid_fetch_costs_a_prefill_not_the_request(cluster
 
 async def test_with_the_prefill_pool_full_one_long_prompt_at_a_time_is_prefilled_on_the_decode_worker(cluster):
     """Overflow prompts stay on the decode worker that admitted them, each a long step for its
-    streams: past one at a time they queue for the prefill pool instead (bench/planner.py)."""
+    streams: past one at a time they queue for the prefill pool instead (python -m bench planner)."""
     ns = "overflow"
     slow = ["--ns", ns, "--mock-speedup", "0.05", "--device-kv-blocks", "1024"]  # 1,024 tokens: ~1.3 s of prefill
     cluster.worker("prefill", "--mock", *slow, "--worker-id", "ovf-prefill", "--prefill-capacity", "1")

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from bench.chaos import Outcome
+from bench.mesh.chaos import Outcome
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
@@ -119,7 +119,7 @@ async def test_a_partitioned_host_leaves_routing_and_comes_back(hostbed, tiny_mo
         with hostbed.partition(2):  # heals on leaving the block, the wait failed or not
             left = await w.wait_for(lambda: w.membership.get("dec-2") is None, 30, "host 2's worker to leave")
             # past the gateway's 8 s timeouts: the streams cut off time out and move (a 10 s cut
-            # under chaos load: bench/multihost.py)
+            # under chaos load: python -m bench multihost)
             await asyncio.sleep(max(0.0, 8.5 - (time.monotonic() - cut)))
         back = await w.wait_for(lambda: w.membership.get("dec-2"), 60, "host 2's worker to come back")
         await asyncio.sleep(1.5)  # requests while host 2 rejoins

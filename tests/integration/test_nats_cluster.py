@@ -17,8 +17,8 @@ import httpx
 import pytest
 from nats.js.errors import NotFoundError
 
-from bench.chaos import Outcome, one_request
-from bench.nats_cluster import gateway_server
+from bench.mesh.chaos import Outcome, one_request
+from bench.mesh.nats_cluster import gateway_server
 from mesh.bus import Bus
 from mesh.natsauth import NatsConfig
 from mesh.natsserver import EmbeddedNatsCluster, free_port

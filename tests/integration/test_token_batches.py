@@ -180,7 +180,7 @@ async def test_paced_streams_send_each_token_in_its_own_chunk(cluster, gateway):
             assert [len(e) for e in events] == [1] * 16, events  # one token per chunk, none merged
             assert [t for e in events for t in e] == mocker_tokens(p, 16)
         # behind uvicorn the mid-stream tokens (not the first, not the last) are written from the
-        # reply handler (gateway/direct.py); a 25 ms step leaves the reader waiting for nearly all
+        # reply handler (gateway/choices/direct.py); a 25 ms step leaves the reader waiting for nearly all
         assert 8 * 14 // 2 <= direct <= 8 * 14, direct
         # every step's batch came over the link, not through NATS: 16 steps at least (more when
         # the streams' prefills took steps of their own)

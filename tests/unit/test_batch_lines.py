@@ -8,11 +8,11 @@ import json
 import pytest
 from msgspec import Raw
 
-from gateway.batch_governor import Governor
-from gateway.batch_lines import LineResult, not_run, output_line, parse_lines
-from gateway.batch_store import BATCH_PRIORITY
+from gateway.batches.files import page, parse_multipart
+from gateway.batches.governor import Governor
+from gateway.batches.lines import LineResult, not_run, output_line, parse_lines
+from gateway.batches.store import BATCH_PRIORITY
 from gateway.errors import APIError
-from gateway.files import page, parse_multipart
 from mesh.protocol import LoadReport
 
 GOOD = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.batch_runner import BatchRun, BatchRunner
-from gateway.batch_store import BatchConfig, BatchRecord, BatchStore, FileRecord, RunAs
+from gateway.batches.runner import BatchRun, BatchRunner
+from gateway.batches.store import BatchRecord, BatchStore, FileRecord, RunAs
+from gateway.limits import BatchConfig
 from tests.helpers.fake_jetstream import FakeJetStream, FakeKV, FakeObjects
 
 OWNER = RunAs("owner")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.auth import ApiKey, KeyLimits, _digest
-from gateway.batch_lines import LineResult, decode_result, encode_result
-from gateway.batch_store import (
+from gateway.batches.lines import LineResult, decode_result, encode_result
+from gateway.batches.store import (
     BATCH_PRIORITY,
     BatchRecord,
     BatchStore,

@@ -1,4 +1,4 @@
-"""``gateway.direct.DirectSink`` writes a choice's mid-stream tokens from the reply handler: the
+"""``gateway.choices.direct.DirectSink`` writes a choice's mid-stream tokens from the reply handler: the
 bytes on the client's connection must be those of the ASGI way (every delta through
 ``Format.chunks`` and uvicorn's ``send``), on its short way (plain text) and its long one."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.stream_costs import collecting_cycle
-from gateway.choice import ChoiceRun, ChoiceState, RetryPolicy
-from gateway.direct import DirectSink
-from gateway.formats import ChatFormat, CompletionFormat
+from bench.serving.stream_costs import collecting_cycle
+from gateway.choices.choice import ChoiceRun, ChoiceState, RetryPolicy
+from gateway.choices.direct import DirectSink
+from gateway.completions.formats import ChatFormat, CompletionFormat
 from gateway.metrics import GatewayStats
 from gateway.service import _ChoiceText
 from gateway.streaming import SSEWriter

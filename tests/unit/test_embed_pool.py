@@ -1,5 +1,5 @@
 """The embed pool without NATS: which worker takes a part (mesh/router/embed.py), how a request's
-inputs are cut to fit the bus (gateway/embeddings.py ``split_inputs``), what a body may hold."""
+inputs are cut to fit the bus (gateway/embeddings/routes.py ``split_inputs``), what a body may hold."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from gateway.embeddings import ENVELOPE_BYTES, EmbeddingRequest, Embeddings, split_inputs
+from gateway.embeddings.routes import ENVELOPE_BYTES, EmbeddingRequest, Embeddings, split_inputs
 from gateway.errors import APIError
 from gateway.service import Gateway, GatewayConfig
 from mesh.protocol import EmbedReply, EmbedRequest, WorkerCard, encode

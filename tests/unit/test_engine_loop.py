@@ -131,7 +131,7 @@ async def test_the_inline_loop_keeps_the_timing_model_and_the_order_of_commands(
 @LOOPS
 async def test_a_steps_outputs_leave_when_its_simulated_time_is_up(loop_type):
     """A first token arrives after its prefill's simulated time, not when the step starts: a
-    prefix hit must be able to shorten a TTFT (bench/trace_replay.py measures exactly that)."""
+    prefix hit must be able to shorten a TTFT (python -m bench trace-replay measures exactly that)."""
     engine = MockEngine(MockConfig(speedup=2, num_blocks=256))  # 1,000 prompt tokens: 62 ms / 2
     outs: list = []
     loop = loop_type(engine, asyncio.get_running_loop())

@@ -13,8 +13,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus
-from gateway.toolcalls import ToolCallParser
-from gateway.tools import TOOL_FORMATS, FunctionSpec, forcing_constraint
+from gateway.outputs.toolcalls import ToolCallParser
+from gateway.outputs.tools import TOOL_FORMATS, FunctionSpec, forcing_constraint
 from mesh.constraints.validate import grammar_problem
 from mesh.tokenizer import Tokenizer
 

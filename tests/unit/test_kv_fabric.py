@@ -324,7 +324,7 @@ async def test_the_gateway_sends_the_routers_fetch_plan_in_the_request():
     """gateway/service.py ``_send``: a decision naming a peer reaches the worker in ``GenerateRequest.peer_fetch``."""
     from types import SimpleNamespace
 
-    from gateway.choice import ChoiceRun, RetryPolicy
+    from gateway.choices.choice import ChoiceRun, RetryPolicy
     from gateway.service import Gateway, GatewayConfig
     from mesh.protocol import (
         GenerateRequest,

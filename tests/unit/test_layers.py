@@ -37,6 +37,13 @@ def test_the_import_contracts_hold():
     ("kvstore/pool.py", "import mesh.protocol", "kvstore is not allowed to import mesh"),
     ("gateway/limits.py", "import torch", "gateway is not allowed to import torch"),
     ("mesh/bus.py", "import engine.core", "mesh is not allowed to import engine"),
+    ("gateway/responses/routes.py", "import gateway.batches.store",
+     "gateway.responses is not allowed to import gateway.batches"),
+    ("gateway/outputs/detok.py", "import gateway.embeddings.routes",
+     "gateway.outputs is not allowed to import gateway.embeddings"),
+    ("worker/core.py", "import engine.core", "worker.core is not allowed to import engine"),
+    ("mesh/registry.py", "import torch", "worker.core is not allowed to import torch"),
+    ("worker/core.py", "import kvstore.pool", "worker.core is not allowed to import kvstore"),
 ])
 def test_an_import_across_the_layers_breaks_a_contract(tmp_path, importer, line, broken):
     """The same check on a copy of the tree with one import added where the layers forbid it."""

@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from decode.lifecycle import TRANSITIONS, Event, IllegalTransition, ReqState, advance
-from gateway.choice import ChoiceRun, ChoiceState, RetryPolicy
-from gateway.replies import NoResponders, WorkerGone
+from gateway.choices.choice import ChoiceRun, ChoiceState, RetryPolicy
+from gateway.choices.replies import NoResponders, WorkerGone
 from mesh.client import StreamError
 
 S, E = ReqState, Event

@@ -65,7 +65,7 @@ def test_the_flags():
     assert MockConfig.from_args(build_parser().parse_args(["worker", "mock"])).speculative is None
     with pytest.raises(ValueError, match="mock-spec-acceptance"):
         MockConfig(spec_acceptance=1.5)
-    # mesh up --mock passes them on to its mock workers (bench/trace_replay.py: --mesh-arg)
+    # mesh up --mock passes them on to its mock workers (python -m bench trace-replay: --mesh-arg)
     from cli.up import _worker_flags
 
     up = build_parser().parse_args(["up", "--mock", "--speculative", "ngram", "--mock-spec-acceptance", "0.5"])

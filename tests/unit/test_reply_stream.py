@@ -1,6 +1,6 @@
 """``ReplyStream.next_batch``'s timeouts with one lazily re-armed timer per stream (issue 33): a
 wait still times out at its own deadline, whether it is shorter or longer than the last one; and
-its ``sink``, which takes the mid-stream chunks from the reader (gateway/direct.py)."""
+its ``sink``, which takes the mid-stream chunks from the reader (gateway/choices/direct.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.replies import ReplyStream
+from gateway.choices.replies import ReplyStream
 from mesh.client import StreamError
 from mesh.protocol import TokenChunk
 
@@ -58,7 +58,7 @@ async def test_a_wait_that_began_after_the_timer_was_armed_gets_its_full_time():
 
 
 class _Sink:
-    """Takes chunks while ``take`` says so (gateway.direct.DirectSink's contract)."""
+    """Takes chunks while ``take`` says so (gateway.choices.direct.DirectSink's contract)."""
 
     def __init__(self, take=lambda c: True):
         self.take = take

@@ -12,17 +12,17 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.auth import ApiKey, KeyLimits
-from gateway.conversations import tenant_of
 from gateway.errors import APIError
-from gateway.outputs import OutputPlan
-from gateway.reasoning import THINK
-from gateway.responses import echo, parse_request
-from gateway.responses_items import chat_request, output_messages
-from gateway.responses_schema import ResponsesRequest
-from gateway.responses_stream import ResponseFormat
+from gateway.outputs.plan import OutputPlan
+from gateway.outputs.reasoning import THINK
+from gateway.outputs.toolcalls import ToolCallDelta
+from gateway.outputs.tools import tool_format
+from gateway.responses.conversations import tenant_of
+from gateway.responses.items import chat_request, output_messages
+from gateway.responses.routes import echo, parse_request
+from gateway.responses.schema import ResponsesRequest
+from gateway.responses.stream import ResponseFormat
 from gateway.service import ChoiceDelta
-from gateway.toolcalls import ToolCallDelta
-from gateway.tools import tool_format
 from mesh.protocol import Usage
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -12,13 +12,13 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.constraints import ConstraintKind
-from gateway.detok import IncrementalDetokenizer
-from gateway.formats import ChatFormat
-from gateway.outputs import ChoiceOutput, OutputPlan, plan_chat
-from gateway.reasoning import REASONING_FORMATS, ReasoningParser
-from gateway.schemas import ChatCompletionRequest
+from gateway.completions.formats import ChatFormat
+from gateway.outputs.detok import IncrementalDetokenizer
+from gateway.outputs.plan import ChoiceOutput, OutputPlan, plan_chat
+from gateway.outputs.reasoning import REASONING_FORMATS, ReasoningParser
+from gateway.outputs.tools import HERMES, MISTRAL, ToolFormat
+from gateway.requests.schemas import ChatCompletionRequest
 from gateway.service import ChoiceDelta
-from gateway.tools import HERMES, MISTRAL, ToolFormat
 from mesh.protocol import ConstraintSpec, GenerateRequest, SamplingOptions, decode, encode
 from mesh.tokenizer import Tokenizer
 from worker.base import sampling_params

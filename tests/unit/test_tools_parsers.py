@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from gateway.toolcalls import MessageDelta, ToolCallDelta, ToolCallParser, collect
-from gateway.tools import HERMES, LLAMA3_JSON, MISTRAL, TOOL_FORMATS
+from gateway.outputs.toolcalls import MessageDelta, ToolCallDelta, ToolCallParser, collect
+from gateway.outputs.tools import HERMES, LLAMA3_JSON, MISTRAL, TOOL_FORMATS
 
 ARGS_A = {"city": "Zürich", "note": 'say "hi" {not a brace} \\ done', "days": [1, 2, {"x": None}]}
 ARGS_B = {"tz": "Asia/Tōkyō 🕒"}

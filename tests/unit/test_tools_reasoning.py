@@ -6,7 +6,7 @@ import codecs
 
 import pytest
 
-from gateway.reasoning import THINK, ReasoningDelta, ReasoningParser, reasoning_format
+from gateway.outputs.reasoning import THINK, ReasoningDelta, ReasoningParser, reasoning_format
 
 CASES = [  # prompt, output, reasoning, content
     ("<|im_start|>assistant\n", "<think>\nThe user wants 2+2. That is 4.\n</think>\n\nIt is **4**.",

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from engine.constraints import ConstraintKind
 from gateway import errors
 from gateway.errors import APIError
-from gateway.output_schemas import REFUSED
-from gateway.outputs import plan_chat, plan_completion
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.outputs.plan import plan_chat, plan_completion
+from gateway.requests.output_schemas import REFUSED
+from gateway.requests.schemas import ChatCompletionRequest, CompletionRequest
 from mesh.tokenizer import Tokenizer
 from tests.helpers.chat_templates import make_dir, make_plain_dir
 

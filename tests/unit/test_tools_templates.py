@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.schemas import ChatCompletionRequest
-from gateway.tools import TOOL_FORMATS, tool_format
+from gateway.outputs.tools import TOOL_FORMATS, tool_format
+from gateway.requests.schemas import ChatCompletionRequest
 from mesh.tokenizer import ChatTemplateError, Tokenizer
 from tests.helpers.chat_templates import FAMILIES, make_dir, make_plain_dir
 

@@ -1,0 +1,1 @@
+"""Runtime LoRA adapters: vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
