@@ -292,6 +292,8 @@ def figures(spec: Spec, a: Snapshot, b: Snapshot, load: dict, cpu_client: list[f
         "kv_events_indexed_s": round((sum(kv.values()) - sum(kv0.values())) / (b.metrics_at - a.metrics_at)
                                      / spec.gateways, 1) if a.metrics and b.metrics else None,
         "nats_totals_s": nats, "nats_by_family_s": fam, "counter_dropped": b.counts.get("closed", False),
+        "migrations": sum(metric_lines(b.metrics, "pdmesh_gateway_migrations_total").values())
+        - sum(metric_lines(a.metrics, "pdmesh_gateway_migrations_total").values()),  # streams resumed elsewhere
     }
 
 
@@ -343,8 +345,8 @@ class KillWatch:
     def figures(self) -> dict:
         k = self.killed_at
         return {"killed_workers": self.victims,
-                "last_decision_to_killed_s": None if k is None or self.last_decision is None
-                else round(self.last_decision - k, 2),
+                # 0.0: no decision named one of them after the kill
+                "last_decision_to_killed_s": None if k is None else round(max(0.0, (self.last_decision or k) - k), 2),
                 "left_registry_s": None if k is None or self.gone_at is None else round(self.gone_at - k, 2)}
 
     async def close(self) -> None:
