@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return emit(BENCHMARK, {"plan": {"streams": args.streams, "requests": args.requests, "tokens": args.tokens,
                                          "step_ms": args.step_ms, "tokenizer": args.tok}, "parts": list(PARTS)}, args)
+    if not Path(args.tok).is_dir():
+        print(f"ttft-parts: no tokenizer at {args.tok} (side_by_side.sh makes it; or --tok DIR)", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="pdmesh-ttft-"))
     procs = []
     nats = EmbeddedNats(store_dir=str(work / "js")).start()
