@@ -64,7 +64,7 @@ BENCHMARK = Benchmark(
              "process killed mid-load",
     target="4,096 streams at 1,000 workers with no error; killed workers out of routing within 6 s, streams "
            "identical; router p99 <= 1 ms at 1,000 x 1M blocks; gateway CPU per token at 1,000 within 1.3x of 10",
-    minutes=25,
+    minutes=22,
     smoke=("--dry-run",),
 )
 MAX_PROCESSES = 8
