@@ -58,7 +58,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pooling", default="last", choices=("last", "mean", "cls"),
                    help="--task embed: pooling of a model whose directory has no sentence-transformers "
                         "modules.json (which wins when present)")
-    p.add_argument("--worker-id", default="")
+    p.add_argument("--worker-id", default="", help="with --num-workers: the prefix of the ids (PREFIX-0000, ...)")
+    p.add_argument("--num-workers", type=int, default=1, metavar="N",
+                   help="mock: N simulated workers in this process, each a whole worker on the bus (its own id, "
+                        "card, subjects, KV events, load reports); one NATS connection and event loop for all")
     p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA; nixl if installed and TP 1; with --pp > 1: shm,nats on CPU, nats on CUDA)")
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
@@ -125,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     ws.transport_names()  # a bad transport list is a one-line error, not a dead worker
     if name == "embed":
         _check_embed(ws)
+    if args.num_workers != 1:
+        return _run_host(args, role, ws)
     worker = role.worker_class()(ws)
     _run_loop(worker.run())
     return worker.exit_code
@@ -155,6 +160,25 @@ def _check_remote_ranks(args: argparse.Namespace, ws, role: str) -> None:
         raise CliError("--peer-fetch does not run with ranks on other hosts (no transport reaches their KV)")
     if e.has_host_tier:
         raise CliError("the KV tiers (--host-kv-gb) do not run with ranks on other hosts (rank 0 cannot reach their KV)")
+
+
+def _run_host(args: argparse.Namespace, role: Role, ws) -> int:
+    """``--num-workers N``: N mock workers in this process (``worker.host``)."""
+    from dataclasses import replace
+
+    from worker.core import new_worker_id
+    from worker.host import WorkerHost, worker_ids
+
+    if args.num_workers < 1:
+        raise CliError("--num-workers must be >= 1")
+    if not role.simulated:
+        raise CliError("--num-workers is for simulated workers: mesh worker mock --num-workers N")
+    prefix = args.worker_id or new_worker_id("mock")
+    cls = role.worker_class()
+    workers = [cls(replace(ws, worker_id=wid, metrics_port=-1)) for wid in worker_ids(prefix, args.num_workers)]
+    host = WorkerHost(workers, ws, name=prefix)
+    _run_loop(host.run())
+    return host.exit_code
 
 
 def _check_embed(ws) -> None:

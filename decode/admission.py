@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from decode.context import WorkerContext
+from decode.context import WorkerContext, unsubscribe
 from decode.lifecycle import Event, ReqState
 from decode.remote import RemoteKv
 from decode.request import TRACER, DecodeRequest
@@ -56,12 +56,48 @@ class Admission:
         self.remote = remote
         self.peer_fetch = peer_fetch
         self.accepting = accepting  # False once the worker drains
-        self.membership = Membership(ctx.bus, ttl=ctx.settings.registry_ttl)
+        self._owns_membership = ctx.membership is None
+        # the prefill pool's cards (every decode worker's too with peer fetch: its sources)
+        self.membership = ctx.membership or Membership(ctx.bus, ttl=ctx.settings.registry_ttl,
+                                                       role=None if ctx.settings.peer_fetch else "prefill")
         self.prefill_loads: dict[str, LoadReport] = {}
+        self._load_subs: dict[str, object] = {}  # prefill worker -> the subscription to its load reports
 
     async def start(self, stack: AsyncExitStack) -> None:
-        await self.membership.start(wait=1.0)
-        stack.push_async_callback(self.membership.stop)
+        if self._owns_membership:
+            await self.membership.start(wait=1.0)
+            stack.push_async_callback(self.membership.stop)
+        # Load reports of the model's prefill workers only, one subscription each as they join:
+        # all of the model's reports (one per worker per second) would cost every decode worker
+        # a decode per worker per second, N x N across a mesh of N.
+        self.membership.on_change(self._on_member)
+        stack.callback(self.membership.off_change, self._on_member)
+        stack.push_async_callback(self._unsubscribe_loads)
+        for card in self.membership.cards(self.ctx.model, "prefill"):
+            self._on_member(card.worker_id, card)
+
+    def _on_member(self, worker_id: str, card) -> None:
+        if card is None:
+            self.prefill_loads.pop(worker_id, None)
+            sub = self._load_subs.pop(worker_id, None)
+            if sub is not None:
+                self.ctx.spawn(unsubscribe(sub))
+        elif card.role == "prefill" and card.model == self.ctx.model and worker_id not in self._load_subs:
+            self._load_subs[worker_id] = None  # subscribing
+            self.ctx.spawn(self._subscribe_load(worker_id))
+
+    async def _subscribe_load(self, worker_id: str) -> None:
+        sub = await self.ctx.bus.subscribe(self.ctx.bus.subjects.load(self.ctx.model, worker_id), self.on_load,
+                                           LoadReport)
+        if worker_id in self._load_subs:
+            self._load_subs[worker_id] = sub
+        else:  # it left while we subscribed
+            await unsubscribe(sub)
+
+    async def _unsubscribe_loads(self) -> None:
+        subs, self._load_subs = [s for s in self._load_subs.values() if s is not None], {}
+        for sub in subs:
+            await unsubscribe(sub)
 
     def queued(self) -> int:
         """Requests admitted here that have not produced their first token yet."""
@@ -208,7 +244,7 @@ class Admission:
         ``prefill_timeout`` still falls back here). Per request; the load data is per second."""
         if not self.ctx.transports:  # no KV can reach this worker (its ranks on other hosts: --local-ranks)
             return "local"
-        cards = [c for c in self.membership.cards(self.ctx.model, "prefill")
+        cards = [c for c in self.membership.cards_of(self.ctx.model, "prefill")
                  if c.status == "ready" and (not adapter or adapter in c.adapters)]
         if not cards:
             return "local"

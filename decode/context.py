@@ -18,6 +18,7 @@ from engine.core import EngineCore
 from engine.loop import EngineLoop
 from mesh import metrics
 from mesh.bus import Bus
+from mesh.registry import Membership
 from worker.core import Counters
 from worker.settings import WorkerSettings
 
@@ -37,6 +38,7 @@ class WorkerContext:
     counters: Counters
     transports: list[str]  # the KV transports this worker offers, best first
     tasks: list[asyncio.Task]  # the worker's background tasks (cancelled when it stops)
+    membership: Membership | None = None  # the process's registry view, when its workers share one
 
     @property
     def model(self) -> str:

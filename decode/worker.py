@@ -50,7 +50,7 @@ from engine.core import EngineCore
 from engine.scheduler import StepOutput
 from kvstore.transfer import KvReceiver, host_id, make_receiver
 from mesh import metrics
-from mesh.protocol import Cancel, GenerateRequest, LoadReport, PrefillDone, TokenChunk
+from mesh.protocol import Cancel, GenerateRequest, PrefillDone, TokenChunk
 from worker.base import WorkerBase, build_engine
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ class DecodeWorker(WorkerBase):
                 stack.push_async_callback(_close, rx)
             self.receivers[name] = rx
         self.ctx = ctx = WorkerContext(self.worker_id, self.role, self.settings, bus, self.engine, self.loop,
-                                       self.counters, self.transport_names(), self._tasks)
+                                       self.counters, self.transport_names(), self._tasks,
+                                       self.shared.membership if self.shared is not None else None)
         if self.settings.peer_fetch:
             from decode.peerfetch import PeerFetch  # imports torch, which the mocker never loads
 
@@ -107,11 +108,11 @@ class DecodeWorker(WorkerBase):
         stack.callback(self.emission.links.close)  # after the drain's last chunks went out on them
         await self.admission.start(stack)
         self.admission.membership.on_change(self._on_member)
+        stack.callback(self.admission.membership.off_change, self._on_member)
         s = bus.subjects
         await ctx.subscribe(stack, s.generate(model, self.worker_id), self._admit_soon, GenerateRequest)
         await ctx.subscribe(stack, s.cancel(model, self.worker_id), self._on_cancel, Cancel)
         await ctx.subscribe(stack, s.kv_ready(model, self.worker_id), self.remote.on_kv_ready, PrefillDone)
-        await ctx.subscribe(stack, s.load_model(model), self.admission.on_load, LoadReport)
         if self.peer_fetch is not None:
             await self.peer_fetch.start(stack, self.admission.membership)
 

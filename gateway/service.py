@@ -182,15 +182,19 @@ class Gateway:
             await self.bus.close()
 
     # -- models and workers -----------------------------------------------------------
+    # kept until the registry changes (Membership.derived): at 1,000 workers each was a pass over every card
     def decode_workers(self, model: str) -> list[WorkerCard]:
-        return [c for c in self.membership.cards(model, "decode") if c.status == "ready"]
+        m = self.membership
+        return m.derived(("decode", model), lambda: [c for c in m.cards_of(model, "decode") if c.status == "ready"])
 
     def live_models(self) -> list[str]:
-        return sorted({c.model for c in self.membership.cards(role="decode")})
+        m = self.membership
+        return m.derived(("live",), lambda: sorted({c.model for c in m.cards_of(role="decode")}))
 
     def embed_models(self) -> list[str]:
         """Models with ready embed workers (``--task embed``: /v1/embeddings only)."""
-        return sorted({c.model for c in self.membership.cards(role="embed") if c.status == "ready"})
+        m = self.membership
+        return m.derived(("embed",), lambda: sorted({c.model for c in m.cards_of(role="embed") if c.status == "ready"}))
 
     def served_models(self) -> list[str]:
         """What /v1/models lists: models with decode or embed workers."""
@@ -207,7 +211,9 @@ class Gateway:
 
     def adapters(self) -> dict[str, str]:
         """LoRA adapter -> its base model, over every ready decode worker's card."""
-        return {a: c.model for c in self.membership.cards(role="decode") if c.status == "ready" for a in c.adapters}
+        m = self.membership
+        return m.derived(("adapters",), lambda: {
+            a: c.model for c in m.cards_of(role="decode") if c.status == "ready" for a in c.adapters})
 
     def resolve(self, name: str) -> Target:
         """A request's ``model``: a served model, else a LoRA adapter some decode worker holds;
@@ -235,20 +241,22 @@ class Gateway:
         return tok
 
     def max_model_len(self, model: str) -> int:
-        lens = [c.max_model_len for c in self.membership.cards(model, "decode")]
-        lens = lens or [c.max_model_len for c in self.membership.cards(model, "embed")]
-        return min(lens) if lens else 0
+        m = self.membership
+        return min(m.derived(("max_len", model), lambda: [c.max_model_len for c in m.cards_of(model, "decode")]
+                             or [c.max_model_len for c in m.cards_of(model, "embed")] or [0]))
 
     def pick_worker(self, model: str, token_ids: list[int], exclude: set[str], request_id: str = "",
                     parent: trace.Span | None = None, adapter: str = "", cache_scope: str = "") -> Decision:
         """The router decides which ready decode worker serves the request (and whether it fetches
         prefix blocks from a peer first); the gateway sends."""
         with TRACER.start_as_current_span("route", context=child_context(parent)) as span:
+            began = time.perf_counter()
             try:
                 d = self.router.route(model, token_ids, request_id, exclude, adapter=adapter, cache_scope=cache_scope)
             except LookupError:
                 span.set_attribute("pdmesh.error", "no live worker")
                 raise APIError(503, f"no live worker for {adapter or model!r}") from None
+            metrics.ROUTER_DECISION_SECONDS.labels(model).observe(time.perf_counter() - began)
             span.set_attributes({"pdworker.base": d.worker_id, "pdmesh.mode": d.mode,
                                  "pdmesh.overlap_blocks": d.overlap_blocks, "pdmesh.new_blocks": d.new_blocks})
         mode = self.config.router.mode

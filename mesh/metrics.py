@@ -50,6 +50,12 @@ GATEWAY_ITL = Histogram("pdmesh_gateway_itl_seconds", "Time between token batche
 GATEWAY_E2E = Histogram("pdmesh_gateway_e2e_seconds", "Request arrival to its last token", ["model"],
                         buckets=LATENCY_BUCKETS, registry=REGISTRY)
 ROUTER_DECISIONS = Counter("pdmesh_router_decisions", "Routing decisions", ["model", "mode"], registry=REGISTRY)
+ROUTER_DECISION_SECONDS = Histogram(
+    "pdmesh_router_decision_seconds", "One routing decision: hash the prompt, walk the index, cost every worker",
+    ["model"], buckets=(25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 10e-3,
+                        25e-3, 50e-3, 0.1), registry=REGISTRY)
+ROUTER_KV_EVENTS = Counter("pdmesh_router_kv_events", "KV events (block hashes stored or removed) the router indexed, "
+                           "and the batches they came in", ["unit"], registry=REGISTRY)
 ROUTER_OVERLAP = Histogram("pdmesh_router_overlap_ratio", "Share of the prompt cached on the chosen worker",
                            ["model", "mode"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
 GATEWAY_REJECTED = Counter("pdmesh_gateway_rejected", "Requests refused before the API: a missing or invalid API "

@@ -4,6 +4,12 @@ A worker puts its card when it starts and refreshes it every ``ttl / 3``; on a
 clean exit it deletes it. The bucket's max age drops cards nobody refreshes,
 and every watcher also expires them locally (a KV watch is not told when a
 value ages out), so a killed worker leaves everyone's view within the TTL.
+
+A card's key is ``{role}.{worker id}`` (both as subject tokens), so that a
+watcher that needs one role watches only its keys: a decode worker follows the
+prefill pool, not every decode worker's refreshes (at N decode workers each
+refreshing every 2 s, watching all of them cost the bus N x N / 2 deliveries a
+second). Gateways, routers and planners watch every key.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
@@ -44,6 +51,11 @@ async def open_bucket(bus: Bus, ttl: float = DEFAULT_TTL) -> KeyValue:
         return await bus.js.key_value(name)
 
 
+def card_key(card: WorkerCard) -> str:
+    """The card's key in the registry bucket: ``{role}.{worker id}``."""
+    return f"{subject_token(card.role)}.{subject_token(card.worker_id)}"
+
+
 class CardPublisher:
     """Keeps one worker's card in the registry while the worker lives."""
 
@@ -64,7 +76,7 @@ class CardPublisher:
     async def put(self) -> None:
         card = self.card_fn()
         began, card.updated = time.monotonic(), time.time()
-        self._key = subject_token(card.worker_id)
+        self._key = card_key(card)
         await asyncio.wait_for(self._kv.put(self._key, encode(card)), 5.0)
         self._put_at = began
 
@@ -92,11 +104,13 @@ class CardPublisher:
 
 
 class Membership:
-    """A live view of the registry: cards by worker id, stale ones expired locally."""
+    """A live view of the registry: cards by worker id, stale ones expired locally. ``role``: only
+    the cards of workers of this role (a decode worker's view of the prefill pool)."""
 
-    def __init__(self, bus: Bus, ttl: float = DEFAULT_TTL):
+    def __init__(self, bus: Bus, ttl: float = DEFAULT_TTL, role: str | None = None):
         self.bus = bus
         self.ttl = ttl
+        self.role = role
         self._cards: dict[str, WorkerCard] = {}
         self._seen: dict[str, float] = {}  # monotonic time of the card's last refresh
         self._listeners: list[Callable[[str, WorkerCard | None], None]] = []
@@ -108,11 +122,24 @@ class Membership:
         self._last_entry = time.monotonic()  # of the last fresh card the watch delivered
         self._hold_until = 0.0  # monotonic: no card expires before (the watch was just re-opened)
         self._stall_task: asyncio.Task | None = None
+        self._freshest = float("inf")  # the age of the freshest card read since the last sweep
         self.ready = asyncio.Event()
+        # bumped by every join, leave or change of a card (not a refresh): views derived from
+        # the cards (``cards_of``) are rebuilt only when it moves
+        self.version = 0
+        self._derived: dict[tuple, object] = {}
+        self._derived_version = 0
 
     def on_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
-        """``fn(worker_id, card)`` on every join or update; ``card`` is None when a worker leaves."""
+        """``fn(worker_id, card)`` when a worker joins or its card changes; ``card`` is None when it
+        leaves. A refresh that only moves ``updated`` notifies nobody: at 1,000 workers refreshes
+        come 500 a second, and each listener would run for every one."""
         self._listeners.append(fn)
+
+    def off_change(self, fn: Callable[[str, WorkerCard | None], None]) -> None:
+        """Stop calling ``fn`` (a worker that shares this view with others in its process leaves)."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(fn)
 
     async def start(self, wait: float = 5.0) -> None:
         await self._open_watch()
@@ -123,7 +150,7 @@ class Membership:
 
     async def _open_watch(self) -> None:
         kv = await open_bucket(self.bus, self.ttl)
-        self._watcher = await kv.watchall()
+        self._watcher = await (kv.watch(f"{subject_token(self.role)}.>") if self.role else kv.watchall())
         self._watch_task = asyncio.create_task(self._watch(self._watcher), name="registry-watch")
         self._tasks.append(self._watch_task)
 
@@ -166,6 +193,23 @@ class Membership:
             if (model is None or c.model == model) and (role is None or c.role == role)
         ]
 
+    def cards_of(self, model: str | None = None, role: str | None = None) -> list[WorkerCard]:
+        """``cards(model, role)`` kept until the membership changes: what a per-request path reads
+        (at 1,000 workers, filtering every card per request was its cost). A card in it may be an
+        earlier refresh of the worker's (only its ``updated`` differs). Do not change the list."""
+        return self.derived(("cards", model, role), lambda: self.cards(model, role))
+
+    def derived(self, key: tuple, build: Callable[[], object]):
+        """``build()``, kept under ``key`` until the membership changes (a join, a leave, a card that
+        changed: not a refresh). Callers only read what it returns."""
+        if self._derived_version != self.version or len(self._derived) > 256:
+            self._derived.clear()
+            self._derived_version = self.version
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = build()
+        return got
+
     def get(self, worker_id: str) -> WorkerCard | None:
         return self._cards.get(worker_id)
 
@@ -198,37 +242,53 @@ class Membership:
             except DecodeError as e:
                 log.warning("ignoring a malformed card %s: %s", entry.key, e)
                 continue
+            if self.role is not None and card.role != self.role:
+                continue  # a card under a key that is not its role's
             age = min(max(time.time() - card.updated, 0.0), self.ttl)
+            self._freshest = min(self._freshest, age)
             self._seen[card.worker_id] = time.monotonic() - age
             if age >= self.ttl:
                 continue
+            old = self._cards.get(card.worker_id)
             self._cards[card.worker_id] = card
-            self._last_entry = time.monotonic()
-            self._models_seen[card.model] = time.monotonic()
-            self._notify(card.worker_id, card)
+            now = time.monotonic()
+            self._last_entry = now
+            self._models_seen[card.model] = now
+            if old is None or msgspec.structs.replace(old, updated=card.updated) != card:
+                self.version += 1
+                self._notify(card.worker_id, card)
             self.ready.set()
 
     def _drop_key(self, key: str) -> None:
-        for wid in [w for w in self._cards if subject_token(w) == key]:
+        token = key.rsplit(".", 1)[-1]  # {role}.{worker id}, or a bare worker id (an older writer's)
+        for wid in [w for w in self._cards if subject_token(w) == token]:
             self._drop(wid)
 
     def _drop(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
         if self._cards.pop(worker_id, None) is not None:
+            self.version += 1
             self._notify(worker_id, None)
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.ttl / 4))
             now = time.monotonic()
-            if self._rewatching or now < self._hold_until:
+            behind = self.ttl / 3 < self._freshest < float("inf")  # none read: _check_stall's to judge
+            self._freshest = float("inf")
+            if behind:
+                # Even the freshest card read since the last sweep was older than a refresh period:
+                # this process reads the registry late (its loop is busy), and the newer cards wait
+                # in its queue. Its lag is not the workers' silence: none expires until it catches up.
+                log.info("reading the registry late: no card expires until it catches up")
+            if self._rewatching or now < self._hold_until or behind:
                 # the replay after the watch is back refreshes every live card: count from then
                 self._seen = {w: max(t, now - self.ttl / 2) for w, t in self._seen.items()}
                 continue
-            for wid in [w for w, t in self._seen.items() if now - t > self.ttl]:
+            for wid, t in [(w, t) for w, t in self._seen.items() if now - t > self.ttl]:
                 self._seen.pop(wid, None)
                 if wid in self._cards:
-                    log.info("worker %s expired from the registry", wid)
+                    log.info("worker %s expired from the registry (its newest card is %.1f s old)", wid, now - t)
                     self._drop(wid)
             self._check_stall(now)
 

@@ -29,7 +29,7 @@ from mesh.bus import Bus
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, WorkerCard, subject_token
-from mesh.registry import DEFAULT_TTL, CardPublisher
+from mesh.registry import DEFAULT_TTL, CardPublisher, Membership
 from mesh.telemetry import serve_metrics, setup_tracing
 
 if TYPE_CHECKING:
@@ -71,6 +71,16 @@ class Counters:
         self.by_key[key] = self.by_key.get(key, 0) + n
 
 
+@dataclass(frozen=True)
+class SharedParts:
+    """What the workers of one process share when it runs several (``worker.host``: the mocker's
+    ``--num-workers``): one NATS connection and one view of the registry, both the host's to open
+    and close. A worker without them opens its own."""
+
+    bus: Bus
+    membership: Membership
+
+
 class WorkerCore:
     role = ""
 
@@ -86,6 +96,7 @@ class WorkerCore:
         self.last_load: LoadReport | None = None
         self.metrics_port = 0
         self.exit_code = 0
+        self.shared: SharedParts | None = None  # set by a host running several workers in its process
 
     # -- for roles ----------------------------------------------------------------
     async def before_engine(self, stack: AsyncExitStack) -> None:
@@ -131,8 +142,11 @@ class WorkerCore:
         s = self.settings
         setup_tracing(f"pdmesh-{self.role}")
         async with AsyncExitStack() as stack:
-            self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
-            stack.push_async_callback(self.bus.close)
+            if self.shared is None:
+                self.bus = await Bus.connect(s.nats_url, name=self.worker_id, ns=s.ns, config=s.nats)
+                stack.push_async_callback(self.bus.close)
+            else:
+                self.bus = self.shared.bus
             await self.before_engine(stack)
             await asyncio.to_thread(self.open_engine)
             stack.callback(self.close_engine)
@@ -144,7 +158,8 @@ class WorkerCore:
             stack.push_async_callback(self.cards.stop)
             load = asyncio.create_task(self._report_load(), name="load")
             stack.push_async_callback(cancel_and_wait, [load])
-            settle_heap()  # start-up state built: out of the collector's way
+            if self.shared is None:
+                settle_heap()  # start-up state built: out of the collector's way (a host: once, for all)
             self.ready.set()
             log.info("%s worker %s serving %s%s", self.role, self.worker_id, self.served_model(),
                      self.serving_note())

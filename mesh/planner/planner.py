@@ -67,12 +67,12 @@ class Planner:
                 await self._sub.unsubscribe()
 
     async def _on_load(self, report: LoadReport, raw) -> None:
-        # only from members (anyone may claim an id); what a worker that left reported goes with it
+        # only from members (anyone may claim an id); what a worker that left reported goes at the
+        # next window (``tick``), not on every report: a pass over all workers per report was
+        # N x N a second at N workers
         if (self.model is None or report.model == self.model) and \
                 self.membership.vouches(report.worker_id, report.role, report.model):
             self.loads[report.worker_id] = report
-        for gone in [w for w in self.loads if self.membership.get(w) is None]:
-            del self.loads[gone]
 
     async def _run(self) -> None:
         while True:

@@ -12,10 +12,22 @@ arrive (an event on a hash replaces its prediction) or a short TTL passes.
 
 Sequence numbers: ``apply`` refuses a batch that does not follow the last one
 seen from its worker (a gap), and the router resyncs that worker from a snapshot.
+
+How it is held (issue 51: a decision at 1,000 workers with 1M blocks indexed): each worker has a
+small integer, its *slot* (``Slots``), and each block hash one int, the mask of the slots that hold
+it in any tier. The walk of a request's blocks is then one AND of masks per block, whatever the
+number of holders (a system prompt every worker caches had cost a set test over all of them per
+block). Tiers other than the device, the exception, sit beside it: per hash, the slots that hold
+it anywhere but (only) on the device, with their tier bits.
+
+    _any:  hash -> mask of holder slots        _off:  hash -> {slot: tier bits}  (bits != DEVICE)
+    _below: hash -> mask of the slots whose bits have no DEVICE (what a walk looks at one by one)
+    _blocks: worker -> its hashes (to drop a worker that leaves)
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,6 +35,7 @@ from dataclasses import dataclass
 
 from mesh.protocol import KvEventBatch
 from mesh.router.costs import DEVICE, DISK, HOST, PREDICTED, REAL, default_costs
+from mesh.router.slots import Slots, slots_in
 
 TIERS = {"device": DEVICE, "host": HOST, "disk": DISK, "predicted": PREDICTED}
 DEFAULT_WEIGHTS = default_costs().credits()  # from the reference costs (mesh/router/costs.py)
@@ -55,14 +68,29 @@ class PrefixMatch:
         return out
 
 
+_PLAIN: dict[int, PrefixMatch] = {}  # depth -> the match of a run held wholly on the device (immutable: shared)
+
+
+def plain_match(depth: int) -> PrefixMatch:
+    m = _PLAIN.get(depth)
+    if m is None:
+        m = _PLAIN[depth] = PrefixMatch(depth)
+    return m
+
+
 class KvIndex:
-    def __init__(self, weights: dict[str, float] | None = None):
+    def __init__(self, weights: dict[str, float] | None = None, slots: Slots | None = None):
         self.weights = {**DEFAULT_WEIGHTS, **(weights or {})}
-        self._holders: dict[int, dict[str, int]] = {}  # hash -> {worker: tier bits}
+        self.slots = slots if slots is not None else Slots()
+        self._owns_slots = slots is None  # else the router gives slots back when workers leave
+        self._any: dict[int, int] = {}  # hash -> mask of the slots holding it (any tier)
+        self._off: dict[int, dict[int, int]] = {}  # hash -> {slot: tier bits} where bits != DEVICE
+        self._below: dict[int, int] = {}  # hash -> mask of the slots holding it only off the device
         self._blocks: dict[str, set[int]] = {}  # worker -> hashes it holds (any tier)
         self._seq: dict[str, int] = {}  # worker -> last applied batch
-        self._predicted: dict[str, OrderedDict[int, float]] = {}  # worker -> hash -> expiry
-        self._partial: set[int] = set()  # hashes some holder keeps off the device (may be stale)
+        self._predicted: dict[str, OrderedDict[int, float]] = {}  # worker -> hash -> expiry (oldest first)
+        self._expiries: list[tuple[float, str]] = []  # heap: (a worker's earliest expiry, worker)
+        self._queued: dict[str, float] = {}  # worker -> the expiry of its live heap entry
         self.events_applied = 0
         # credit of a tier-bit combination: the best tier's weight
         self._credit = [0.0] * 16
@@ -106,11 +134,36 @@ class KvIndex:
     def predict(self, worker: str, hashes: Sequence[int], ttl: float, now: float | None = None) -> None:
         """Approximate mode: assume ``worker`` now holds these blocks, for ``ttl`` seconds."""
         now = time.monotonic() if now is None else now
-        pred = self._predicted.setdefault(worker, OrderedDict())
+        pred = self._predicted.get(worker)
+        if pred is None:
+            pred = self._predicted[worker] = OrderedDict()
+        was_empty = not pred
+        exp = now + ttl
+        slot = self.slots.slot(worker)
+        wbit = self.slots.bits[slot]
+        any_, off = self._any, self._off
+        guessed = []
         for h in hashes:
+            m = any_.get(h)
+            if m is not None and m & wbit:
+                o = off.get(h)
+                if o is None or o.get(slot, DEVICE) & DEVICE:
+                    # on its device already: a guess would add no credit, and the next event about
+                    # the block (an eviction) would take the guess with it anyway
+                    continue
             pred.pop(h, None)
-            pred[h] = now + ttl
-        self._add(worker, hashes, TIERS["predicted"])
+            pred[h] = exp
+            guessed.append(h)
+        if was_empty and pred:
+            self._queue_expiry(worker, next(iter(pred.values())))
+        self._add(worker, guessed, TIERS["predicted"])
+
+    def _queue_expiry(self, worker: str, at: float) -> None:
+        """Keep one heap entry per worker with predictions, at or before its earliest expiry."""
+        queued = self._queued.get(worker)
+        if queued is None or at < queued:
+            self._queued[worker] = at
+            heapq.heappush(self._expiries, (at, worker))
 
     def _unpredict(self, worker: str, pred: OrderedDict[int, float], hashes: Iterable[int]) -> None:
         gone = [h for h in hashes if pred.pop(h, None) is not None]
@@ -118,11 +171,20 @@ class KvIndex:
             self._remove(worker, gone, TIERS["predicted"])
 
     def expire(self, now: float | None = None) -> int:
-        """Forget predictions past their TTL; returns how many went."""
+        """Forget predictions past their TTL; returns how many went. Only workers whose earliest
+        prediction is due are looked at (a heap of them), not every worker per decision."""
         now = time.monotonic() if now is None else now
         gone = 0
         bit = TIERS["predicted"]
-        for worker, pred in self._predicted.items():
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            at, worker = heapq.heappop(heap)
+            if self._queued.get(worker) != at:
+                continue  # superseded by an earlier entry, or the worker was dropped
+            del self._queued[worker]
+            pred = self._predicted.get(worker)
+            if not pred:
+                continue
             stale = []
             while pred:
                 h, exp = next(iter(pred.items()))
@@ -132,50 +194,109 @@ class KvIndex:
                 stale.append(h)
             self._remove(worker, stale, bit)
             gone += len(stale)
+            if pred:
+                self._queue_expiry(worker, next(iter(pred.values())))
         return gone
 
     def drop_worker(self, worker: str, keep_seq: bool = False) -> None:
-        for h in self._blocks.pop(worker, ()):
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.pop(worker, None)
-                if not holders:
-                    del self._holders[h]
-                    self._partial.discard(h)
+        slot = self.slots.get(worker)
+        hashes = self._blocks.pop(worker, ())
+        if slot is not None and hashes:
+            wbit = self.slots.bits[slot]
+            any_, off = self._any, self._off
+            for h in hashes:
+                m = any_.get(h)
+                if m is None or not m & wbit:
+                    continue
+                m ^= wbit
+                if m:
+                    any_[h] = m
+                else:
+                    del any_[h]
+                o = off.get(h)
+                if o is not None and o.pop(slot, None) is not None:
+                    self._mark_below(h, slot, wbit, DEVICE)
+                    if not o:
+                        del off[h]
         self._predicted.pop(worker, None)
+        self._queued.pop(worker, None)
         if not keep_seq:
             self._seq.pop(worker, None)
+            if self._owns_slots:
+                self.slots.release(worker)
 
     def _add(self, worker: str, hashes: Iterable[int], bit: int) -> None:
-        mine = self._blocks.setdefault(worker, set())
-        holders_of = self._holders
-        partial = bit != DEVICE
+        slot = self.slots.slot(worker)
+        wbit = self.slots.bits[slot]
+        mine = self._blocks.get(worker)
+        if mine is None:
+            mine = self._blocks[worker] = set()
+        any_, off = self._any, self._off
         for h in hashes:
-            holders = holders_of.get(h)
-            if holders is None:
-                holders_of[h] = {worker: bit}
+            m = any_.get(h)
+            if m is None or not m & wbit:  # a new holder
+                any_[h] = wbit if m is None else m | wbit
+                mine.add(h)
+                if bit != DEVICE:
+                    self._set_off(h, slot, wbit, bit)
+                continue
+            o = off.get(h)  # it holds it already: one more tier
+            cur = DEVICE if o is None else o.get(slot, DEVICE)
+            if cur | bit != cur:
+                self._set_off(h, slot, wbit, cur | bit)
+
+    def _set_off(self, h: int, slot: int, wbit: int, bits: int) -> None:
+        """A holder's tier bits on ``h`` are now ``bits`` (held: bits != 0)."""
+        o = self._off.get(h)
+        if bits == DEVICE:
+            if o is not None and o.pop(slot, None) is not None and not o:
+                del self._off[h]
+        elif o is None:
+            self._off[h] = {slot: bits}
+        else:
+            o[slot] = bits
+        self._mark_below(h, slot, wbit, bits)
+
+    def _mark_below(self, h: int, slot: int, wbit: int, bits: int) -> None:
+        """Keep ``_below``: the slot holds ``h`` only off the device (``bits`` 0: not at all)."""
+        b = self._below.get(h, 0)
+        if bits and not bits & DEVICE:
+            if not b & wbit:
+                self._below[h] = b | wbit
+        elif b & wbit:
+            b ^= wbit
+            if b:
+                self._below[h] = b
             else:
-                holders[worker] = holders.get(worker, 0) | bit
-            mine.add(h)
-            if partial:
-                self._partial.add(h)
+                del self._below[h]
 
     def _remove(self, worker: str, hashes: Iterable[int], bit: int) -> None:
+        slot = self.slots.get(worker)
+        if slot is None:
+            return
+        wbit = self.slots.bits[slot]
         mine = self._blocks.get(worker)
+        any_, off = self._any, self._off
         for h in hashes:
-            holders = self._holders.get(h)
-            if holders is None or worker not in holders:
+            m = any_.get(h)
+            if m is None or not m & wbit:
                 continue
-            left = holders[worker] & ~bit
+            o = off.get(h)
+            cur = DEVICE if o is None else o.get(slot, DEVICE)
+            left = cur & ~bit
             if left:
-                holders[worker] = left
-                if not left & DEVICE:
-                    self._partial.add(h)
+                if left != cur:
+                    self._set_off(h, slot, wbit, left)
                 continue
-            del holders[worker]
-            if not holders:
-                del self._holders[h]
-                self._partial.discard(h)
+            m ^= wbit  # held in no tier any more
+            if m:
+                any_[h] = m
+            else:
+                del any_[h]
+            if o is not None and o.pop(slot, None) is not None:
+                self._mark_below(h, slot, wbit, 0)
+                if not o:
+                    del off[h]
             if mine is not None:
                 mine.discard(h)
 
@@ -190,46 +311,78 @@ class KvIndex:
         return len(self._blocks.get(worker, ()))
 
     def tiers_of(self, worker: str, block_hash: int) -> set[str]:
-        bits = self._holders.get(block_hash, {}).get(worker, 0)
+        slot = self.slots.get(worker)
+        if slot is None or not self._any.get(block_hash, 0) >> slot & 1:
+            return set()
+        o = self._off.get(block_hash)
+        bits = DEVICE if o is None else o.get(slot, DEVICE)
         return {t for t, b in TIERS.items() if bits & b}
 
-    def match(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
-        """Per worker: its leading run of ``hashes`` and where it holds each block of it.
-
-        Walks the blocks while any worker still matches; the work per block is a set test
-        (C speed), plus a per-holder loop only on the few blocks some holder keeps off the
-        device (host or disk tier, or predicted).
-        """
-        first = self._holders.get(hashes[0]) if hashes else None
-        if not first:
-            return {}
-        alive = set(first)
-        depth: dict[str, int] = {}
-        below: dict[str, list[tuple[int, int]]] = {}
+    def match_slots(self, hashes: Sequence[int]) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]]]:
+        """The leading runs of ``hashes`` by slot: ``runs``, (depth, mask of the slots whose run is
+        that deep), and ``below``, per slot the (position, tier bits) of the blocks of its run it
+        holds only off the device (host, disk, or predicted). One AND of masks per block; a loop
+        over holders only on the few blocks some holder keeps off the device."""
+        any_ = self._any
+        alive = any_.get(hashes[0]) if hashes else None
+        if not alive:
+            return [], {}
+        off, below_of = self._off, self._below
+        runs: list[tuple[int, int]] = []
+        below: dict[int, list[tuple[int, int]]] = {}
         n = 0
         for h in hashes:
-            holders = self._holders.get(h)
-            if holders is None:
+            m = any_.get(h)
+            if m is None:
                 break
-            keys = holders.keys()
-            if not alive <= keys:
-                for w in alive - keys:
-                    depth[w] = n
-                alive &= keys
+            kept = alive & m
+            if kept != alive:
+                runs.append((n, alive ^ kept))
+                alive = kept
                 if not alive:
                     break
-            if h in self._partial:
-                for w in alive:
-                    bits = holders[w]
-                    if not bits & DEVICE:
-                        below.setdefault(w, []).append((n, bits))
+            b = below_of.get(h)
+            if b is not None and b & alive:
+                o = off[h]
+                for slot in slots_in(b & alive):
+                    got = below.get(slot)
+                    if got is None:
+                        below[slot] = [(n, o[slot])]
+                    else:
+                        got.append((n, o[slot]))
             n += 1
-        for w in alive:
-            depth[w] = n
-        return {w: PrefixMatch(d, tuple(below.get(w, ()))) for w, d in depth.items()}
+        if alive:
+            runs.append((n, alive))
+        return runs, below
+
+    def match(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
+        """Per worker: its leading run of ``hashes`` and where it holds each block of it."""
+        runs, below = self.match_slots(hashes)
+        ids = self.slots.ids
+        out: dict[str, PrefixMatch] = {}
+        for depth, mask in runs:
+            if not depth:
+                continue
+            for slot in slots_in(mask):
+                b = below.get(slot)
+                out[ids[slot]] = PrefixMatch(depth, tuple(b)) if b else plain_match(depth)
+        return out
 
     def overlap(self, hashes: Sequence[int]) -> dict[str, float]:
         """Per worker: its leading run of ``hashes``, each block credited by its best tier."""
         credit_of = self._credit
         return {w: m.depth - sum(1.0 - credit_of[bits] for _, bits in m.below)
                 for w, m in self.match(hashes).items()}
+
+    def nbytes(self) -> int:
+        """What the index holds in memory, roughly (its maps, sets, masks and hashes)."""
+        import sys
+
+        size = sys.getsizeof
+        total = size(self._any) + size(self._off) + size(self._below) + size(self._blocks)
+        total += sum(size(h) for h in self._any)
+        shared_bits = {id(b) for b in self.slots.bits}
+        total += sum(size(m) for m in self._any.values() if id(m) not in shared_bits)
+        total += sum(size(o) for o in self._off.values())
+        total += sum(size(s) for s in self._blocks.values())
+        return total

@@ -19,8 +19,9 @@ import logging
 import random
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvstore.hashing import block_hashes, hash_seed
 from mesh import metrics
@@ -29,14 +30,16 @@ from mesh.protocol import (
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
-    LoadReport,
     RouterDecision,
     WorkerCard,
 )
 from mesh.registry import Membership
 from mesh.router.costs import KvCosts
 from mesh.router.index import KvIndex
+from mesh.router.inflight import _Inflight, _InflightQueue
 from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
+from mesh.router.slots import Slots
+from mesh.router.table import KvRequest, LoadSummary, LoadTable, pick_kv
 
 log = logging.getLogger(__name__)
 
@@ -46,63 +49,17 @@ SILENT_AFTER = 3.5  # seconds without a load report (workers send one a second) 
 SNAPSHOT_TIMEOUT = 5.0
 
 
-@dataclass
-class _Inflight:
-    """A routed request its worker's load reports may not show yet."""
-
-    timestamp: float
-    prompt_blocks: int
-    new_blocks: int  # still to prefill; 0 once the first token is out
-
-
-class _InflightQueue:
-    """One worker's routed requests, oldest first, and their sums: a route reads a worker's load
-    without walking its requests (at C=128 that walk was a quarter of a route's time)."""
-
-    __slots__ = ("items", "new_blocks", "prompt_blocks")
-
-    def __init__(self):
-        self.items: OrderedDict[str, _Inflight] = OrderedDict()
-        self.prompt_blocks = 0
-        self.new_blocks = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def add(self, request_id: str, d: _Inflight) -> None:
-        old = self.items.get(request_id)
-        if old is not None:
-            self._less(old)
-        self.items[request_id] = d
-        self.prompt_blocks += d.prompt_blocks
-        self.new_blocks += d.new_blocks
-
-    def get(self, request_id: str) -> _Inflight | None:
-        return self.items.get(request_id)
-
-    def pop(self, request_id: str) -> None:
-        d = self.items.pop(request_id, None)
-        if d is not None:
-            self._less(d)
-
-    def prefilled(self, request_id: str) -> None:
-        d = self.items.get(request_id)
-        if d is not None:
-            self.new_blocks -= d.new_blocks
-            d.new_blocks = 0
-
-    def drop_before(self, timestamp: float) -> None:
-        """Forget the oldest ones, up to the first at or after ``timestamp``."""
-        items = self.items
-        while items and next(iter(items.values())).timestamp < timestamp:
-            self._less(items.popitem(last=False)[1])
-
-    def _less(self, d: _Inflight) -> None:
-        self.prompt_blocks -= d.prompt_blocks
-        self.new_blocks -= d.new_blocks
-
-
 _NO_INFLIGHT = _InflightQueue()  # read-only: the load of a worker nothing was routed to
+
+
+@dataclass
+class _View:
+    """A model's ready decode workers as of one membership version: what each decision starts from."""
+
+    key: tuple
+    cards: dict[str, WorkerCard]
+    ready: np.ndarray  # bool by slot
+    order: list[tuple[int, WorkerCard]]  # (slot, card) in the registry's order
 
 
 class KvRouter:
@@ -112,8 +69,11 @@ class KvRouter:
         self.config = config
         self.router_id = router_id or uuid.uuid4().hex[:12]
         self.rng = random.Random()
+        self.slots = Slots()  # one small integer per worker: its bit in every index, its row in ``table``
+        self.table = LoadTable(self.slots)
+        self._views: dict[str, _View] = {}
         self.indexes: dict[str, KvIndex] = {}
-        self.loads: dict[str, LoadReport] = {}
+        self.loads: dict[str, LoadSummary] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
         self.inflight: dict[str, _InflightQueue] = {}  # worker -> its routed requests (request id -> load)
         self._buffered: dict[str, list[KvEventBatch]] = {}
@@ -126,11 +86,13 @@ class KvRouter:
         self.decisions = 0
         self.fetches = 0
         self.ignored = 0  # load reports and KV event batches from ids the registry does not vouch for
+        self._kv_batches = metrics.ROUTER_KV_EVENTS.labels("batches")
+        self._kv_hashes = metrics.ROUTER_KV_EVENTS.labels("hashes")
 
     def index(self, model: str) -> KvIndex:
         idx = self.indexes.get(model)
         if idx is None:
-            idx = self.indexes[model] = KvIndex()
+            idx = self.indexes[model] = KvIndex(slots=self.slots)
         return idx
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -138,7 +100,7 @@ class KvRouter:
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
-            await self.bus.subscribe(s.load_all(), self._on_load, LoadReport),
+            await self.bus.subscribe(s.load_all(), self._on_load, LoadSummary),
             await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
         ]
         self.membership.on_change(self._on_member)
@@ -167,7 +129,11 @@ class KvRouter:
             self.inflight.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
             self._costs.pop(worker_id, None)
+            self.table.clear(worker_id)
+            self.slots.release(worker_id)  # after every index dropped its blocks
             return
+        if card.role == "decode":
+            self.table.set_block_size(worker_id, card.block_size)
         if card.role == "decode" and card.publishes_kv_events and self.index(card.model).seq(worker_id) is None:
             self._spawn(self._resync(card.model, worker_id))
 
@@ -182,18 +148,24 @@ class KvRouter:
         if not self.index(batch.model).apply(batch):
             self._buffered.setdefault(w, []).append(batch)
             self._spawn(self._resync(batch.model, w))
+            return
+        self._kv_batches.inc()
+        self._kv_hashes.inc(sum(len(ev.hashes) for ev in batch.events))
 
-    async def _on_load(self, report: LoadReport, raw) -> None:
+    async def _on_load(self, report: LoadSummary, raw) -> None:
         if report.role != "decode":
             return
         if not self.membership.vouches(report.worker_id, "decode", report.model):
             self._ignore("load", report.worker_id)  # kept, an id that is no member would never be pruned
             return
-        self.loads[report.worker_id] = report
-        self._heard[report.worker_id] = time.monotonic()
-        queue = self.inflight.get(report.worker_id)
+        w = report.worker_id
+        self.loads[w] = report
+        heard = self._heard[w] = time.monotonic()
+        self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard)
+        queue = self.inflight.get(w)
         if queue is not None:
             queue.drop_before(report.timestamp - REPORT_MARGIN)
+            self.table.set_inflight(w, queue.new_blocks, queue.prompt_blocks)
 
     async def _on_decision(self, d: RouterDecision, raw) -> None:
         if d.router_id != self.router_id and self.membership.vouches(d.worker_id, "decode", d.model):
@@ -262,7 +234,13 @@ class KvRouter:
               cache_scope: str = "") -> Decision:
         """``adapter``: a LoRA adapter; only workers that hold it serve it, its prefixes are hashed
         with its seed, and a worker with it in a device slot now is preferred (``adapter_cost``).
-        ``cache_scope``: the request's (``GenerateRequest.cache_scope``), part of its block hashes."""
+        ``cache_scope``: the request's (``GenerateRequest.cache_scope``), part of its block hashes.
+
+        The usual decision (``kv`` at temperature 0, no adapter, no peer fetch) is costed over every
+        worker at once (``mesh.router.table``); the others build a ``WorkerLoad`` per candidate."""
+        c = self.config
+        if c.mode == "kv" and c.temperature <= 0 and not c.peer_fetch and not adapter:
+            return self._route_kv(model, token_ids, request_id, exclude, cache_scope)
         live = self.candidates(model)
         cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
         if not cards:
@@ -281,6 +259,62 @@ class KvRouter:
         req = RouteRequest(len(token_ids), bs, tuple(hashes))
         # an excluded worker (tried already) may still send blocks: only serving it is ruled out
         decision = pick_worker(req, workers, matches, self.config, self.rng, self._rr, sources=list(loads.values()))
+        card = next(c for c in cards if c.worker_id == decision.worker_id)
+        return self._decided(model, decision, card, hashes, request_id, req.prompt_blocks, now)
+
+    def _route_kv(self, model: str, token_ids: list[int], request_id: str, exclude: set[str] | frozenset[str],
+                  cache_scope: str) -> Decision:
+        """``route`` for ``kv`` at temperature 0 without adapters or fetches: every worker at once."""
+        view = self._view(model)
+        table = self.table
+        live = view.ready & ((time.monotonic() - table.heard) <= SILENT_AFTER)  # never heard: inf, live
+        if not live.any():
+            live = view.ready
+        candidates = live
+        if exclude:
+            candidates = live.copy()
+            for w in exclude:
+                s = self.slots.get(w)
+                if s is not None and s < len(candidates):
+                    candidates[s] = False
+        first = next((card for s, card in view.order if candidates[s]), None)
+        if first is None:
+            raise LookupError(f"no live worker for {model!r}")
+        bs = first.block_size
+        hashes = block_hashes(token_ids, bs, hash_seed(self.config.hash_key, model, cache_scope, None))
+        idx = self.index(model)
+        idx.expire()
+        runs, below = idx.match_slots(hashes)
+        cards = view.cards
+        decision = pick_kv(KvRequest(len(token_ids), bs, runs, below), table, candidates, self.config, self.rng,
+                           lambda w: self._costs_of(cards[w]))
+        return self._decided(model, decision, cards[decision.worker_id], hashes, request_id,
+                             -(-len(token_ids) // bs), time.time())
+
+    def _view(self, model: str) -> _View:
+        """The model's ready decode workers, kept until the registry changes (a registry without
+        versions, a test's: rebuilt each time)."""
+        m = self.membership
+        version = getattr(m, "version", None)
+        got = self._views.get(model)
+        if got is not None and version is not None and got.key == (version, self.table.capacity):
+            return got
+        listed = m.cards_of(model, "decode") if hasattr(m, "cards_of") else m.cards(model, "decode")
+        cards = [c for c in listed if c.status == "ready"]
+        order = []
+        for c in cards:
+            self.table.set_block_size(c.worker_id, c.block_size)  # may grow the table: before the mask
+            order.append((self.slots.get(c.worker_id), c))
+        ready = np.zeros(self.table.capacity, dtype=bool)
+        for s, _ in order:
+            ready[s] = True
+        view = self._views[model] = _View((version, self.table.capacity), {c.worker_id: c for c in cards},
+                                          ready, order)
+        return view
+
+    def _decided(self, model: str, decision: Decision, card: WorkerCard, hashes: list[int], request_id: str,
+                 prompt_blocks: int, now: float) -> Decision:
+        """What follows a decision: counted, its load and prefix credited to the worker, published."""
         self._rr += 1
         self.decisions += 1
         if decision.fetch_source:
@@ -288,17 +322,16 @@ class KvRouter:
             metrics.ROUTER_FETCHES.labels(model).inc()
             metrics.ROUTER_FETCH_BLOCKS.labels(model).inc(decision.fetch_blocks)
         self._count(decision.worker_id, request_id or uuid.uuid4().hex,
-                    _Inflight(now, req.prompt_blocks, decision.new_blocks))
-        card = next(c for c in cards if c.worker_id == decision.worker_id)
+                    _Inflight(now, prompt_blocks, decision.new_blocks))
         if hashes:
             # Until the worker's own events show these blocks (after its prefill), the router
             # credits them from its decision, so that a request sharing the prefix that arrives
             # meanwhile follows this one instead of computing the same blocks elsewhere. Workers
             # without events are only ever predicted (approximate mode).
             ttl = self.config.pending_ttl if card.publishes_kv_events else self.config.predict_ttl
-            idx.predict(card.worker_id, hashes, ttl)
+            self.index(model).predict(card.worker_id, hashes, ttl)
         self._spawn(self._publish(RouterDecision(
-            self.router_id, model, decision.worker_id, request_id, req.prompt_blocks, decision.new_blocks,
+            self.router_id, model, decision.worker_id, request_id, prompt_blocks, decision.new_blocks,
             decision.overlap_blocks, decision.mode, now, hit_blocks=decision.hit_blocks,
             fetch_source=decision.fetch_source, fetch_blocks=decision.fetch_blocks,
         )))
@@ -311,6 +344,7 @@ class KvRouter:
             queue = _NO_INFLIGHT
         else:
             queue.drop_before(now - INFLIGHT_TTL)  # decisions no load report ever showed
+            self.table.set_inflight(card.worker_id, queue.new_blocks, queue.prompt_blocks)
         pending = 0
         active = 0
         if report is not None:
@@ -343,23 +377,27 @@ class KvRouter:
             queue = self.inflight[worker] = _InflightQueue()
         queue.add(request_id, d)
         queue.drop_before(d.timestamp - INFLIGHT_TTL)
+        self.table.set_inflight(worker, queue.new_blocks, queue.prompt_blocks)
 
     def suspect(self, worker: str) -> None:
         """A request to ``worker`` found nobody there or went silent: no new work for it until
         its next load report (which a worker that is only slow sends within a second)."""
         self._heard[worker] = time.monotonic() - SILENT_AFTER - 1.0
+        self.table.set_heard(worker, self._heard[worker])
 
     def first_token(self, worker: str, request_id: str) -> None:
         """The request's prefill is done: it no longer counts as pending prefill."""
         queue = self.inflight.get(worker)
         if queue is not None:
             queue.prefilled(request_id)
+            self.table.set_inflight(worker, queue.new_blocks, queue.prompt_blocks)
 
     def finished(self, worker: str, request_id: str) -> None:
         """The request ended: its blocks are free again (whatever the next load report says)."""
         queue = self.inflight.get(worker)
         if queue is not None:
             queue.pop(request_id)
+            self.table.set_inflight(worker, queue.new_blocks, queue.prompt_blocks)
 
     async def _publish(self, d: RouterDecision) -> None:
         with contextlib.suppress(Exception):

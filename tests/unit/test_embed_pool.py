@@ -20,11 +20,18 @@ def card(wid: str, role: str = "embed", status: str = "ready") -> WorkerCard:
 
 
 class FakeMembership:
+    version = 0  # the cards never change during a test
+
     def __init__(self, cards):
         self._cards = cards
 
     def cards(self, model=None, role=None):
         return [c for c in self._cards if (model is None or c.model == model) and (role is None or c.role == role)]
+
+    cards_of = cards
+
+    def derived(self, key, build):
+        return build()
 
 
 def test_the_least_busy_worker_wins_and_ties_take_turns():

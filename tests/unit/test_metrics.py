@@ -60,3 +60,30 @@ def test_a_choices_figures_flushed_once_equal_observe_per_batch():
     figures.flush()  # a second flush adds nothing
     assert _samples(reg, "one_by_one") == pytest.approx(_samples(reg, "in_one_go"), rel=1e-12)
     assert REGISTRY.get_sample_value("pdmesh_gateway_completion_tokens_total") == before + 2 * len(gaps)
+
+
+def test_a_tally_hands_every_count_to_its_counter_in_few_updates(monkeypatch):
+    """The token path's counters (gateway.metrics.Tally): each count reaches Prometheus, in one
+    update per FLUSH_EVERY counts or FLUSH_S, and all of them before a scrape renders the page."""
+    from prometheus_client import Counter
+
+    import gateway.metrics as gm
+
+    clock = [100.0]
+    monkeypatch.setattr(gm.time, "monotonic", lambda: clock[0])
+    reg = CollectorRegistry()
+    counter = Counter("tallied", "x", registry=reg)
+    updates = []
+    real_inc = counter.inc
+    monkeypatch.setattr(counter, "inc", lambda n=1: (updates.append(n), real_inc(n)))
+    tally = gm.Tally(counter)
+    for _ in range(gm.Tally.FLUSH_EVERY + 10):
+        tally.inc()
+    assert updates == [gm.Tally.FLUSH_EVERY]  # one update for 256 counts; 10 wait
+    clock[0] += gm.Tally.FLUSH_S
+    tally.inc(3)  # half a second on: handed over with what waited
+    assert updates == [gm.Tally.FLUSH_EVERY, 13]
+    tally.inc(2)
+    gm.render(gm.workers_registry(dict))  # a scrape takes what waits
+    assert updates[-1] == 2 and _samples(reg, "tallied") == {("_total", ()): gm.Tally.FLUSH_EVERY + 15}
+    gm.Tally.ALL.remove(tally)

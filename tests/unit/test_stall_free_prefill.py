@@ -8,14 +8,15 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from mocker.engine import MockConfig, MockEngine
+from mocker.engine import MockConfig, MockEngine, TimingModel
 
 CAP = 96
+DEAR_PREFILL = TimingModel(prefill_ms_per_token=0.5)  # 16 prompt tokens cost a decode step: the flag's cap binds
 
 
 def mock(cap: int) -> MockEngine:
     return MockEngine(MockConfig(speedup=1e6, num_blocks=4096, max_num_batched_tokens=2048,
-                                 max_prefill_with_decode=cap))
+                                 max_prefill_with_decode=cap, timing=DEAR_PREFILL))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -84,3 +85,24 @@ def test_outputs_are_the_same_with_and_without_the_cap(tiny_model):
         return [s.output_token_ids for s in first + rest]
 
     assert run(16) == run(0)
+
+
+def test_the_mockers_cap_is_never_below_a_decode_steps_worth_of_prompt_tokens():
+    """The mocker knows what a prompt token costs: where prefill is cheap against a step (side_by_side's
+    matched steps) a burst is not spread over steps for nothing; where it is dear the flag stands."""
+    cheap = TimingModel(decode_base_ms=20.0, prefill_ms_per_token=0.001)
+    assert MockConfig(max_prefill_with_decode=512, timing=cheap).prefill_cap == 20_000
+    assert MockConfig(max_prefill_with_decode=512).prefill_cap == 512  # the reference: 133 tokens a step
+    assert MockConfig(max_prefill_with_decode=0, timing=cheap).prefill_cap == 0  # no cap stays none
+    assert MockConfig(max_prefill_with_decode=512, timing=TimingModel(prefill_ms_per_token=0.0)).prefill_cap == 0
+    e = MockEngine(MockConfig(speedup=1e6, num_blocks=8192, max_num_batched_tokens=8192,
+                              max_prefill_with_decode=512, timing=cheap))
+    streams = [e.new_sequence([5 + i] * 40, greedy(50)) for i in range(4)]
+    for s in streams:
+        e.add(s)
+    e.step()
+    burst = [e.new_sequence([100 + i] * 115, greedy(4)) for i in range(60)]  # 6,900 prompt tokens
+    for s in burst:
+        e.add(s)
+    e.step()  # all of them in the next step, beside the decodes
+    assert all(len(s.output_token_ids) == 1 for s in burst)

@@ -3,7 +3,7 @@
 The chart's exec readinessProbe runs this in the worker's own container (workers have
 no HTTP port), as ``worker_ready.py ROLE``: it joins NATS as the worker does (its user,
 credentials and TLS from the ``MESH_NATS_*`` environment, its role's inbox). It reads the
-registry the way every router does: the card under the worker's id in the JetStream KV
+registry the way every router does: the card under ``{role}.{worker id}`` in the JetStream KV
 bucket ``{ns}_workers``. Environment:
 
     MESH_NATS_URL (and MESH_NATS_CREDS, MESH_NATS_TLS_CA, ...), MESH_NS (default mesh),
@@ -16,6 +16,7 @@ Exit 0: ready. Exit 1: no card, a draining worker, or a card older than the regi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -36,7 +37,13 @@ async def check(url: str, ns: str, worker_id: str, role: str = "", timeout: floa
         return 2, str(e)
     try:
         kv = await nc.jetstream(timeout=timeout).key_value(Subjects(ns).workers_bucket())
-        entry = await kv.get(subject_token(worker_id))
+        entry = None
+        for key in (f"{r}.{subject_token(worker_id)}" for r in ("decode", "prefill", "embed")):  # {role}.{id}
+            with contextlib.suppress(KeyNotFoundError):
+                entry = await kv.get(key)
+                break
+        if entry is None:
+            raise KeyNotFoundError
     except (BucketNotFoundError, KeyNotFoundError):
         return 1, f"{worker_id} is not in the registry"
     except Exception as e:
