@@ -1,8 +1,8 @@
 """``mesh top``: a live view of the mesh from the bus.
 
-Workers by model and pool with their load and KV usage, speculative decoding
-(acceptance rate and tokens a drafting row emits per step, since the worker
-started), the request rate (from the workers' request counters), and the
+Workers by model and pool with their layout (``tp2xpp2``: TP ranks per stage x
+pipeline stages), their load and KV usage, speculative decoding (acceptance rate
+and tokens a drafting row emits per step, since the worker started), the request rate (from the workers' request counters), and the
 planner's latest decisions.
 Everything comes from what workers and the planner publish; nothing is asked.
 """
@@ -63,16 +63,18 @@ def render(state: TopState, now: float | None = None) -> str:
         rate = sum(state.rates.get(c.worker_id, 0.0) for c in cards if c.role == "decode")
         lines.append("")
         lines.append(f"model {model}: {rate:.1f} req/s")
-        lines.append(f"  {'worker':<34} {'role':<8} {'status':<9} {'run':>4} {'wait':>4} {'kv%':>5} "
+        lines.append(f"  {'worker':<34} {'role':<8} {'layout':<9} {'status':<9} {'run':>4} {'wait':>4} {'kv%':>5} "
                      f"{'ttft p90':>9} {'itl p90':>8} {'jobs':>5} {'spec acc':>8} {'tok/step':>8}")
         for c in sorted(cards, key=lambda c: (c.role, c.worker_id)):
             r = state.loads.get(c.worker_id)
             if r is None:
-                lines.append(f"  {c.worker_id:<34} {c.role:<8} {c.status:<9} (no load report yet)")
+                lines.append(f"  {c.worker_id:<34} {c.role:<8} {c.layout.describe():<9} {c.status:<9} "
+                             "(no load report yet)")
                 continue
             kv = 100.0 * r.kv_blocks_used / r.kv_blocks_total if r.kv_blocks_total else 0.0
             lines.append(
-                f"  {c.worker_id:<34} {c.role:<8} {c.status:<9} {r.running:>4} {r.waiting + r.waiting_for_kv:>4} "
+                f"  {c.worker_id:<34} {c.role:<8} {c.layout.describe():<9} {c.status:<9} {r.running:>4} "
+                f"{r.waiting + r.waiting_for_kv:>4} "
                 f"{kv:>5.1f} {r.ttft_p90_ms:>7.0f}ms {r.itl_p90_ms:>6.1f}ms {r.active_jobs:>5} {spec_columns(r)}"
             )
         for pool in ("prefill", "decode"):

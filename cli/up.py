@@ -24,7 +24,7 @@ from cli.flags import (
     hash_key,
     nats_config,
 )
-from engine.flags import gpu_execution_argv, speculative_argv
+from engine.flags import gpu_execution_argv, pipeline_argv, speculative_argv
 from mesh.natsauth import NatsConfig
 from mesh.planner.policy import PlannerConfig
 
@@ -177,7 +177,7 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
              "--kv-memory-fraction", str(args.kv_memory_fraction)]
     if args.tp != 1:
         flags += ["--tp", str(args.tp)]
-    flags += gpu_execution_argv(args) + speculative_argv(args)
+    flags += pipeline_argv(args) + gpu_execution_argv(args) + speculative_argv(args)
     for spec in args.lora:
         flags += ["--lora", spec]
     if args.max_loras is not None:

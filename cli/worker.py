@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
                    help="--task embed: pooling of a model whose directory has no sentence-transformers "
                         "modules.json (which wins when present)")
     p.add_argument("--worker-id", default="")
-    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA; nixl if installed and TP 1)")
+    p.add_argument("--transports", default="", help="KV transports to offer/use, best first (default: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA; nixl if installed and TP 1; with --pp > 1: shm,nats on CPU, nats on CUDA)")
     p.add_argument("--disagg-threshold", type=int, default=512, help="decode: prefill remotely from this many uncached tokens")
     p.add_argument("--prefill-timeout", type=float, default=10.0, help="decode: seconds before falling back to local prefill")
     p.add_argument("--prefill-capacity", type=int, default=4, help="prefill: jobs held at once")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_embed(ws) -> None:
     """An embed worker runs the plain forward: a flag of the generate path is an error, not ignored."""
     e = ws.engine
-    given = [flag for flag, on in (("--tp", e.tp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
+    given = [flag for flag, on in (("--tp", e.tp != 1), ("--pp", e.pp != 1), ("--lora", bool(e.loras)), ("--speculative", bool(e.speculative)),
                                    ("--host-kv-gb/--host-kv-blocks", e.has_host_tier), ("--peer-fetch", ws.peer_fetch))
              if on]
     if given:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -12,8 +11,13 @@ from typing import ClassVar
 import torch
 
 from engine.attention import backend_names
+from engine.fp8 import Fp8Scheme
 from engine.kernels import FUSED_KERNELS
+from engine.mla_config import MlaConfig
+from engine.moe_config import MoeConfig
+from engine.rope import RopeConfig
 from engine.spec.registry import SpecConfig
+from kvstore.cache import KVCacheSpec
 from kvstore.hashing import DEFAULT_HASH_KEY, HashKey
 from mesh.errors import ModelError
 
@@ -25,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -36,6 +41,7 @@ class FamilyTraits:
     qk_norm: bool = False  # per-head RMSNorm of q and k before the rotation
     sliding_window_default: bool = False  # ``use_sliding_window`` when a config leaves it out
     moe: bool = False  # sparse mixture-of-experts MLPs (``MoeConfig``)
+    mla: bool = False  # multi-head latent attention (``MlaConfig``, ``engine.mla``)
 
 
 FAMILY_TRAITS = {
@@ -46,6 +52,7 @@ FAMILY_TRAITS = {
     "mixtral": FamilyTraits(sliding_window_default=True, moe=True),
     "qwen2_moe": FamilyTraits(qkv_bias=True, moe=True),
     "qwen3_moe": FamilyTraits(qk_norm=True, moe=True),
+    "deepseek_v3": FamilyTraits(moe=True, mla=True),
 }
 
 DTYPES = {
@@ -56,101 +63,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> RopeConfig:
-        # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        merged = {**scaling, **params}
-        kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise ModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-        return cls(
-            theta=float(theta),
-            kind=kind,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
-        )
-
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if self.kind == "linear":
-            return inv / self.factor
-        if self.kind == "llama3":
-            low_wavelen = self.original_max_position / self.low_freq_factor
-            high_wavelen = self.original_max_position / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return torch.where(medium, smoothed, scaled)
-        return inv
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """A sparse mixture-of-experts MLP: each token runs ``top_k`` of ``num_experts`` SwiGLU experts.
-
-    Routing is softmax over the router logits, top-k, and (``norm_topk_prob``) the k weights
-    renormalised to sum to one: Mixtral always renormalises, Qwen2/3-MoE per config.
-    ``shared_expert_intermediate_size`` > 0: a dense SwiGLU expert every token also runs
-    (Qwen2-MoE), scaled by ``sigmoid(shared_expert_gate(x))``.
-    """
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # of each expert
-    norm_topk_prob: bool
-    sparse_layers: tuple[int, ...]  # the layers with a sparse MLP; the others are dense
-    shared_expert_intermediate_size: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.top_k <= self.num_experts:
-            raise ModelError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
-        if self.intermediate_size <= 0:
-            raise ModelError("the experts' intermediate size must be positive")
-
-    @classmethod
-    def from_hf(cls, cfg: dict, family: str, num_layers: int) -> MoeConfig:
-        # Qwen checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 may write either
-        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
-        if family == "mixtral":
-            return cls(
-                num_experts=experts,
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=int(cfg["intermediate_size"]),
-                norm_topk_prob=True,
-                sparse_layers=tuple(range(num_layers)),
-            )
-        # Qwen2-MoE / Qwen3-MoE: ``decoder_sparse_step`` and ``mlp_only_layers`` leave some layers dense
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        sparse = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-        return cls(
-            num_experts=experts,
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_moe")),
-            sparse_layers=sparse,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-        )
 
 
 @dataclass(frozen=True)
@@ -173,6 +85,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     moe: MoeConfig | None = None  # sparse MLPs (mixture of experts); None: every MLP is dense
+    # multi-head latent attention (DeepSeek-V3); then ``head_dim`` is the rope dims and
+    # ``num_kv_heads`` 1: the cache holds one latent vector per token, not K and V per head
+    mla: MlaConfig | None = None
+    fp8: Fp8Scheme | None = None  # FP8 weights in DeepSeek's block-scaled format (``engine.fp8``)
+    # DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer
+    # (``num_nextn_predict_layers``): not part of the model; ``--speculative mtp`` drafts with them
+    mtp_layers: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         """Does ``layer`` run a mixture-of-experts MLP (else the dense one)?"""
@@ -206,6 +125,9 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             num_layers = int(cfg["num_hidden_layers"])
+            mla = MlaConfig.from_hf(cfg) if traits.mla else None
+            if mla is not None:
+                head_dim = mla.qk_rope_head_dim
             model = cls(
                 path=path,
                 family=family,
@@ -214,32 +136,43 @@ class ModelConfig:
                 intermediate_size=int(cfg.get("intermediate_size") or 0),
                 num_layers=num_layers,
                 num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                num_kv_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position=_max_position(cfg, traits),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=bool(cfg.get("qkv_bias", traits.qkv_bias)) or bool(cfg.get("attention_bias", False)),
+                qkv_bias=not mla and (bool(cfg.get("qkv_bias", traits.qkv_bias))
+                                      or bool(cfg.get("attention_bias", False))),
                 qk_norm=traits.qk_norm,
                 rope=RopeConfig.from_hf(cfg),
                 eos_token_ids=_eos_ids(path, cfg),
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
                 moe=MoeConfig.from_hf(cfg, family, num_layers) if traits.moe else None,
+                mla=mla,
+                fp8=Fp8Scheme.from_config(cfg),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ModelError):
                 raise
             raise ModelError(f"{cfg_file} is malformed: {type(e).__name__}: {e}") from None
-        if model.intermediate_size <= 0 and len(model.moe.sparse_layers if model.moe else ()) < num_layers:
-            raise ModelError(f"{cfg_file} has dense MLP layers but no intermediate_size")
-        if model.num_heads % model.num_kv_heads:
-            raise ModelError(
-                f"num_attention_heads {model.num_heads} is not a multiple of num_key_value_heads {model.num_kv_heads}"
-            )
+        model._check(cfg_file)
         return model
+
+    def _check(self, cfg_file: Path) -> None:
+        if self.intermediate_size <= 0 and len(self.moe.sparse_layers if self.moe else ()) < self.num_layers:
+            raise ModelError(f"{cfg_file} has dense MLP layers but no intermediate_size")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
 
     def check_tp(self, tp: int) -> None:
         """Can ``tp`` ranks split the heads and MLP columns evenly? (ModelError if not)"""
+        if self.mla is not None and tp > 1:
+            # the heads would split cleanly, but every rank needs the whole latent cache, and the
+            # sharded KV view, the transports and peer fetch all split a block by heads
+            raise ModelError(f"--tp {tp} is not supported for MLA models ({self.family}) yet: use --tp 1")
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
         if self.moe is not None:  # every expert (and the shared one) is split like the dense MLP
@@ -249,9 +182,37 @@ class ModelConfig:
         if bad:
             raise ModelError(f"--tp {tp} must divide {' and '.join(bad)}")
 
+    def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype, tp: int = 1,
+                      num_layers: int | None = None) -> KVCacheSpec:
+        """One rank's KV cache: K and V planes of its share of the KV heads, or (MLA) one plane of
+        one latent vector per token and layer; of ``num_layers`` (a pipeline stage's) or all."""
+        layers = self.num_layers if num_layers is None else num_layers
+        if self.mla is not None:
+            return KVCacheSpec(layers, num_blocks, block_size, 1, self.mla.latent_dim, dtype, num_planes=1)
+        return KVCacheSpec(layers, num_blocks, block_size, self.num_kv_heads // tp, self.head_dim, dtype)
+
+    @property
+    def latent_dims(self) -> tuple[int, int] | None:
+        """MLA: the (latent, rope key) values of each cached vector; None for K/V attention."""
+        return (self.mla.kv_lora_rank, self.mla.qk_rope_head_dim) if self.mla else None
+
+    @property
+    def latent_value_dim(self) -> int:
+        """MLA: the latent's share of each cached vector (what a latent backend returns per head); 0 otherwise."""
+        return self.mla.kv_lora_rank if self.mla else 0
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention softmax scale: 1/sqrt(head dim); MLA's over its query/key dims before
+        absorption (nope + rope), times DeepSeek's YaRN ``mscale_all_dim`` correction."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim**-0.5 * self.rope.softmax_mscale
+        return self.head_dim**-0.5
+
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """Bytes one token takes in the KV cache at the checkpoint's dtype, all layers."""
+        return self.kv_cache_spec(1, 1, DTYPES.get(self.torch_dtype, torch.float32)).block_bytes
 
 
 def _max_position(cfg: dict, traits: FamilyTraits) -> int:
@@ -316,6 +277,9 @@ class EngineConfig:
     disk_kv_blocks: int | None = None  # the disk tier's cap in blocks (overrides disk_kv_gb)
     disk_min_hits: int = 2  # a host eviction goes to disk once the block served this many prefix hits
     tp: int = 1  # tensor-parallel ranks: processes (one GPU each on CUDA) the model is sharded over
+    pp: int = 1  # pipeline stages (x tp ranks each): contiguous runs of layers (engine.parallel)
+    pp_layers: tuple[int, ...] = ()  # layers per stage; (): as even as they go
+    pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: pp; 1: off
     seed: int = 0
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
@@ -357,6 +321,7 @@ class EngineConfig:
             raise ValueError("the disk KV tier is fed by the host tier: give --host-kv-gb too")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        self._check_pipeline()
         if self.grammar_threads < 0 or self.grammar_cache_size < 1 or not 0 <= self.grammar_spin_ms <= 1000:
             raise ValueError("grammar_threads must be >= 0, grammar_cache_size >= 1 and grammar_spin_ms in [0, 1000]")
         if self.tp > 1 and self.has_host_tier:
@@ -381,6 +346,30 @@ class EngineConfig:
         self._check_gpu_execution()
         if self.speculative is not None:
             SpecConfig(self.speculative, self.num_speculative_tokens)  # ValueError: an unknown method, K < 1
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages do not run yet is refused here, in one line (the layer split
+        itself is checked against the model when the engine starts: ``Layout.for_model``)."""
+        if self.pp < 1 or self.pp_microbatches < 0:
+            raise ValueError(f"--pp must be >= 1 and --pp-microbatches >= 0, got {self.pp} and {self.pp_microbatches}")
+        if self.pp_layers and len(self.pp_layers) != self.pp:
+            raise ValueError(f"--pp-layers names {len(self.pp_layers)} stages, --pp is {self.pp}")
+        if self.pp == 1:
+            return
+        refused = [flag for flag, on in (
+            ("a KV tier (--host-kv-gb, --disk-kv-dir)", self.has_host_tier), ("--lora", bool(self.lora_slots)),
+            ("--async-scheduling", bool(self.async_scheduling)), ("--cuda-graphs", bool(self.cuda_graphs)),
+            ("--speculative eagle3", (self.speculative or "").startswith("eagle3")),
+            ("--speculative mtp", (self.speculative or "").partition(":")[0] == "mtp")) if on]
+        if refused:
+            raise ValueError(f"--pp {self.pp} does not run with {', '.join(refused)} yet")
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """At most this many micro-batches per step (1: micro-batching off). By default one per
+        stage: on a CPU each micro-batch reads the stage's weights again, and two per stage cost
+        more in those reads than they gain in overlap (bench/parallel.py)."""
+        return self.pp_microbatches or self.pp
 
     def _check_gpu_execution(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in backend_names():
@@ -407,7 +396,7 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda" and self.tp == 1
-                and not self.lora_slots)  # LoRA steps run the blocking loop
+                and self.pp == 1 and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property
     def lora_slots(self) -> int:

@@ -25,7 +25,7 @@ from engine.attention import AttentionBatch, create_backend
 from engine.config import ModelConfig
 from engine.loader import load_model
 from engine.sequence import SeqStatus
-from kvstore.cache import KVCache, KVCacheSpec
+from kvstore.cache import KVCache
 
 
 class _DraftRow:
@@ -87,8 +87,8 @@ class DraftModelDrafter:
                              f"{target.vocab_size}: a draft model must share the target's tokenizer")
         self.block_size = block_size
         self.model = load_model(mc, device, dtype, max_positions=target.max_position)
-        spec = KVCacheSpec(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        self.attention = create_backend(backend, KVCache(spec, device), mc.head_dim**-0.5)
+        spec = mc.kv_cache_spec(num_blocks, block_size, dtype)
+        self.attention = create_backend(backend, KVCache(spec, device), mc.attention_scale, mc.latent_value_dim)
         self.device = device
         self.kv = DraftBlocks(num_blocks, block_size, _DraftRow)
 

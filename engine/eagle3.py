@@ -21,7 +21,7 @@ the embeddings), by default (2, L // 2, L - 3) as vLLM chooses them for an L-lay
 Rebuilding the states of tokens the target did not compute on this worker (``TargetStates``) is a
 ``RebuildStep``: the target's layers up to the last auxiliary one over those tokens. Under tensor
 parallelism every rank runs it (each layer ends in an all-reduce): rank 0 hands it to the helper
-ranks as it hands them a step (``engine.tp``), and keeps the states, which are whole on rank 0.
+ranks as it hands them a step (``engine.parallel``), and keeps the states, which are whole on rank 0.
 
 One step of the head (``Eagle3Head.forward``) at position i takes the token at i + 1 and a hidden
 state for position i: the target's fused states (``fc``) for tokens the target computed, the head's
@@ -294,9 +294,9 @@ class TargetStates:
 
     def __init__(self, model: CausalLM, kv: KVCache, backend: str):
         self.model = model
-        layer = model.layers[0].self_attn
-        self.attention = configured_backend(backend, kv, layer.head_dim, layer.num_heads,
-                                            model.embed_tokens.weight.dtype)
+        # the target's scale and (MLA) value dims: K/V attention or latent, as the runner's
+        self.attention = configured_backend(backend, kv, model.cfg.attention_scale, model.layers[0].self_attn.num_heads,
+                                            model.embed_tokens.weight.dtype, model.cfg.latent_value_dim)
         self.device = model.embed_tokens.weight.device
 
     @torch.inference_mode()
@@ -311,10 +311,12 @@ class TargetStates:
         return aux
 
 
-def configured_backend(name: str, kv: KVCache, head_dim: int, num_heads: int, dtype: torch.dtype) -> AttentionBackend:
-    """An attention backend over ``kv``, configured as the runner configures its own (whole steps
-    planned in ``plan()``) where the backend can be."""
-    attention = create_backend(name, kv, head_dim**-0.5)
+def configured_backend(name: str, kv: KVCache, scale: float, num_heads: int, dtype: torch.dtype,
+                       value_dim: int = 0) -> AttentionBackend:
+    """An attention backend over ``kv`` (``value_dim``: a latent cache's, ``create_backend``'s),
+    configured as the runner configures its own (whole steps planned in ``plan()``) where the
+    backend can be."""
+    attention = create_backend(name, kv, scale, value_dim)
     configure = getattr(attention, "configure", None)
     if configure is not None:
         configure(num_heads, dtype)

@@ -4,10 +4,11 @@ Workers run ``step()`` in a thread of their own (see ``engine.loop``);
 ``generate()`` runs prompts to completion in the calling thread (the CLI, tests,
 benchmarks).
 
-With ``tp > 1`` this process is rank 0 of a tensor-parallel group
-(``engine.tp``): it holds its share of the model and of the KV heads,
-and ``kv_cache`` is the full head set over every rank's share (what the
-transports move), while attention here runs on its own share only.
+With several ranks (``--tp``, ``--pp``: a ``Layout``, ``engine.parallel``) this
+process is rank 0: it holds its part of the model (the first stage's layers, its
+share of their heads, the embeddings, the final norm and ``lm_head``) and of the
+KV, and ``kv_cache`` is the whole pool over every rank's part (what the
+transports move), while attention here runs on its own part only.
 """
 
 from __future__ import annotations
@@ -29,14 +30,21 @@ from engine.eagle3_drafter import Eagle3Drafter, eagle3_drafter
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.lora import start_lora
-from engine.model import use_kernels
+from engine.mla import check_latent_support
+from engine.model import ModelPart, use_kernels
+from engine.mtp import check_mtp
+from engine.mtp_drafter import MtpDrafter, mtp_drafter
 from engine.overlap import OverlappedSteps
+from engine.parallel.group import ParallelGroupError, RankGroup, rank_kv_spec
+from engine.parallel.layout import Layout
+from engine.parallel.pipeline import Pipeline
+from engine.parallel.stage import StageRunner, StageStats
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken
-from engine.tp import TensorParallel, shard_spec
-from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache
+from engine.state_drafter import StateDrafter
+from kvstore.cache import KVCache, ShardedKVCache
 from kvstore.disk import HEADER, DiskTier, layout_fingerprint, model_identity
 from kvstore.tiers import BlockCopier
 
@@ -50,32 +58,35 @@ class Engine(EngineCore):
         self.config = config
         self.model_config = mc = ModelConfig.from_dir(config.model)
         mc.check_tp(config.tp)
+        check_latent_support(mc, config)
+        check_mtp(mc, config.speculative)  # before the weights load
+        self.layout = Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.fused_kernels and self.device.type != "cuda":
             raise ValueError(f"fused kernels ({', '.join(config.fused_kernels)}) run on CUDA only, not {self.device}")
         kernels = Kernels.select(config.fused_kernels)
         max_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype)
-        # EAGLE-3 reads each step's auxiliary hidden states, which decode graphs do not hand out
-        eagle = (config.speculative or "").startswith("eagle3:")
-        want_graphs = config.use_cuda_graphs and self.device.type == "cuda" and config.tp == 1 and not eagle
+        backend = config.attention_backend or default_backend(self.device, mc.head_dim, self.dtype, mc.latent_dims)
+        # EAGLE-3 and MTP read each step's hidden states, which decode graphs do not hand out
+        reads_states = (config.speculative or "").partition(":")[0] in ("eagle3", "mtp")
+        want_graphs = (config.use_cuda_graphs and self.device.type == "cuda" and self.layout.size == 1
+                       and not reads_states)
         # One rank: load the weights first, so the automatic KV size sees what they took. Several:
-        # rank 0 starts the other ranks first (they load their shards while it loads its own),
+        # rank 0 starts the other ranks first (they load their parts while it loads its own),
         # and they need the pool size to start.
         self.model = None
-        if config.tp == 1:
+        if self.layout.size == 1:
             self.model = load_model(mc, self.device, self.dtype, max_positions=max_len)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_len, want_graphs)
-        drafter = (model_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
-                   or eagle3_drafter(config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size,
-                                     backend))
+        how = (config.speculative, mc, self.device, self.dtype, num_blocks, config.block_size, backend)
+        drafter = model_drafter(*how) or eagle3_drafter(*how) or mtp_drafter(*how)  # None: the core's (ngram)
         super().__init__(self._core_config(num_blocks, max_len), drafter)
         self._start_ranks_and_kv(backend, num_blocks, max_len)
         if config.has_host_tier:
             self._enable_tiers()
         use_kernels(self.model, kernels)
-        self.attention = create_backend(backend, self._own_kv, mc.head_dim**-0.5)
+        self.attention = create_backend(backend, self._own_kv, mc.attention_scale, mc.latent_value_dim)
         self.sampler = Sampler(self.device, config.seed, kernels, tuple(mc.eos_token_ids))
         if config.lora_slots:  # before the graphs: they capture the projections without adapter rows
             self.lora = start_lora(config, mc, self.model, self.device, self.dtype)
@@ -85,14 +96,30 @@ class Engine(EngineCore):
                           spin_seconds=config.grammar_spin_ms / 1000),
             pin_memory=self.device.type == "cuda",
         )
-        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None  # fed each step's hidden states
-        if self.eagle3 is not None:  # its rebuilt states' own keys and values go to a block never freed
-            self.eagle3.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.tp)
+        # EAGLE-3's, MTP's: fed each step's hidden states
+        self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
+        if self.state_drafter is not None:  # its rebuilt states' own keys and values go to a block never freed
+            self.state_drafter.load(self.model, self._own_kv, self.pool.allocate(1)[0], self.lora, self.ranks)
         self._graphs = self._decode_graphs() if want_graphs else None
+        self.pipeline = self._pipeline() if self.layout.pp > 1 else None
         self.runner = ModelRunner(self.model, self.attention, self.sampler, config.block_size,
-                                  broadcast=self.tp.broadcast if self.tp else None, graphs=self._graphs,
-                                  lora=self.lora, grammar=self.grammar)
+                                  broadcast=self.ranks.send_step if self.ranks and not self.pipeline else None,
+                                  graphs=self._graphs, lora=self.lora, grammar=self.grammar, pipeline=self.pipeline)
         self._log_ready(backend, num_blocks, kernels)
+
+    def _pipeline(self) -> Pipeline:
+        stage = StageRunner(self.model, self.attention, self.layout, 0, self.ranks.groups, self.device, self.dtype)
+        return Pipeline(self.ranks, stage, self.model, self.config.pipeline_microbatches)
+
+    @property
+    def tp(self) -> RankGroup | None:
+        """The rank group under its former name (benchmarks read ``engine.tp.pids``)."""
+        return self.ranks
+
+    def stage_stats(self, reset: bool = False) -> list[StageStats]:
+        """Pipeline stages: every rank's busy seconds and micro-batches since the last reset
+        (rank 0's first); [] with one stage."""
+        return self.pipeline.stats(reset) if self.pipeline is not None else []
 
     def _core_config(self, num_blocks: int, max_len: int) -> CoreConfig:
         config, mc = self.config, self.model_config
@@ -116,24 +143,26 @@ class Engine(EngineCore):
         )
 
     def _start_ranks_and_kv(self, backend: str, num_blocks: int, max_len: int) -> None:
-        """With ``tp > 1``, the other ranks and this rank's shard of the model; then the KV cache:
-        this rank's share of the heads (``_own_kv``) and the full head set (``kv_cache``)."""
-        config, mc = self.config, self.model_config
-        self.tp = None
-        if config.tp > 1:
-            self.tp = TensorParallel(replace(config, attention_backend=backend), num_blocks, max_len,
-                                     _rank_kv_files(config, self.device))
+        """With several ranks, the others and this rank's part of the model; then the KV cache:
+        this rank's part (``_own_kv``: the first stage's layers, its share of the heads) and the
+        whole pool over every rank's (``kv_cache``)."""
+        config, mc, layout = self.config, self.model_config, self.layout
+        self.ranks = None
+        if layout.size > 1:
+            self.ranks = RankGroup(replace(config, attention_backend=backend), layout, num_blocks, max_len,
+                                   _rank_kv_files(config, self.device))
         try:
             if self.model is None:
-                self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, shard=self.tp.shard)
-            own_kv = KVCache(shard_spec(mc, config, num_blocks, self.dtype), self.device,
+                self.model = load_model(mc, self.device, self.dtype, max_positions=max_len, shard=self.ranks.shard,
+                                        part=ModelPart(layout.layers(0)))
+            own_kv = KVCache(rank_kv_spec(mc, layout, 0, num_blocks, config.block_size, self.dtype), self.device,
                              shm_path=config.kv_shm_path)
-            self.kv_cache = ShardedKVCache([own_kv, *self.tp.join()]) if self.tp else own_kv
+            self.kv_cache = ShardedKVCache([own_kv, *self.ranks.join()], layout.tp) if self.ranks else own_kv
         except BaseException:
-            if self.tp is not None:
-                self.tp.close()
+            if self.ranks is not None:
+                self.ranks.close()
             raise
-        self.kv_spec = self.kv_cache.spec  # the full head set
+        self.kv_spec = self.kv_cache.spec  # every layer, every head
         self._own_kv = own_kv
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -151,7 +180,7 @@ class Engine(EngineCore):
             "engine ready: %s (%s) on %s %s, %d KV blocks of %d tokens, attention %s%s%s%s%s",
             config.model_name, mc.family, self.device, str(self.dtype).removeprefix("torch."),
             num_blocks, config.block_size, backend,
-            f", tensor parallel over {config.tp} ranks" if self.tp else "",
+            f", {self.layout.size} ranks ({self.layout.describe()})" if self.ranks else "",
             ", CUDA graphs for decode" if self._graphs else "",
             ", overlapped scheduling" if self.overlap is not None else "",
             f", fused kernels: {', '.join(sorted(kernels.names))}" if kernels.names else "",
@@ -166,11 +195,12 @@ class Engine(EngineCore):
         try:
             pending = self.runner.launch(out, prev)
         except Exception as e:
-            if self.tp is not None:
-                self.tp.abort(f"{type(e).__name__}: {e}")
+            if self.ranks is not None:  # the ranks may be out of step: the group can never step again
+                self.ranks.abort(f"{type(e).__name__}: {e}")
+                raise ParallelGroupError(f"a step over the ranks failed: {type(e).__name__}: {e}") from e
             raise
-        if self.eagle3 is not None:  # rank 0's states: the residual stream is whole on every rank
-            self.eagle3.capture(out.chunks, self.model.aux_hidden)
+        if self.state_drafter is not None:  # rank 0's states: the residual stream is whole on every rank
+            self.state_drafter.capture(out.chunks, self.model.aux_hidden)
             self.model.aux_hidden = None  # a long prefill's states are not kept past the step
         return pending
 
@@ -182,13 +212,14 @@ class Engine(EngineCore):
         recaptures them."""
         if self.has_work:
             raise RuntimeError("set_execution on an engine with requests in it")
-        if self.tp is not None:
-            raise ValueError("set_execution is not supported with --tp > 1")
+        if self.ranks is not None:
+            raise ValueError("set_execution is not supported with several ranks (--tp, --pp > 1)")
         graphs = self._graphs
         if cuda_graphs and graphs is None:
             raise ValueError("this engine was built without CUDA graphs (cuda_graphs=True, on CUDA)")
         if attention_backend is not None and attention_backend != self.attention.name:
-            self.attention = create_backend(attention_backend, self._own_kv, self.model_config.head_dim**-0.5)
+            mc = self.model_config
+            self.attention = create_backend(attention_backend, self._own_kv, mc.attention_scale, mc.latent_value_dim)
             self.runner = ModelRunner(self.model, self.attention, self.sampler, self.block_size,
                                       graphs=self.runner.graphs)
             if graphs is not None:
@@ -211,16 +242,28 @@ class Engine(EngineCore):
 
     def set_drafter(self, drafter) -> None:
         """Speculate with ``drafter`` from now on (None: not at all), for benchmarks that compare
-        drafters on one copy of the weights; an ``Eagle3Drafter`` loaded on this engine's model.
-        Only an EAGLE-3 drafter has the target keep its auxiliary states."""
+        drafters on one copy of the weights; an ``Eagle3Drafter`` or ``MtpDrafter`` loaded on this
+        engine's model. Only those have the target keep the states they read."""
+        if isinstance(drafter, StateDrafter) and self.pipeline is not None:
+            raise ValueError(f"--pp {self.layout.pp} does not run with --speculative {drafter.name} yet")
         self.scheduler.drafter = drafter
-        self.eagle3 = drafter if isinstance(drafter, Eagle3Drafter) else None
-        self.model.aux_layers = self.eagle3.config.aux_layers if self.eagle3 is not None else ()
+        self.state_drafter = drafter if isinstance(drafter, StateDrafter) else None
+        self.model.aux_layers = self.state_drafter.aux_layers if self.state_drafter is not None else ()
+
+    @property
+    def eagle3(self) -> Eagle3Drafter | None:
+        """The EAGLE-3 drafter, if this engine drafts with one."""
+        return self.state_drafter if isinstance(self.state_drafter, Eagle3Drafter) else None
+
+    @property
+    def mtp(self) -> MtpDrafter | None:
+        """The MTP drafter, if this engine drafts with one."""
+        return self.state_drafter if isinstance(self.state_drafter, MtpDrafter) else None
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks and unmap the KV cache (its files are removed)."""
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the other ranks and unmap the KV cache (its files are removed)."""
+        if self.ranks is not None:
+            self.ranks.close()
         self.grammar.close()
         if self.tiers is not None and self.tiers.copier is not None:
             self.tiers.copier.close()
@@ -251,11 +294,10 @@ class Engine(EngineCore):
 
     def _auto_num_blocks(self, max_len: int, graphs: bool = False) -> int:
         mc = self.model_config
-        block_bytes = KVCacheSpec(
-            mc.num_layers, 1, self.config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        ).block_bytes
+        block_bytes = mc.kv_cache_spec(1, self.config.block_size, self.dtype).block_bytes
         if self.device.type == "cuda":
-            block_bytes //= self.config.tp  # each GPU holds its share of the heads
+            # each GPU holds its share of the heads of its stage's layers (the largest stage's here)
+            block_bytes = block_bytes * max(self.layout.stage_layers) // (mc.num_layers * self.layout.tp)
             free, total = torch.cuda.mem_get_info(self.device)
             # This worker may use ``kv_memory_fraction`` of the whole device (weights, KV, activations),
             # so several workers (two models, say) share one GPU by giving each a fraction.

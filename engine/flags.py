@@ -46,6 +46,7 @@ def add_args(p: argparse.ArgumentParser, multi_model: bool = False) -> None:
                    help="GPU: the share of the device this worker may use, weights and KV (two models on one GPU: 0.4 each)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel: shard the model over this many ranks (processes; one GPU each on CUDA)")
+    add_pipeline_args(p)
     add_gpu_execution_args(p)
     p.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
                    help="grammar engine of constrained output (xgrammar: pip install pdmesh[xgrammar])")
@@ -62,6 +63,7 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
     """A model worker's ``EngineConfig`` from the flags of ``add_args`` (ValueError: a flag it cannot
     take; ModelError: the model directory or a ``--lora`` adapter), read once before anything starts."""
     from engine.config import EngineConfig, ModelConfig
+    from engine.mtp import check_mtp
     from mesh.config import settings
 
     if getattr(args, "peer_fetch", False) and not (args.host_kv_gb or args.host_kv_blocks):
@@ -74,19 +76,60 @@ def from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--model DIR is required (or MESH_MODEL)")
     mc = ModelConfig.from_dir(model)
     mc.check_tp(args.tp)
+    pipeline = pipeline_fields(args)
+    check_mtp(mc, args.speculative)  # a checkpoint without the layer: one line, before a worker starts
     tiers = {"host_kv_gb": args.host_kv_gb, "disk_kv_dir": args.disk_kv_dir, "disk_kv_gb": args.disk_kv_gb,
              "host_kv_blocks": args.host_kv_blocks, "disk_kv_blocks": args.disk_kv_blocks}
     config = EngineConfig(
         model=model, served_name=args.served_name, dtype=args.dtype, device=args.device,
         block_size=args.block_size, num_kv_blocks=args.device_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_with_decode=args.max_prefill_with_decode,
-        tp=args.tp,
+        tp=args.tp, **pipeline,
         kv_memory_fraction=args.kv_memory_fraction, **gpu_execution_fields(args),
         grammar_backend=args.grammar_backend, grammar_threads=args.grammar_threads,
         grammar_spin_ms=args.grammar_spin_ms, **speculative_fields(args), **{k: v for k, v in tiers.items() if v is not None}, **lora_fields(args),
     )
     check_loras(config, mc)
+    check_layout(config, mc)
     return config
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallel: split the decoder layers into this many stages, one rank each "
+                        "(x --tp: TP inside each stage); activations pass stage to stage")
+    p.add_argument("--pp-layers", default=None, metavar="N,N,...",
+                   help="layers per stage (they sum to the model's layers; default: as even as they go)")
+    p.add_argument("--pp-microbatches", type=int, default=0, metavar="M",
+                   help="cut a step into up to M micro-batches so the stages work at once "
+                        "(default 0: --pp, one per stage; 1: off)")
+
+
+def pipeline_fields(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the pipeline flags (ValueError for a malformed ``--pp-layers``)."""
+    from engine.parallel.layout import parse_stage_layers
+
+    layers = parse_stage_layers(args.pp_layers) if args.pp_layers else ()
+    return {"pp": args.pp, "pp_layers": layers, "pp_microbatches": args.pp_microbatches}
+
+
+def pipeline_argv(args: argparse.Namespace) -> list[str]:
+    """The pipeline flags again, as given (for the workers ``mesh up`` starts); [] at PP 1."""
+    if args.pp == 1:
+        return []
+    argv = ["--pp", str(args.pp)]
+    if args.pp_layers:
+        argv += ["--pp-layers", args.pp_layers]
+    return argv + (["--pp-microbatches", str(args.pp_microbatches)] if args.pp_microbatches else [])
+
+
+def check_layout(config: EngineConfig, mc: ModelConfig) -> None:
+    """The ranks' layout against the model and the devices, before anything starts (ValueError
+    in one line: more stages than layers, a split that does not add up, too few GPUs)."""
+    from engine.parallel.group import check_devices
+    from engine.parallel.layout import Layout
+
+    check_devices(config.torch_device, Layout.for_model(config.tp, config.pp, mc.num_layers, config.pp_layers))
 
 
 def check_loras(config: EngineConfig, mc: ModelConfig) -> None:
@@ -101,8 +144,9 @@ def check_loras(config: EngineConfig, mc: ModelConfig) -> None:
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup; ngram:N matches up to N tokens), "
-                        "draft:DIR (a smaller model with the same tokenizer), or eagle3:DIR (an EAGLE-3 "
-                        "head, its published checkpoint format, fed the target's hidden states)")
+                        "draft:DIR (a smaller model with the same tokenizer), eagle3:DIR (an EAGLE-3 "
+                        "head, its published checkpoint format, fed the target's hidden states), or mtp "
+                        "(DeepSeek-V3's multi-token-prediction layer, stored in its checkpoint)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="tokens a decoding row drafts per step (with --speculative)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,

@@ -1,20 +1,26 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch.
+Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3 with its latent attention) over a flat token batch.
 
 Tokens of all scheduled sequences are concatenated (``[T]``); attention is the
 backend's business, so the model itself has no notion of sequences or padding.
 QKV and gate/up projections are fused into one matmul each. A layer's MLP is dense
-(``MLP``) or sparse (``engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says.
+(``MLP``) or sparse (``engine.moe.SparseMoE``) as ``ModelConfig.is_sparse`` says; its
+attention per head (``Attention``) or latent (``engine.mla.LatentAttention``) as ``ModelConfig.mla`` says.
 The residual stream runs beside the hidden states (``residual``) so that its add and
 the next norm can be one kernel; which operations run fused kernels is the model's
 ``Kernels`` (``engine.kernels``; plain PyTorch unless ``use_kernels`` chose others).
 
 Under tensor parallelism (``Shard``, see ``engine.tp``) a rank holds its
 share of the heads and MLP columns; the row-parallel ``o_proj`` and
-``down_proj`` sum their partial outputs over the ranks.
+``down_proj`` sum their partial outputs over the ranks. Under pipeline
+parallelism (``engine.parallel``) a rank holds its stage's layers only
+(``keep_stage``: the others are ``HeldElsewhere``, so layer numbers stay the
+model's) and runs them with ``forward_layers``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +28,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import PLAIN, Kernels, torch_rmsnorm
+from engine.mla import LatentAttention
 from engine.moe import SparseMoE
 from engine.tp import Shard
 
@@ -50,8 +57,9 @@ class Rotary(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = cfg.rope.attention_factor  # YaRN's; 1 otherwise
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, head_dim]`` of the step's positions: once per step, shared by every layer."""
@@ -114,7 +122,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, shard)
+        self.self_attn = LatentAttention(cfg, layer, shard) if cfg.mla else Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, shard) if cfg.is_sparse(layer) else MLP(cfg, shard)
 
@@ -133,8 +141,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     kernels: Kernels = PLAIN
-    # EAGLE-3 (engine.eagle3): the layers whose input (the residual stream; 0 is the embeddings)
-    # each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
+    # EAGLE-3 (engine.eagle3), MTP (engine.mtp): the layers whose input (the residual stream; 0 is
+    # the embeddings, ``len(layers)`` the last layer's output: the hidden states before the final
+    # norm) each step keeps, concatenated in ``aux_hidden [T, len(aux_layers) * hidden]``. Empty: none kept.
     # Under TP the stream is whole on every rank (each layer ends in an all-reduce): rank 0 keeps it.
     aux_layers: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
@@ -156,12 +165,17 @@ class CausalLM(nn.Module):
         if self.aux_layers:
             hidden, self.aux_hidden = self.forward_aux(input_ids, positions, attn)
             return hidden
-        x = self.embed_tokens(input_ids)
-        rope = self.kernels.rope(self.rotary, positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn)
+        x, residual = self.forward_layers(self.embed_tokens(input_ids), None, positions, attn, range(len(self.layers)))
         return residual + x
+
+    def forward_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                       attn: AttentionBackend, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` (a pipeline stage's, or all of them) over ``x`` and the residual stream
+        (None before the first layer): ``(mlp output, residual stream)`` after the last one."""
+        rope = self.kernels.rope(self.rotary, positions, x.dtype)
+        for i in layers:
+            x, residual = self.layers[i](x, residual, rope, attn)
+        return x, residual
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                     whole: bool = True, aux_layers: tuple[int, ...] | None = None
@@ -181,11 +195,52 @@ class CausalLM(nn.Module):
             if i == last and not whole:
                 break
             x, residual = layer(x, residual, rope, attn)
+        if len(self.layers) in aux_layers:  # the last layer's output (then every layer ran)
+            kept[len(self.layers)] = residual + x
         aux = torch.cat([kept[i] for i in aux_layers], dim=-1)
         return (residual + x if whole else None), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+
+class HeldElsewhere(nn.Module):
+    """In place of a decoder layer another pipeline stage holds: no weights, never run."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        raise RuntimeError(f"layer {self.layer} is held by another pipeline stage")
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """What of the model one rank holds: its stage's decoder ``layers``, the embeddings where it
+    ``embeds`` (the first stage), the final norm and ``lm_head`` where it ``samples`` (rank 0)."""
+
+    layers: range
+    embeds: bool = True
+    samples: bool = True
+
+
+def keep_stage(model: CausalLM, part: ModelPart) -> None:
+    """Trim ``model`` (built on the meta device, before its weights are allocated) to ``part``:
+    the layers of other stages become ``HeldElsewhere``, whatever their type (the split is by
+    position in ``model.layers``)."""
+    for i in range(len(model.layers)):
+        if i not in part.layers:
+            model.layers[i] = HeldElsewhere(i)
+    if not part.samples:
+        model.norm = model.lm_head = None
+    if not part.embeds:
+        model.embed_tokens = None
+
+
+def held_layers(model: CausalLM) -> list[int]:
+    """The decoder layers this rank holds."""
+    return [i for i, layer in enumerate(model.layers) if not isinstance(layer, HeldElsewhere)]
 
 
 def use_kernels(model: nn.Module, kernels: Kernels) -> None:

@@ -1,7 +1,11 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) over a flat token batch.
 
     x --router--> top-k experts and weights per token --experts backend--> sum_k w * expert_k(x)
-      \\--shared expert (Qwen2-MoE), gated by sigmoid(shared_expert_gate(x))--/
+      \\--shared expert (Qwen2-MoE: gated by sigmoid(shared_expert_gate(x)); DeepSeek: ungated)--/
+
+How experts are chosen is a router picked by the config's name from ``ROUTERS``:
+``softmax`` (``TopKRouter``: Mixtral, Qwen) and ``sigmoid-grouped`` (``GroupedTopKRouter``:
+DeepSeek-V3's sigmoid scores, group-limited choice with a correction bias).
 
 Every expert is a SwiGLU MLP; their weights are stacked, ``w13`` ``[E, 2*I, H]`` (each
 expert's gate rows, then its up rows: the dense MLP's fused layout) and ``w2`` ``[E, H, I]``.
@@ -50,6 +54,57 @@ class TopKRouter:
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(dtype)
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3's router (``noaux_tc``), with ``TopKRouter``'s contract.
+
+    Scores are ``sigmoid(logits)`` (fp32). The choice adds ``e_score_correction_bias`` (a
+    per-expert bias trained to balance load): experts are split into ``num_groups`` groups,
+    each group scored by the sum of its best two biased scores, the best ``topk_groups``
+    groups kept, and the ``top_k`` best biased scores among their experts chosen. The weights
+    are the chosen experts' scores *without* the bias, optionally renormalised to sum to one,
+    times ``routed_scaling_factor``. The bias is a parameter (the checkpoint's
+    ``mlp.gate.e_score_correction_bias``), kept in fp32 with the router's logits."""
+
+    def __init__(self, num_experts: int, top_k: int, num_groups: int, topk_groups: int, renormalize: bool,
+                 scaling: float):
+        super().__init__()
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.renormalize, self.scaling = renormalize, scaling
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids ``[T, k]`` int64, weights ``[T, k]`` in ``dtype``)"""
+        scores = logits.float().sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.num_groups > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.num_groups, e // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            keep = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(t, e)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, (weights * self.scaling).to(dtype)
+
+
+def make_router(moe) -> TopKRouter | GroupedTopKRouter:
+    """The router a ``MoeConfig`` names (``ROUTERS``)."""
+    try:
+        return ROUTERS[moe.router](moe)
+    except KeyError:
+        raise ValueError(f"unknown MoE router {moe.router!r} (choose from {', '.join(ROUTERS)})") from None
+
+
+ROUTERS = {
+    "softmax": lambda moe: TopKRouter(moe.top_k, moe.norm_topk_prob),
+    "sigmoid-grouped": lambda moe: GroupedTopKRouter(moe.num_experts, moe.top_k, moe.num_groups, moe.topk_groups,
+                                                     moe.norm_topk_prob, moe.routed_scaling_factor),
+}
 
 
 class ExpertsBackend(Protocol):
@@ -186,19 +241,21 @@ def default_experts(device: torch.device, dtype: torch.dtype) -> ExpertsBackend:
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's dense expert that every token runs, scaled per token by a sigmoid gate.
+    """The dense expert every token runs: Qwen2-MoE's scaled per token by a sigmoid gate
+    (``gated``), DeepSeek's shared experts (as one, their widths summed) plainly added.
     Column/row-parallel like the dense MLP; its output is a partial sum (the MoE reduces)."""
 
-    def __init__(self, hidden: int, intermediate: int, shard: Shard):
+    def __init__(self, hidden: int, intermediate: int, shard: Shard, gated: bool = True):
         super().__init__()
         _, self.inter = shard.part(intermediate)
         self.gate_up_proj = nn.Linear(hidden, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, hidden, bias=False)
-        self.gate = nn.Linear(hidden, 1, bias=False)  # replicated: every rank scales its part
+        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None  # replicated: every rank scales its part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return torch.sigmoid(self.gate(x)) * self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
 
 
 class SparseMoE(nn.Module):
@@ -215,10 +272,19 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router, replicated
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * self.inter, hidden))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, self.inter))
-        self.shared_expert = (SharedExpert(hidden, moe.shared_expert_intermediate_size, shard)
+        self.shared_expert = (SharedExpert(hidden, moe.shared_expert_intermediate_size, shard, moe.shared_expert_gated)
                               if moe.shared_expert_intermediate_size else None)
-        self.router = TopKRouter(moe.top_k, moe.norm_topk_prob)
+        self.router = make_router(moe)
+        self.router_dtype: torch.dtype | None = None  # the router's logits in this dtype (None: the model's)
         self.experts: ExpertsBackend | None = None  # the loader gives one (``use``) once the weights are in
+
+    def keep_router_fp32(self) -> None:
+        """DeepSeek computes its router's logits, and keeps its correction bias, in fp32 whatever
+        the model's dtype (their top-k is a close race): call after the model is cast, before loading."""
+        if isinstance(self.router, GroupedTopKRouter):
+            self.gate.float()
+            self.router.float()
+            self.router_dtype = torch.float32
 
     def use(self, experts: ExpertsBackend) -> None:
         """Run the experts with ``experts`` from now on (it takes the weights into its own layout)."""
@@ -231,7 +297,8 @@ class SparseMoE(nn.Module):
             p.data = p.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(self.gate(x), x.dtype)
+        logits = self.gate(x if self.router_dtype is None else x.to(self.router_dtype))
+        ids, weights = self.router(logits, x.dtype)
         out = self.experts.forward(x, ids, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)

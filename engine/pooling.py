@@ -164,6 +164,8 @@ class Embedder:
     def __init__(self, config: EngineConfig, pooling: PoolingConfig):
         self.config, self.pooling = config, pooling
         self.model_config = mc = ModelConfig.from_dir(config.model)
+        if mc.mla is not None:  # its dense attention runs per-head K and V
+            raise ValueError(f"embeddings are not supported on MLA models ({mc.family}) yet")
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.hidden_size = mc.hidden_size

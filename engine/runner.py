@@ -2,7 +2,9 @@
 
 ``StepInputs`` is the flat batch as plain arrays: under tensor parallelism rank 0
 builds it, hands it to the other ranks (``broadcast``), and every rank runs
-``forward`` on it; only rank 0 computes logits and samples.
+``forward`` on it; only rank 0 computes logits and samples. Over pipeline
+stages (``pipeline``, ``engine.parallel.pipeline``) the step runs stage after
+stage in micro-batches, and only the rows that need logits come back to rank 0.
 
 ``launch`` returns as soon as the step is queued on the device (a ``PendingStep``);
 ``PendingStep.result()`` waits for its tokens. ``execute`` is both at once. With
@@ -65,7 +67,7 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
                  broadcast: Callable[[StepInputs], None] | None = None, graphs: DecodeGraphs | None = None,
-                 lora=None, grammar: GrammarManager | None = None):
+                 lora=None, grammar: GrammarManager | None = None, pipeline=None):
         self.model = model
         self.lora = lora  # a LoraManager: brings each step's adapters into its slots, plans their rows
         self.grammar = grammar  # constrained rows: their masks are filled while the model runs
@@ -74,6 +76,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.broadcast = broadcast  # tensor parallel: hands each step to the other ranks
+        self.pipeline = pipeline  # pipeline stages: a Pipeline runs each step and gives the rows' logits
         self.device = next(model.parameters()).device
         # Tests and debugging: keep the logits of every row of the last step.
         self.capture_logits = False
@@ -97,24 +100,36 @@ class ModelRunner:
         # a token in flight here (EngineCore.needs_resolved_tokens)
         masks = self.grammar.begin_step(seqs) if self.grammar is not None and seqs else None
         step, sample_rows = self.inputs(out)
-        if self.broadcast is not None:
-            self.broadcast(step)
-        if self._inputs_sent is not None:
-            self._inputs_sent.synchronize()  # microseconds: the GPU finished the step before the last
-        hidden = self.forward(step, self._input_ids(step, prev))
-        if self.capture_logits:
-            self.last_logits = self.model.logits(hidden)
+        draft_rows, drafting = _drafted_rows(out)
+        logits = self._logits(step, prev, sample_rows + draft_rows if sample_rows else [])
         if not sample_rows:
             return PendingStep(None, {})
-        draft_rows, drafting = _drafted_rows(out)
-        rows = to_device(sample_rows + draft_rows, torch.long, self.device)
-        logits = self.model.logits(hidden.index_select(0, rows))
         n = len(sample_rows)
         verification = None
         if draft_rows:  # before the sampler masks the sampled rows in place
             verification = Verification.launch(self.sampler, self.grammar, logits, n, drafting, seqs, masks)
         samples = self.sampler.sample(logits[:n] if draft_rows else logits, seqs, masks)
         return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, verification)
+
+    def _logits(self, step: StepInputs, prev: PendingStep | None, rows: list[int]) -> torch.Tensor | None:
+        """Run the step; the logits of ``rows`` (None for none). ``capture_logits``: every row's
+        are kept in ``last_logits`` too."""
+        want = list(range(len(step.input_ids))) if self.capture_logits else rows
+        if self.pipeline is not None:
+            logits = self.pipeline.logits(step, self._input_ids(step, prev), want)
+            if not self.capture_logits:
+                return logits
+        else:
+            if self.broadcast is not None:
+                self.broadcast(step)
+            if self._inputs_sent is not None:
+                self._inputs_sent.synchronize()  # microseconds: the GPU finished the step before the last
+            hidden = self.forward(step, self._input_ids(step, prev))
+            if not self.capture_logits:
+                return self.model.logits(hidden.index_select(0, to_device(rows, torch.long, self.device))) if rows else None
+            logits = self.model.logits(hidden)
+        self.last_logits = logits
+        return logits.index_select(0, to_device(rows, torch.long, self.device)) if rows else None
 
     def inputs(self, out: SchedulerOutput) -> tuple[StepInputs, list[int]]:
         """The flat batch of a step, and the rows to sample from."""

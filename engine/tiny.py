@@ -8,7 +8,12 @@ choices are not knife-edge ties that float noise could flip).
 
 ``--size moe`` and ``small-moe`` write a ``Qwen3MoeForCausalLM`` instead (q/k norms, every
 MLP a mixture of experts), with the same tokenizer and chat template (Qwen2.5's: it renders tools); ``small-moe`` runs as
-many MLP columns per token as ``small`` (top-2 of 8 experts of half its width).
+many MLP columns per token as ``small`` (top-2 of 8 experts of half its width). ``deepseek`` and
+``deepseek-yarn`` write a ``DeepseekV3ForCausalLM`` (``engine.tiny_deepseek``).
+
+``fp8``: the same weights in DeepSeek's FP8 format (``engine.fp8``): the attention and MLP
+projections block-quantized to e4m3 with a float32 ``weight_scale_inv`` per block, in blocks
+that divide the model's dimensions (``FP8_BLOCKS``; DeepSeek's own are 128x128).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from engine.fp8 import is_quantized_name, quantize, scale_name
+from engine.tiny_deepseek import DEEPSEEK_SIZES, deepseek_checkpoint
 
 SIZES = {
     # ~0.2M params: the test model
@@ -50,6 +58,7 @@ QWEN3_MOE = {
     "use_sliding_window": False,
 }
 
+FP8_BLOCKS = {"small": (128, 128), "small-moe": (128, 128)}  # the others: 16x16
 VOCAB_SIZE = 4096
 EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
 MAX_POSITIONS = 16384
@@ -64,12 +73,48 @@ _TOKENIZER_CONFIG = {
 }
 
 
-def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
+ALL_SIZES = (*SIZES, *DEEPSEEK_SIZES)
+
+
+def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0, fp8: bool = False, **overrides) -> Path:
+    """``overrides``: config keys of a Llama-family size to change (``num_hidden_layers=5``:
+    pipeline stages that do not divide the layers evenly; heads that tensor parallelism divides)."""
+    if size not in ALL_SIZES:
+        raise ValueError(f"unknown size {size!r} (choose from {', '.join(ALL_SIZES)})")
     out = Path(out)
+    if size in DEEPSEEK_SIZES:
+        if overrides:
+            raise ValueError(f"--size {size} takes no config overrides")
+        config, weights = deepseek_checkpoint(size, seed, VOCAB_SIZE, MAX_POSITIONS, EOS_IDS)
+    else:
+        config = _llama_config(size, overrides)
+        weights = _random_weights(config, seed)
+    if fp8:
+        block = FP8_BLOCKS.get(size, (16, 16))
+        weights = quantize_checkpoint(weights, block)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                         "activation_scheme": "dynamic"}
     out.mkdir(parents=True, exist_ok=True)
-    shape = SIZES[size]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(out)
+    return out
+
+
+def quantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The weights in DeepSeek's FP8 format: each projection e4m3 with its ``weight_scale_inv``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if is_quantized_name(name) and w.dim() == 2:
+            out[name], out[scale_name(name)] = quantize(w, block)
+        else:
+            out[name] = w
+    return out
+
+
+def _llama_config(size: str, overrides: dict) -> dict:
+    shape = SIZES[size] | overrides
     moe = "num_experts" in shape
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -89,11 +134,7 @@ def write_tiny_model(out: str | Path, size: str = "tiny", seed: int = 0) -> Path
     }
     if moe:
         config |= QWEN3_MOE | {"head_dim": shape["hidden_size"] // shape["num_attention_heads"]}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS}, indent=2) + "\n")
-    save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out)
-    return out
+    return config
 
 
 def write_tokenizer(out: Path) -> bool:

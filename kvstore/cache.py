@@ -1,18 +1,24 @@
 """The KV cache tensor: where the bytes of the block pool live.
 
-Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
-(layer-major): each layer's K and V are contiguous ``[num_blocks, block_size,
-heads, dim]`` pages, the layout paged attention kernels take as is, and the
-blocks of a request move between pools (transfer, offload) with one gather
-over ``[:, :, block_ids]``.
+Layout ``[num_layers, num_planes, num_blocks, block_size, num_kv_heads, head_dim]``
+(layer-major). A plane is one cached vector per token and head: two planes, K and V, for
+the attention of every family but one; one plane for multi-head latent attention (MLA,
+DeepSeek-V3), whose cache holds one latent vector per token (``num_kv_heads`` 1,
+``head_dim`` the latent and rope-key values). Each layer's planes are contiguous
+``[num_blocks, block_size, heads, dim]`` pages, the layout paged attention kernels take as
+is, and the blocks of a request move between pools (transfer, offload) with one gather over
+``[:, :, block_ids]``. Whatever copies blocks takes their shape and bytes from the spec
+(``block_shape``, ``block_bytes``), never from an assumed K/V pair.
 
 On CPU the tensor can live in a shared-memory file so that a prefill worker on
 the same host writes a decode worker's blocks in place (the ``shm`` transport).
 
-A tensor-parallel worker shards its KV by head: rank r holds a ``KVCache`` of
-its own heads, and rank 0 sees the full head set as a ``ShardedKVCache`` over
-all of them. Both offer the same whole-block operations, and ``copy_blocks``
-copies between any two of them, re-sharding heads when the layouts differ.
+A worker of several ranks shards its KV: a tensor-parallel rank holds its share of
+the heads, a pipeline stage the layers it runs. Each rank holds a ``KVCache`` of its
+part, and rank 0 sees the whole (every layer, every head) as a ``ShardedKVCache`` over
+all of them: a grid of parts, each a range of layers by a range of heads. Both offer
+the same whole-block operations, and ``copy_blocks`` copies between any two of them,
+re-sharding layers and heads when the layouts differ.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ import os
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+KV_PLANES = 2  # K and V
+LATENT_PLANES = 1  # MLA's latent vector (with its rope key)
 
 
 @dataclass(frozen=True)
@@ -35,15 +45,27 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_planes: int = KV_PLANES
+
+    def __post_init__(self) -> None:
+        if self.num_planes not in (KV_PLANES, LATENT_PLANES):
+            raise ValueError(f"a KV cache has 1 (latent) or 2 (K, V) planes, not {self.num_planes}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block in the block-major layout the transports and tiers move: ``[layers, planes,
+        block_size, heads, dim]``."""
+        return (self.num_layers, self.num_planes, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _elem(self.dtype)
+        """Bytes of one block across all layers and planes."""
+        return (self.num_planes * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * _elem(self.dtype))
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +75,7 @@ class KVCacheSpec:
         return {
             "num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.dtype).removeprefix("torch."), "num_planes": self.num_planes,
         }
 
     @classmethod
@@ -61,13 +83,14 @@ class KVCacheSpec:
         dtype = getattr(torch, str(d["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown KV dtype {d['dtype']!r}")
+        # a spec written before planes were part of it is K/V
         return cls(int(d["num_layers"]), int(d["num_blocks"]), int(d["block_size"]),
-                   int(d["num_kv_heads"]), int(d["head_dim"]), dtype)
+                   int(d["num_kv_heads"]), int(d["head_dim"]), dtype, int(d.get("num_planes", KV_PLANES)))
 
     def same_layout(self, other: KVCacheSpec) -> bool:
         """Blocks of one can be copied into the other (dtype may differ: the copy converts)."""
-        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim) == (
-            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
+        return (self.num_layers, self.num_planes, self.block_size, self.num_kv_heads, self.head_dim) == (
+            other.num_layers, other.num_planes, other.block_size, other.num_kv_heads, other.head_dim)
 
 
 def map_file(path: str, size: int, create: bool) -> mmap.mmap:
@@ -94,12 +117,12 @@ class _BlockIO:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def head_shards(self) -> list[tuple[int, int, KVCache]]:
-        """(first head, end head, cache) of every shard, in head order."""
+    def parts(self) -> list[KVPart]:
+        """Every part of the pool (its layer and head ranges, and the cache that holds it), in rank order."""
         raise NotImplementedError
 
     def read_block_major(self, block_ids: list[int]) -> torch.Tensor:
-        """``[n, layers, 2, block_size, heads, dim]``, contiguous: each block's bytes in one piece."""
+        """``[n, *spec.block_shape]``, contiguous: each block's bytes in one piece."""
         return self.read_blocks(block_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write_block_major(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -169,10 +192,18 @@ class KVCache(_BlockIO):
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of layer ``i``: each ``[num_blocks, block_size, heads, dim]``."""
+        if self.spec.num_planes != KV_PLANES:
+            raise ValueError("this KV cache holds latent vectors (MLA), not K and V: use latent()")
         return self.tensor[i, 0], self.tensor[i, 1]
 
+    def latent(self, i: int) -> torch.Tensor:
+        """The latent pages of layer ``i`` (MLA): ``[num_blocks, block_size, 1, latent dim]``."""
+        if self.spec.num_planes != LATENT_PLANES:
+            raise ValueError("this KV cache holds K and V per head, not latent vectors: use layer()")
+        return self.tensor[i, 0]
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy ``[layers, 2, len(ids), block_size, heads, dim]`` of the given blocks."""
+        """A contiguous copy ``[layers, planes, len(ids), block_size, heads, dim]`` of the given blocks."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         return self.tensor.index_select(2, idx)
 
@@ -181,8 +212,8 @@ class KVCache(_BlockIO):
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         self.tensor.index_copy_(2, idx, data.to(self.device, self.spec.dtype))
 
-    def head_shards(self) -> list[tuple[int, int, KVCache]]:
-        return [(0, self.spec.num_kv_heads, self)]
+    def parts(self) -> list[KVPart]:
+        return [KVPart((0, self.spec.num_layers), (0, self.spec.num_kv_heads), self)]
 
     def close(self, unlink: bool = False) -> None:
         self.tensor = torch.empty(0)
@@ -195,42 +226,67 @@ class KVCache(_BlockIO):
             Path(self.shm_path).unlink(missing_ok=True)
 
 
+class KVPart(NamedTuple):
+    """One rank's part of a sharded pool: layers ``[lo, hi)`` by heads ``[lo, hi)``, held by ``cache``."""
+
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+    cache: KVCache
+
+
 class ShardedKVCache(_BlockIO):
-    """A tensor-parallel worker's KV as its rank 0 sees it: the full head set over one
-    ``KVCache`` per rank (rank r's heads follow rank r-1's). Block ids are the same on
-    every rank. Reads gather the heads of all shards, writes scatter them, so a
-    transport sees one full-head cache whatever the TP degree. There is no single
-    ``tensor``: per-layer views are each rank's own business.
+    """A worker's KV over its ranks, as its rank 0 sees it: one ``KVCache`` per rank, in rank
+    order (stage-major): the ``tp`` caches of a pipeline stage hold its layers (those after the
+    stage before's), each its share of the heads (rank r's after rank r-1's). Block ids are the
+    same on every rank. Reads gather the parts, writes scatter them, so a transport sees one
+    whole cache whatever the layout. There is no single ``tensor``: per-layer views are each
+    rank's own business.
     """
 
-    def __init__(self, shards: list[KVCache]):
+    def __init__(self, shards: list[KVCache], tp: int | None = None):
+        tp = tp or len(shards)
+        if len(shards) % tp:
+            raise ValueError(f"{len(shards)} KV shards are not whole stages of {tp}")
         first = shards[0].spec
-        if any(replace(s.spec, num_kv_heads=first.num_kv_heads) != first for s in shards):
-            raise ValueError("KV shards differ in more than their heads")
+        if any(replace(s.spec, num_kv_heads=first.num_kv_heads, num_layers=first.num_layers) != first
+               for s in shards):
+            raise ValueError("KV shards differ in more than their layers and heads")
         self.shards = shards
-        self._heads: list[tuple[int, int]] = []
-        start = 0
-        for s in shards:
-            self._heads.append((start, start + s.spec.num_kv_heads))
-            start += s.spec.num_kv_heads
-        self.spec = replace(first, num_kv_heads=start)
+        self._parts: list[KVPart] = []
+        layer, stage_heads = 0, set()
+        for stage in range(len(shards) // tp):
+            group = shards[stage * tp:(stage + 1) * tp]
+            if any(s.spec.num_layers != group[0].spec.num_layers for s in group):
+                raise ValueError("the KV shards of one stage hold different layers")
+            head = 0
+            for s in group:
+                self._parts.append(KVPart((layer, layer + s.spec.num_layers), (head, head + s.spec.num_kv_heads), s))
+                head += s.spec.num_kv_heads
+            layer += group[0].spec.num_layers
+            stage_heads.add(head)
+        if len(stage_heads) != 1:
+            raise ValueError("the stages' KV shards hold different heads")
+        self.spec = replace(first, num_kv_heads=stage_heads.pop(), num_layers=layer)
         self.device = shards[0].device
         self.shm_path = shards[0].shm_path
 
     @property
     def tensor(self) -> torch.Tensor:
-        raise AttributeError("a tensor-parallel KV cache has one tensor per rank (head_shards()); "
-                             "this user of it does not support --tp > 1 yet")
+        raise AttributeError("a sharded KV cache has one tensor per rank (parts()); "
+                             "this user of it does not support --tp or --pp > 1 yet")
 
-    def head_shards(self) -> list[tuple[int, int, KVCache]]:
-        return [(h0, h1, s) for (h0, h1), s in zip(self._heads, self.shards, strict=True)]
+    def parts(self) -> list[KVPart]:
+        return list(self._parts)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.cat([s.read_blocks(block_ids).to(self.device) for s in self.shards], dim=4)
+        stages: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for p in self._parts:
+            stages.setdefault(p.layers, []).append(p.cache.read_blocks(block_ids).to(self.device))
+        return torch.cat([torch.cat(heads, dim=4) for heads in stages.values()], dim=0)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        for h0, h1, s in self.head_shards():
-            s.write_blocks(block_ids, data[:, :, :, :, h0:h1])
+        for (l0, l1), (h0, h1), s in self._parts:
+            s.write_blocks(block_ids, data[l0:l1, :, :, :, h0:h1])
 
     def close(self, unlink: bool = False) -> None:
         for s in self.shards:
@@ -238,23 +294,31 @@ class ShardedKVCache(_BlockIO):
 
 
 def copy_blocks(src: _BlockIO, dst: _BlockIO, src_ids: list[int], dst_ids: list[int]) -> None:
-    """Copy whole blocks between two caches of the same layout, in place, whatever the head
-    sharding of either side: one strided copy per (source shard, destination shard) head
-    overlap and run of consecutive ids. Unsharded to unsharded is one copy per run."""
+    """Copy whole blocks between two caches of the same layout, in place, whatever the sharding
+    of either side (heads over TP ranks, layers over pipeline stages): one strided copy per
+    (source part, destination part) overlap and run of consecutive ids. Unsharded to
+    unsharded is one copy per run."""
     if len(src_ids) != len(dst_ids):
         raise ValueError("source and destination block lists differ in length")
-    if src.spec.num_kv_heads != dst.spec.num_kv_heads:
-        raise ValueError("source and destination caches hold different heads")
+    if (src.spec.num_kv_heads, src.spec.num_layers) != (dst.spec.num_kv_heads, dst.spec.num_layers):
+        raise ValueError("source and destination caches hold different layers or heads")
+    if src.spec.num_planes != dst.spec.num_planes:
+        raise ValueError("source and destination caches hold different planes (K/V against latent)")
     runs = block_runs(src_ids, dst_ids)
-    for d_lo, d_hi, d in dst.head_shards():
-        for s_lo, s_hi, s in src.head_shards():
-            lo, hi = max(d_lo, s_lo), min(d_hi, s_hi)
-            if lo >= hi:
+    for d in dst.parts():
+        for s in src.parts():
+            layers, heads = _overlap(d.layers, s.layers), _overlap(d.heads, s.heads)
+            if layers is None or heads is None:
                 continue
-            dst_heads = slice(lo - d_lo, hi - d_lo)
-            src_heads = slice(lo - s_lo, hi - s_lo)
-            copy_block_tensor(d.tensor[:, :, :, :, dst_heads], s.tensor[:, :, :, :, src_heads],
+            (l0, l1), (h0, h1) = layers, heads
+            copy_block_tensor(d.cache.tensor[l0 - d.layers[0]:l1 - d.layers[0], :, :, :, h0 - d.heads[0]:h1 - d.heads[0]],
+                              s.cache.tensor[l0 - s.layers[0]:l1 - s.layers[0], :, :, :, h0 - s.heads[0]:h1 - s.heads[0]],
                               src_ids, dst_ids, runs)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
 
 
 # On a GPU a strided copy per run is a kernel launch per run, and scattered blocks make
@@ -265,7 +329,7 @@ GATHER_BYTES = 256 << 20  # the staging buffer of an indexed copy: this many byt
 
 def copy_block_tensor(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids: list[int],
                       runs: list[tuple[int, int, int]] | None = None, indexed: bool | None = None) -> None:
-    """Copy blocks (dim 2 of the ``[layers, 2, blocks, ...]`` layout) between two KV tensors.
+    """Copy blocks (dim 2 of the ``[layers, planes, blocks, ...]`` layout) between two KV tensors.
 
     One strided copy per run of consecutive ids; on CUDA, with many short runs (a
     fragmented pool), an index gather and scatter per group of layers instead: a few

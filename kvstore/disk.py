@@ -4,7 +4,7 @@ Nothing on disk is trusted blindly. A file is
 
     header (48 bytes): magic "PDKV", version, flags, layout fingerprint, block hash,
                        parent hash, payload length, checksum
-    payload:           the block's bytes, block-major ([layers, 2, block_size, heads, dim])
+    payload:           the block's bytes, block-major (``spec.block_shape``)
 
 and a block is served only if every header field matches what this engine expects
 and the checksum is right. The checksum is xxh3-64 of the payload, or, given the mesh

@@ -109,7 +109,7 @@ class KvPins:
         return run
 
     def read(self, fetch_id: str, copier: BlockCopier, out=None) -> tuple[object, int]:
-        """The pinned run's bytes as one host tensor ``[n, layers, 2, block_size, heads, dim]`` (``out``,
+        """The pinned run's bytes as one host tensor ``[n, *spec.block_shape]`` (``out``,
         when given, with room for the run), and ``n``: the blocks read, a leading part of the run (a
         disk file that fails its check ends it)."""
         sources = self.sources(fetch_id)

@@ -188,7 +188,7 @@ class Staged:
     hashes: list[int]
     tiers: list[str]  # where each came from
     hits: list[int]
-    data: Any = None  # [n, layers, 2, block_size, heads, dim] on the host; None without bytes
+    data: Any = None  # [n, *spec.block_shape] on the host; None without bytes
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -313,7 +313,7 @@ class TieredCache:
 
 
 def gather_blocks(out: torch.Tensor, sources: Sequence, pool: torch.Tensor | None, slots: torch.Tensor | None) -> None:
-    """``out[i]`` (block-major, ``[n, layers, 2, block_size, heads, dim]``) <- block ``i`` of
+    """``out[i]`` (block-major, ``[n, *spec.block_shape]``) <- block ``i`` of
     ``sources``: a ``DeviceBlock`` of ``pool`` (a KV pool, layer-major), an ``int`` slot of
     ``slots`` (block-major), or a bytes-like payload. One copy per block, straight into place:
     the holder's staging (``BlockCopier.stage``) and a requester reading a lent run out of the
@@ -332,7 +332,7 @@ def gather_blocks(out: torch.Tensor, sources: Sequence, pool: torch.Tensor | Non
 class BlockCopier:
     """Moves whole blocks between the device KV cache and the host tier's slots.
 
-    Host slots are ``[num_slots, layers, 2, block_size, heads, dim]``: each block one
+    Host slots are ``[num_slots, *spec.block_shape]``: each block one
     contiguous piece (what a disk file holds). On CPU every copy is a memcpy, done when
     the call returns. On CUDA the slots are pinned and the copies run on a stream of
     their own, ordered after the work already queued on the compute stream; the next
@@ -346,7 +346,7 @@ class BlockCopier:
         self._torch = torch
         self.kv = kv
         spec = kv.spec
-        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.block_shape = spec.block_shape
         self.dtype = spec.dtype
         self.cuda = kv.device.type == "cuda"
         self.shm_path = shm_path  # CPU: the slots in a shared-memory file (a peer reads lent blocks there)

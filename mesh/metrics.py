@@ -168,7 +168,7 @@ def speculative_metrics(r: LoadReport) -> list[GaugeMetricFamily]:
         return []
     labels = [r.model, r.role]
     tokens = GaugeMetricFamily("pdmesh_spec_tokens", "Speculative decoding tokens (since start): drafted, "
-                               "accepted, emitted (eagle3: rebuilt)", labels=["model", "role", "method", "kind"])
+                               "accepted, emitted (eagle3, mtp: rebuilt)", labels=["model", "role", "method", "kind"])
     rate = GaugeMetricFamily("pdmesh_spec_acceptance_rate", "Accepted / drafted tokens (since start)",
                              labels=["model", "role", "method"])
     length = GaugeMetricFamily("pdmesh_spec_mean_accepted_length", "Tokens a drafting row emits per step "
@@ -176,7 +176,7 @@ def speculative_metrics(r: LoadReport) -> list[GaugeMetricFamily]:
     for method, c in sorted(per_method.items()):
         for kind in ("drafted", "accepted", "emitted"):
             tokens.add_metric([*labels, method, kind], c.get(kind, 0))
-        if "rebuilt" in c:  # eagle3: tokens whose target states the drafter recomputed
+        if "rebuilt" in c:  # eagle3, mtp: tokens whose target states the drafter recomputed
             tokens.add_metric([*labels, method, "rebuilt"], c["rebuilt"])
         rate.add_metric([*labels, method], c.get("accepted", 0) / c["drafted"] if c.get("drafted") else 0.0)
         length.add_metric([*labels, method], c.get("emitted", 0) / c["rows"] if c.get("rows") else 0.0)

@@ -53,6 +53,7 @@ from mesh.side_messages import LoraRequest as LoraRequest
 from mesh.subjects import Subjects as Subjects
 from mesh.subjects import max_bytes
 from mesh.subjects import subject_token as subject_token
+from mesh.worker_layout import WorkerLayout as WorkerLayout
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -103,6 +104,7 @@ class Part(msgspec.Struct, omit_defaults=True):
 
 for _message in (*TRANSPORT_MESSAGES, *EMBED_MESSAGES, *SIDE_MESSAGES):  # a Message's form, defined in their own modules
     register(_message)
+MESSAGE_TYPES[WorkerLayout.__name__] = WorkerLayout  # a Part's form, defined in its own module
 
 
 def encode(msg: Message | TransportMessage) -> bytes:
@@ -306,6 +308,7 @@ class WorkerCard(Message):
     serves_kv_fetch: bool = False  # answers KvFetchRequest on kv_fetch.{worker}
     fetches_kv: bool = False  # fetches the blocks a router's decision names before prefilling
     embed_dim: int = 0  # role "embed" (``--task embed``): the size of its vectors
+    layout: WorkerLayout = field(default_factory=WorkerLayout)  # its ranks (TP x PP); default: one
 
     def __post_init__(self):
         checked_transports(self.transports)

@@ -235,8 +235,8 @@ def refuse_model_flags(args: argparse.Namespace) -> None:
     if args.host_kv_gb or args.disk_kv_dir or args.disk_kv_gb:
         raise ValueError("the mocker has no KV bytes: give its tiers in blocks (--host-kv-blocks, "
                          "--disk-kv-blocks); --host-kv-gb, --disk-kv-gb and --disk-kv-dir are for model workers")
-    if args.tp != 1:
-        raise ValueError("the mocker has no model to shard: --tp is for model workers")
+    if args.tp != 1 or getattr(args, "pp", 1) != 1:
+        raise ValueError("the mocker has no model to shard: --tp and --pp are for model workers")
     if args.lora or args.max_loras:
         raise ValueError("the mocker runs no model: --lora and --max-loras are for model workers")
     if gpu_execution_argv(args):

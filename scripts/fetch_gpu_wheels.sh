@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fill wheels/ with what bench/gpu_check.sh installs on a lent GPU machine, which
-# has no network. Run it here (any machine with pip and PyPI), then carry wheels/
-# (git ignores it) along with the check.
+# has no network. scripts/prepare_gpu_carry.sh runs it, then builds gpu_kernels/
+# (FlashInfer's modules) and checks that both fit the call; the call carries both
+# (git ignores them): carry=["wheels", "gpu_kernels"].
 #
 # The machine's image already has Python 3.12, torch 2.11 (CUDA 13), nvcc,
 # ninja, cupy-cuda13x, numpy, msgpack, xxhash, tokenizers, safetensors, jinja2,
@@ -14,7 +15,8 @@
 #   * the project's own requirements the image lacks (NATS client and server,
 #     pytest-asyncio, the gateway's and tracing stacks), resolved with their
 #     dependencies, minus every package the image has.
-# The total must stay well under the 64 MiB a device call carries.
+# The total must stay well under the 64 MiB a device call carries: gpu_kernels/ and
+# the checkout travel in the same 64 MiB (prepare_gpu_carry.sh adds them up).
 #
 # Usage: scripts/fetch_gpu_wheels.sh [DIR]     (default: wheels)
 set -euo pipefail

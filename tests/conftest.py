@@ -51,3 +51,15 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     out = {f: make_hf_checkpoint(f, root / f) for f in HF_FAMILIES}
     out["llama_tied"] = make_hf_checkpoint("llama", root / "llama_tied", tie=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def deepseek_models(tmp_path_factory) -> dict[str, Path]:
+    """``mesh model tiny --size deepseek`` (q_lora_rank set), ``deepseek-yarn`` (q_lora_rank null,
+    YaRN) and ``deepseek --fp8``: tiny DeepSeek-V3 checkpoints made with transformers."""
+    from engine.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("deepseek")
+    return {"deepseek": write_tiny_model(root / "deepseek", size="deepseek"),
+            "deepseek-yarn": write_tiny_model(root / "deepseek-yarn", size="deepseek-yarn"),
+            "deepseek-fp8": write_tiny_model(root / "deepseek-fp8", size="deepseek", fp8=True)}

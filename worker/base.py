@@ -32,7 +32,7 @@ from mesh.errors import RequestError
 from mesh.kvevents import KvEventPublisher
 from mesh.metrics import LoadCollector
 from mesh.procutil import cancel_and_wait
-from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard
+from mesh.protocol import LoadReport, SamplingOptions, TokenLogprobs, WorkerCard, WorkerLayout
 from mesh.telemetry import REGISTRY, register_gpu_collector
 from worker.core import WorkerCore
 from worker.settings import WorkerSettings
@@ -136,7 +136,7 @@ def speculative_counters(engine: EngineCore) -> dict[str, int]:
         return {}
     c = engine.scheduler.spec
     out = {f"spec_{kind}:{drafter.name}": getattr(c, attr) for kind, attr in SPEC_COUNTER_FIELDS}
-    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3: target states recomputed for it
+    rebuilt = getattr(drafter, "rebuilt_tokens", None)  # eagle3, mtp: target states recomputed for it
     if rebuilt is not None:
         out[f"spec_rebuilt:{drafter.name}"] = rebuilt
     return out
@@ -152,6 +152,15 @@ def engine_logprob(lp: TokenLogprobs | None) -> TokenLogprob | None:
     if lp is None:
         return None
     return TokenLogprob(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=False)))
+
+
+def card_layout(engine) -> WorkerLayout:
+    """The card's ``layout`` of an engine's ranks (``engine.parallel.layout.Layout``; an engine
+    without one, the mocker's: one rank)."""
+    layout = getattr(engine, "layout", None)
+    if layout is None or layout.size == 1:
+        return WorkerLayout()
+    return WorkerLayout(layout.tp, layout.pp, list(layout.stage_layers) if layout.pp > 1 else [])
 
 
 class WorkerBase(WorkerCore):
@@ -198,6 +207,7 @@ class WorkerBase(WorkerCore):
             pid=os.getpid(), started=self.started, updated=time.time(), status=self.status,
             engine="mock" if self.settings.is_mock else "model", publishes_kv_events=self.publishes_kv_events,
             metrics_port=self.metrics_port, adapters=adapter_names(e), max_loras=lora_slots(e),
+            layout=card_layout(e),
         )
 
     def load(self, engine: EngineCore) -> LoadReport:

@@ -23,16 +23,36 @@ import socket
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.protocol import LoadReport, WorkerCard, subject_token
-from mesh.registry import CardPublisher
+from mesh.registry import DEFAULT_TTL, CardPublisher
 from mesh.telemetry import serve_metrics, setup_tracing
-from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from mesh.natsauth import NatsConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """What the lifecycle needs, whatever the worker computes with: where the bus is, who this
+    worker is, how often it reports, how long it drains, where its metrics are served.
+    ``worker.settings.WorkerSettings`` adds a generate worker's engine and KV transports."""
+
+    nats_url: str
+    ns: str = "mesh"
+    worker_id: str = ""
+    load_interval: float = 1.0
+    registry_ttl: float = DEFAULT_TTL
+    drain_timeout: float = 30.0
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
+    nats: NatsConfig | None = None  # servers, credentials, TLS (None: nats_url + environment)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
 
 
 def new_worker_id(role: str) -> str:
@@ -54,7 +74,7 @@ class Counters:
 class WorkerCore:
     role = ""
 
-    def __init__(self, settings: WorkerSettings):
+    def __init__(self, settings: CoreSettings):
         self.settings = settings
         self.worker_id = settings.worker_id or new_worker_id(self.role)
         self.started = time.time()

@@ -1,5 +1,7 @@
 """A worker's settings: one frozen ``WorkerSettings`` per worker process (``mesh worker`` builds it
-from its flags), and the KV transports it offers or uses by default."""
+from its flags): the lifecycle's ``CoreSettings`` (``worker.core``) and what a worker with an
+engine adds (the engine, its KV transports, disaggregation, streaming), and the KV transports it
+offers or uses by default."""
 
 from __future__ import annotations
 
@@ -9,11 +11,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from engine.core import EngineCore
 from mesh.kvevents import INTERVAL as KV_EVENT_INTERVAL
-from mesh.registry import DEFAULT_TTL
+from worker.core import CoreSettings
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from mesh.natsauth import NatsConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,12 @@ class SimulatedEngineConfig(Protocol):
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
-    nats_url: str
-    ns: str = "mesh"
-    worker_id: str = ""
+class WorkerSettings(CoreSettings):
     engine: EngineConfig | SimulatedEngineConfig | None = None  # None: a custom worker builds its own
     transports: tuple[str, ...] = ()  # () = for the device: shm,nixl,nats on CPU; cuda_ipc,nccl,nixl,nats on CUDA (nixl: if installed)
     disagg_threshold: int = 512  # decode: uncached prompt tokens from which to prefill remotely
     prefill_timeout: float = 10.0  # decode: seconds to wait for a prefill worker before prefilling locally
     prefill_capacity: int = 4  # prefill: jobs held at once
-    load_interval: float = 1.0
-    registry_ttl: float = DEFAULT_TTL
-    drain_timeout: float = 30.0
-    metrics_port: int = 0  # Prometheus /metrics on this port (0: any free port; -1: off)
     # decode: at most one emission (TokenBatch per gateway) per this many ms; steps that end in
     # between go out together. 0: each emission as soon as the event loop is free.
     # At most one token message per gateway per interval: a step's tokens wait at most this long
@@ -51,8 +45,6 @@ class WorkerSettings:
     kv_event_interval_ms: float = KV_EVENT_INTERVAL * 1000  # decode: at most one KV event batch per this many ms
     max_queued: int = 0  # decode: requests waiting for their first token beyond which new ones get 429
     # (0: 4 x max_num_seqs); the gateway then tries another worker (back-pressure)
-    nats: NatsConfig | None = None  # servers, credentials, TLS (None: nats_url + environment)
-    metrics_host: str = "127.0.0.1"  # where /metrics listens ("0.0.0.0" or the pod IP to be scraped)
     peer_fetch: bool = False  # decode (model): serve prefix blocks to peers, fetch what the router plans
     peer_fetch_timeout: float = 5.0  # decode: seconds a peer fetch may take before the request prefills
     peer_pin_max_s: float = 10.0  # decode: the longest a peer's fetch keeps our blocks pinned, whatever it asks
@@ -69,7 +61,12 @@ class WorkerSettings:
         if self.is_mock:
             return ["mock"]
         on_cuda = self.engine.torch_device.type == "cuda"
-        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1))
+        pp = getattr(self.engine, "pp", 1)
+        one_tensor = [n for n in self.transports if n in ONE_TENSOR_TRANSPORTS]
+        if pp > 1 and one_tensor:
+            raise ValueError(f"--pp {pp} moves KV over shm or nats, not {', '.join(one_tensor)} "
+                             "(a transport of one pool tensor) yet")
+        names = self.transports or _default_transports(on_cuda, getattr(self.engine, "tp", 1), pp)
         if on_cuda and "shm" in names:
             raise ValueError("the shm transport is for CPU workers; on CUDA use cuda_ipc, nccl, nixl or nats")
         if "nixl" in names and not nixl_available():
@@ -81,14 +78,19 @@ class WorkerSettings:
 
 
 _told_no_nixl = False
+# They export or register the pool as one tensor: a pipeline's pool is one per stage (parts of
+# layers), so a worker of --pp > 1 moves its KV over shm or nats, which copy part by part.
+ONE_TENSOR_TRANSPORTS = ("cuda_ipc", "nccl", "nixl")
 
 
-def _default_transports(on_cuda: bool, tp: int) -> tuple[str, ...]:
+def _default_transports(on_cuda: bool, tp: int, pp: int = 1) -> tuple[str, ...]:
     """Same-host transports, nixl between hosts when NIXL imports (TP 1: it registers one pool
-    tensor), nats as the fallback."""
+    tensor), nats as the fallback; over pipeline stages, shm on CPU and nats."""
     from kvstore.transfer import nixl_available
 
     global _told_no_nixl
+    if pp > 1:
+        return ("nats",) if on_cuda else ("shm", "nats")
     same_host = ("cuda_ipc", "nccl") if on_cuda else ("shm",)
     if tp == 1 and nixl_available():
         return (*same_host, "nixl", "nats")

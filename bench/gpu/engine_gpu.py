@@ -19,9 +19,10 @@ Cases, each mode (the baseline, eager, is measured in the same run on the same G
   batch / step; "of roofline" = the step the bytes allow (every weight once, the embedding
   rows of the batch, the KV of every sequence at its median context, over ``--hbm-tbps``)
   divided by the measured step;
-* profile (``--gpu-profile STEPS``): torch.profiler over STEPS decode steps at the middle
-  batch: GPU kernel time per step against the wall time per step; the difference is the
-  host gap (launches, Python) that graphs and overlap exist to close;
+* profile (``--gpu-profile STEPS``): torch.profiler over STEPS decode steps at batch 64 (else
+  the middle batch), each mode: GPU kernel time per step against the wall time per step (the
+  difference is the host gap, launches and Python, that graphs and overlap exist to close),
+  launches and the host time in them, and the top kernels (``step_profile``);
 * prefill, batch 8, prompts of 2k and 8k tokens, eager, per attention backend (``flashinfer``
   pages everything, ``flashinfer-ragged`` attends over the step's own K/V as a ragged batch):
   TTFT = the wall time until every request has its first token (their mean beside it),
@@ -40,7 +41,6 @@ import collections
 import contextlib
 import itertools
 import json
-import math
 import random
 import statistics
 import sys
@@ -52,6 +52,8 @@ from pathlib import Path
 import torch
 
 from bench.common import Benchmark, emit, parse, parser
+from bench.gpu.engine_gpu_tables import DecodeRow, PrefillRow, print_report
+from bench.gpu.step_profile import StepProfile, print_profiles, profile_decode
 from engine import engine as engine_module
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -67,7 +69,6 @@ BENCHMARK = Benchmark(
     smoke=("--dry-run", "--gpu-batches", "1,4", "--gpu-profile", "2"),
 )
 BLOCK_SIZE = 16
-TARGET_ROOFLINE = 0.60  # the issue's target share of the HBM roofline for decode
 
 LLAMA3_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -105,31 +106,6 @@ MODES = {m.name: m for m in (
     Mode("overlap", False, True),  # not in the default list: overlap without graphs
 )}
 DEFAULT_MODES = "eager,graphs,graphs+overlap,graphs+overlap+fused"
-
-
-@dataclass
-class DecodeRow:
-    mode: str
-    batch: int
-    prompt: int
-    new_tokens: int
-    step_ms: float
-    tok_s: float
-    roofline_ms: float
-    of_roofline: float
-    achieved_tb_s: float
-    kernel_ms: float | None = None  # from the profile (one batch per mode)
-    launches: float | None = None
-
-
-@dataclass
-class PrefillRow:
-    attention: str
-    batch: int
-    prompt: int
-    ttft_ms: float  # until every request has its first token
-    mean_ttft_ms: float
-    tok_s: float
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -264,12 +240,8 @@ def measure_prefill(engine: Engine, attention: str, batch: int, length: int, arg
     return PrefillRow(attention, batch, length, ttft * 1e3, mean * 1e3, batch * length / ttft)
 
 
-def profile_decode(engine: Engine, batch: int, args) -> tuple[float | None, float, float | None]:
-    """(GPU kernel ms per step, wall ms per step, kernel launches per step) over ``--gpu-profile``
-    decode steps of ``batch`` sequences (kernel figures None without CUDA)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_mode(engine: Engine, mode: str, batch: int, args) -> StepProfile:
+    """torch.profiler over ``--gpu-profile`` decode steps of ``batch`` sequences (``step_profile``)."""
     steps = args.gpu_profile
     vocab = engine.model_config.vocab_size
     seqs = [engine.new_sequence(p, greedy(steps + 8)) for p in prompts_for(batch, args.prompt, vocab, args.seed)]
@@ -277,28 +249,18 @@ def profile_decode(engine: Engine, batch: int, args) -> tuple[float | None, floa
         engine.add(s)
     while any(s.num_output_tokens < 2 for s in seqs):  # prefill, first decodes (and captures) outside
         engine.step()
-    cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
-    for s in seqs:
-        engine.abort(s.request_id)
-    if engine.overlap is not None:
-        engine.overlap.finish()
-    if not cuda:
-        return None, wall * 1e3, None
-    events = prof.key_averages()
-    # kernel rows only: an ATen op's row repeats the time of the kernels it launched
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
-    launches = sum(e.count for e in events
-                   if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"))) / steps
-    return kernel_us / 1e3, wall * 1e3, launches
+    try:
+        return profile_decode(engine, seqs, mode, steps)
+    finally:
+        for s in seqs:
+            engine.abort(s.request_id)
+        if engine.overlap is not None:
+            engine.overlap.finish()
+
+
+def profile_batch(batches: list[int]) -> int:
+    """The batch each mode's profile runs: the issue's batch 64 when measured, else the middle one."""
+    return 64 if 64 in batches else sorted(batches)[len(batches) // 2]
 
 
 def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
@@ -341,7 +303,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
     except (ValueError, ImportError, RuntimeError) as e:
         sys.exit(f"python -m bench engine-gpu: the engine did not start: {str(e).splitlines()[0] if str(e) else e!r}")
     log = StepLog(engine)
-    decode, skipped = [], []
+    decode, skipped, profiles = [], [], []
     for name in args.modes:
         mode = MODES[name]
         try:
@@ -359,11 +321,14 @@ def run_gpu(args: argparse.Namespace) -> dict:
         if not rows:
             continue
         if args.gpu_profile:
-            middle = next((r for r in rows if r.batch == args.batches[len(args.batches) // 2]), rows[0])
-            middle.kernel_ms, _, middle.launches = profile_decode(engine, middle.batch, args)
+            row = next((r for r in rows if r.batch == profile_batch(args.batches)), rows[0])
+            prof = profile_mode(engine, name, row.batch, args)
+            row.kernel_ms, row.launches = prof.kernel_ms, prof.launches
+            profiles.append(prof)
         decode += rows
         print(f"  measured {name}: " + ", ".join(f"batch {r.batch} {r.step_ms:.2f} ms/step" for r in rows),
               file=sys.stderr)
+        write_partial(args, decode, profiles, skipped)
     engine.set_execution(cuda_graphs=False, async_scheduling=False, fused_kernels=())
     prefill = []
     for attention in args.prefill_attention if not dry else ["torch"]:
@@ -375,8 +340,19 @@ def run_gpu(args: argparse.Namespace) -> dict:
         prefill += [measure_prefill(engine, attention, args.prefill_batch, n, args) for n in args.prefill_lens]
     header = describe(engine, args, dry)
     print_report(header, decode, prefill, skipped, args)
+    print_profiles(profiles)
     return {"mode": "gpu-dry-run" if dry else "gpu", "device": header, "hbm_tb_s": args.hbm_tbps,
-            "decode": [asdict(r) for r in decode], "prefill": [asdict(r) for r in prefill], "skipped": skipped}
+            "decode": [asdict(r) for r in decode], "prefill": [asdict(r) for r in prefill], "skipped": skipped,
+            "profiles": [p.as_dict() for p in profiles]}
+
+
+def write_partial(args, decode: list[DecodeRow], profiles: list[StepProfile], skipped: list[str]) -> None:
+    """The modes measured so far, to ``--json`` (marked partial), so a run cut off by the check's
+    deadline still returns them; the complete result object replaces it at the end."""
+    if not args.json:
+        return
+    Path(args.json).write_text(json.dumps({"partial": True, "figures": {
+        "decode": [asdict(r) for r in decode], "profiles": [p.as_dict() for p in profiles], "skipped": skipped}}))
 
 
 def describe(engine: Engine, args, dry: bool) -> str:
@@ -389,73 +365,6 @@ def describe(engine: Engine, args, dry: bool) -> str:
         fi = ""
     return (f"Llama-3-8B shape, random bf16 weights, {torch.cuda.get_device_name()} ({args.hbm_tbps} TB/s HBM), "
             f"torch {torch.__version__}{fi}, decode attention {engine.config.attention_backend}")
-
-
-# -- output ------------------------------------------------------------------------------------
-
-
-def _cell(x: float | None, fmt: str) -> str:
-    """``x`` formatted, or a dash in the same width when there is no figure."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return format("-", fmt.split(".")[0].rstrip("df") or ">")
-    return format(x, fmt)
-
-
-def print_report(header: str, decode: list[DecodeRow], prefill: list[PrefillRow], skipped: list[str], args) -> None:
-    print(f"engine benchmark (GPU): {header}")
-    print(f"decode: prompt {args.prompt}, {args.new_tokens} new tokens; ms/step = median gap between whole-batch "
-          f"decode steps, best of {args.reps} runs; kernels = GPU kernel time per step (torch.profiler, "
-          f"{args.gpu_profile} steps)")
-    cols = (f"{'mode':<22}{'batch':>6}{'ms/step':>9}{'tok/s':>9}{'roofline ms':>12}{'of roofline':>12}"
-            f"{'TB/s':>7}{'kernels ms':>11}{'host gap ms':>12}{'launches':>9}")
-    print(cols)
-    print("-" * len(cols))
-    for r in decode:
-        gap = None if r.kernel_ms is None else r.step_ms - r.kernel_ms
-        print(f"{r.mode:<22}{r.batch:>6}{r.step_ms:>9.2f}{r.tok_s:>9.0f}{r.roofline_ms:>12.2f}{r.of_roofline:>12.0%}"
-              f"{r.achieved_tb_s:>7.2f}{_cell(r.kernel_ms, '>11.2f')}{_cell(gap, '>12.2f')}"
-              f"{_cell(r.launches, '>9.0f')}")
-    print(f"\nprefill: batch {args.prefill_batch}, eager; TTFT = until every request has its first token")
-    cols = f"{'attention':<22}{'prompt':>8}{'TTFT ms':>10}{'mean TTFT':>11}{'tok/s':>10}"
-    print(cols)
-    print("-" * len(cols))
-    for p in prefill:
-        print(f"{p.attention:<22}{p.prompt:>8}{p.ttft_ms:>10.1f}{p.mean_ttft_ms:>11.1f}{p.tok_s:>10.0f}")
-    for s in skipped:
-        print(f"not run: {s}")
-    print_issue_table(decode, prefill)
-
-
-def print_issue_table(decode: list[DecodeRow], prefill: list[PrefillRow]) -> None:
-    """The issue's table: eager (the baseline of this run) and the best mode per batch."""
-    print("\n| batch | prompt | figure | eager | best mode | target |")
-    print("|---|---|---|---|---|---|")
-    for batch in sorted({r.batch for r in decode}, key=lambda b: (b != 64, b)):
-        rows = [r for r in decode if r.batch == batch]
-        base = next((r for r in rows if r.mode == "eager"), None)
-        best = min(rows, key=lambda r: r.step_ms)
-        fig = "decode tok/s, % of roofline" if batch > 64 else "decode ms/step, % of roofline"
-        verdict = "met" if best.of_roofline >= TARGET_ROOFLINE else "not met"
-        print(f"| {batch} | {rows[0].prompt} | {fig} | {_decode_cell(base)} | {_decode_cell(best)} ({best.mode}) | "
-              f">= {TARGET_ROOFLINE:.0%}: {verdict} |")
-    if prefill:
-        batch = prefill[0].batch
-        for attention in dict.fromkeys(p.attention for p in prefill):
-            mine = [p for p in prefill if p.attention == attention]
-            cells = ", ".join(f"{_tokens(p.prompt)}: {p.tok_s:,.0f} tok/s, TTFT {p.ttft_ms:,.0f} ms" for p in mine)
-            print(f"| {batch} | {' / '.join(_tokens(p.prompt) for p in mine)} | prefill tok/s and TTFT "
-                  f"({attention}) | {cells} | | report |")
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-def _decode_cell(r: DecodeRow | None) -> str:
-    if r is None:
-        return "-"
-    head = f"{r.tok_s:,.0f} tok/s" if r.batch > 64 else f"{r.step_ms:.2f} ms"
-    return f"{head}, {r.of_roofline:.0%}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -491,7 +400,7 @@ def gpu_settings(args: argparse.Namespace) -> argparse.Namespace:
         prefill_lens=ints(args.gpu_prefill_lens),
         prefill_attention=[a.strip() for a in args.gpu_prefill_attention.split(",") if a.strip()],
         max_batched_tokens=args.gpu_max_batched_tokens, gpu_profile=args.gpu_profile, hbm_tbps=args.hbm_tbps,
-        reps=args.reps or 2, seed=args.seed,
+        reps=args.reps or 2, seed=args.seed, json=getattr(args, "json", None),
     )
     if args.quick or args.dry_run:
         s.batches = [min(b, 8) for b in s.batches] if args.dry_run else s.batches

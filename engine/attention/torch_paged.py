@@ -96,16 +96,22 @@ class TorchPagedAttention:
         # index_copy_/index_select on flat views: several times faster than advanced indexing
         k_cache.view(-1, heads, dim).index_copy_(0, self._slots, k)
         v_cache.view(-1, heads, dim).index_copy_(0, self._slots, v)
+        return self.attend(q, k_cache, v_cache)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Each row of ``q [T, Hq, D]`` over its sequence's cached keys and values (pages
+        ``[blocks, block_size, heads, D]`` and ``[..., Dv]``: Dv may differ from D), ``[T, Hq, Dv]``."""
+        heads, dim = k_cache.shape[2], k_cache.shape[3]
         if self._all_decode:
             return self._decode(q, k_cache, v_cache, heads, dim)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[3])
         if self._num_decode and self._qmax > 1:
             out.index_copy_(0, self._short_dest, self._short(q, k_cache, v_cache, heads, dim))
         elif self._num_decode:
             out[self._dec_rows] = self._decode(q[self._dec_rows], k_cache, v_cache, heads, dim)
         for p in self._prefills:
             keys = k_cache.index_select(0, p.blocks).view(-1, heads, dim)[: p.ctx].transpose(0, 1)
-            vals = v_cache.index_select(0, p.blocks).view(-1, heads, dim)[: p.ctx].transpose(0, 1)
+            vals = v_cache.index_select(0, p.blocks).view(-1, heads, v_cache.shape[3])[: p.ctx].transpose(0, 1)
             qs = q[p.row : p.row + p.qlen].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qs.unsqueeze(0),
@@ -122,7 +128,7 @@ class TorchPagedAttention:
     def _decode(self, q, k_cache, v_cache, heads, dim) -> torch.Tensor:
         n = q.shape[0]
         keys = k_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
-        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
+        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, v_cache.shape[3]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=self._dec_mask, scale=self.scale, enable_gqa=True
         )
@@ -132,12 +138,13 @@ class TorchPagedAttention:
     def _short(self, q, k_cache, v_cache, heads, dim) -> torch.Tensor:
         """The decode batch with several query tokens per row (``_plan_short``): the real rows' outputs."""
         n, qmax = self._num_decode, self._qmax
+        dv = v_cache.shape[3]
         qs = q.index_select(0, self._short_gather).view(n, qmax, q.shape[1], dim).transpose(1, 2)
         keys = k_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
-        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, dim).transpose(1, 2)
+        vals = v_cache.index_select(0, self._dec_table).view(n, -1, heads, dv).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=self._dec_mask, scale=self.scale,
                                            enable_gqa=True)
-        return o.transpose(1, 2).reshape(n * qmax, q.shape[1], dim).index_select(0, self._short_keep)
+        return o.transpose(1, 2).reshape(n * qmax, q.shape[1], dv).index_select(0, self._short_keep)
 
 
 @register("torch")

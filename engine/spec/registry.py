@@ -42,8 +42,8 @@ def create_drafter(method: str) -> Drafter:
 
 def _runs_a_model(name: str) -> Callable[[str], Drafter]:
     def refuse(arg: str) -> Drafter:
-        raise ValueError(f"--speculative {name}:DIR runs a model: a model worker's engine makes it "
-                         "(engine.draft_model, engine.eagle3_drafter), not a torch-free core")
+        raise ValueError(f"--speculative {name} runs a model: a model worker's engine makes it "
+                         "(engine.draft_model, engine.eagle3_drafter, engine.mtp_drafter), not a torch-free core")
     return refuse
 
 
@@ -51,3 +51,4 @@ register("ngram", NgramDrafter.from_arg)
 # named here so that flags are checked in one place
 register("draft", _runs_a_model("draft"))
 register("eagle3", _runs_a_model("eagle3"))
+register("mtp", _runs_a_model("mtp"))  # DeepSeek-V3's multi-token-prediction layer

@@ -202,7 +202,7 @@ class ShmChannel:
         n = nbytes // bb if bb else 0
         if n <= 0 or n * bb != nbytes or len(where) < n or len(index) < n:
             raise Refused(f"a lent run of {len(where)} blocks of {bb} bytes does not make {nbytes} bytes")
-        block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        block_shape = spec.block_shape
         if any(not isinstance(index[i], int) for i in range(n)):
             raise Refused("a lent block's index is not an integer")
         files: dict[int, Any] = {}  # place -> the holder's file as blocks (the pool: layer-major)
@@ -217,7 +217,7 @@ class ShmChannel:
             count = flat.numel() * flat.element_size() // bb
             if any(not 0 <= index[i] < count for i in range(n) if where[i] == kind):
                 raise Refused("a lent block is outside the holder's file")
-            files[kind] = (flat.view(spec.num_layers, 2, count, *block_shape[2:]) if kind == 0
+            files[kind] = (flat.view(spec.num_layers, spec.num_planes, count, *block_shape[2:]) if kind == 0
                            else flat.view(count, *block_shape))
         sources: list = [DeviceBlock(index[i]) if where[i] == 0 else index[i] for i in range(n)]
         if 2 in where[:n]:  # the holder's disk blocks, written into our buffer at their rows

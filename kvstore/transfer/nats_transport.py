@@ -87,7 +87,7 @@ class NatsReceiver:
         spec = self.kv.spec
         n = len(asm.dest_blocks)
         data = torch.frombuffer(asm.buf, dtype=torch.uint8).view(spec.dtype)
-        data = data.view(n, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        data = data.view(n, *spec.block_shape)
         await asyncio.to_thread(self.kv.write_block_major, asm.dest_blocks, data)
         return True
 

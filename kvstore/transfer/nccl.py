@@ -288,9 +288,7 @@ class NcclReceiver:
 
     def _scatter(self, inc: _Incoming) -> torch.cuda.Event:
         spec = self.kv.spec
-        data = inc.staging.view(spec.dtype).view(
-            len(inc.dest_blocks), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim
-        )
+        data = inc.staging.view(spec.dtype).view(len(inc.dest_blocks), *spec.block_shape)
         with torch.cuda.device(self.device), torch.cuda.stream(self._scatter_stream):
             self.kv.write_block_major(inc.dest_blocks, data)
             done = torch.cuda.Event()

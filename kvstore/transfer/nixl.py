@@ -6,12 +6,14 @@ job's PrefillDone (``send(..., done=)``): the decode worker goes on when the not
 failure has only that one, and the second of the two is ignored).
 
 Each worker registers its whole KV pool once (``NixlNode.register``); the pool is the
-``[layers, 2, blocks, ...]`` tensor, so a run of consecutive blocks is one contiguous piece per
-(layer, K|V) plane: one descriptor per plane and run (``pieces``).
+``[layers, planes, blocks, ...]`` tensor, so a run of consecutive blocks is one contiguous piece
+per (layer, plane): one descriptor per plane and run (``pieces``). Planes are K and V, or one
+latent plane for MLA models.
 
     params  {"agent", "host", "rev", "md", "begin",             the receiver's agent and handshake
              "addr", "size", "num_blocks", "layers",            its registered pool (flat values)
-             "block_size", "heads", "head_dim", "dtype", "gen"} the job's write generation
+             "block_size", "heads", "head_dim", "dtype", "gen", the job's write generation
+             "planes"}                                          (absent: 2, K and V)
 
 Trust: the sender writes only into a region the receiver's agent itself lists in its metadata
 (the params' ``addr``/``size`` must be exactly that region, every descriptor inside it, every
@@ -30,10 +32,11 @@ later kicks it first (``NixlBegin`` with ``writing``, one way). A live writer en
 its PrefillDone (ok or not), which frees the blocks; a writer that dies holding a grant is
 seen by the registry (``writer_left``: its card gone or expired), which orphans its jobs.
 
-Tensor parallelism: TP 1 pools only (one tensor per side). A TP > 1 worker registers one region
-per rank (``head_shards``), and a head-range overlap of two shards is strided inside a block
+Several ranks: pools of one rank only (one tensor per side). A TP > 1 worker registers one region
+per rank (``parts``), and a head-range overlap of two shards is strided inside a block
 (heads are the second-last dim), so each (plane, run, overlap) needs a descriptor per token
-row: that is the work left for TP > 1; such workers use shm or nats.
+row: that is the work left for TP > 1; such workers use shm or nats (a pipeline stage's part is whole
+layers: a descriptor per layer, plane and run, the easier half of the same work).
 """
 
 from __future__ import annotations
@@ -79,11 +82,11 @@ class _Job(WriteJob):
 
 
 def one_tensor(kv: KVCache | ShardedKVCache):
-    """The pool as one contiguous tensor (TP 1), or ValueError."""
-    shards = kv.head_shards()
-    if len(shards) != 1 or not shards[0][2].tensor.is_contiguous():
-        raise ValueError("the nixl transport serves TP 1 KV pools (one tensor) only")
-    return shards[0][2].tensor
+    """The pool as one contiguous tensor (one rank: TP 1, PP 1), or ValueError."""
+    parts = kv.parts()
+    if len(parts) != 1 or not parts[0].cache.tensor.is_contiguous():
+        raise ValueError("the nixl transport serves KV pools of one rank (TP 1, PP 1) only")
+    return parts[0].cache.tensor
 
 
 def region_of(node: NixlNode, kind: str, tensor) -> Region:
@@ -131,7 +134,7 @@ class NixlReceiver:
                         "begin": s.nixl(model, worker_id, "begin"), "num_blocks": self.spec.num_blocks,
                         "layers": self.spec.num_layers, "block_size": self.spec.block_size,
                         "heads": self.spec.num_kv_heads, "head_dim": self.spec.head_dim,
-                        "dtype": str(self.spec.dtype).removeprefix("torch.")}
+                        "planes": self.spec.num_planes, "dtype": str(self.spec.dtype).removeprefix("torch.")}
 
     async def start(self) -> None:
         # registering a large pool can take a while: off the event loop
@@ -209,8 +212,8 @@ class NixlSender:
     @staticmethod
     def _check(target: TransferTarget, p: dict, spec, dst: Region) -> None:
         """The job's destination is the decode worker's registered pool, of our layout, in range."""
-        if (p["layers"], p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
-                spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
+        if (p["layers"], p.get("planes", 2), p["block_size"], p["heads"], p["head_dim"], p["dtype"]) != (
+                spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim,
                 str(spec.dtype).removeprefix("torch.")):
             raise ValueError("the decode worker's KV layout or dtype differs from ours")
         nb = p["num_blocks"]
@@ -225,7 +228,8 @@ class NixlSender:
         self._check(target, p, spec, dst)
         if len(target.dest_block_ids) != len(src_blocks):
             raise refuse("malformed", "blocks do not match the registered pool")
-        planes, plane_block = 2 * spec.num_layers, spec.block_bytes // (2 * spec.num_layers)
+        planes = spec.num_planes * spec.num_layers  # (layer, plane) pairs, each [blocks, ...]
+        plane_block = spec.block_bytes // planes
         runs = block_runs(src_blocks, target.dest_block_ids)
         local = pieces(mine.addr, spec.num_blocks, planes, plane_block, [(s, n) for s, _, n in runs])
         remote = pieces(dst.addr, nb, planes, plane_block, [(d, n) for _, d, n in runs])

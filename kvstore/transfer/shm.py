@@ -12,14 +12,18 @@ this user as large as the spec says, and that every destination block is in
 range; anything else is ``Refused``: the prefill worker logs, counts and drops
 the job, and the decode worker prefills locally.
 
-Tensor parallelism: a TP decode worker's pool is one file per rank, each with
-that rank's heads; its params list them (``shards``: name and head range,
-``spec`` for the full head set). The sender maps them all and copies each
-overlap of its own shards' heads with theirs (``copy_blocks``), so a prefill
-worker of any TP degree feeds a decode worker of any other.
+Several ranks: a decode worker of TP x PP ranks has one file per rank, each with
+that rank's part (its stage's layers, its share of the heads); its params list them
+(``shards``: name, head range and layer range, in rank order; ``spec`` for the whole
+pool). The sender maps them all and copies each overlap of its own parts with theirs
+(``copy_blocks``), so a prefill worker of any layout feeds a decode worker of any other,
+and the KV moves once, straight into the rank that holds it. (``layers`` is left out
+for a pool of one stage, as a TP worker has always sent it; a sender that does not know
+``layers`` finds a pipeline's shards do not tile the heads and refuses the job.)
 
-    params  {"name", "host", "spec"}                    one file (TP 1)
-            + {"shards": [{"name", "heads": [lo, hi]}]}  one file per rank (TP > 1)
+    params  {"name", "host", "spec"}                    one file (one rank)
+            + {"shards": [{"name", "heads": [lo, hi],   one file per rank
+                           "layers": [lo, hi]}]}        (layers: with PP > 1)
             + {"fence": name, "gen": n}                  the job's write fence (``fence``)
 
 A job that times out: the decode worker revokes its blocks through the fence file
@@ -101,13 +105,15 @@ class ShmReceiver:
     name = "shm"
 
     def __init__(self, kv: KVCache | ShardedKVCache, **_):
-        shards = kv.head_shards()
-        if any(shard.shm_path is None for _, _, shard in shards):
+        parts = kv.parts()
+        if any(p.cache.shm_path is None for p in parts):
             raise ValueError("the shm transport needs a KV cache in shared memory")
-        self._params = {"name": segment_name(shards[0][2].shm_path), "host": host_id(), "spec": kv.spec.to_dict()}
-        if len(shards) > 1:
-            self._params["shards"] = [{"name": segment_name(s.shm_path), "heads": [lo, hi]} for lo, hi, s in shards]
-        self.fence = FenceFile(shards[0][2].shm_path + ".fence", kv.spec.num_blocks)
+        self._params = {"name": segment_name(parts[0].cache.shm_path), "host": host_id(), "spec": kv.spec.to_dict()}
+        if len(parts) > 1:
+            staged = any(p.layers != parts[0].layers for p in parts)
+            self._params["shards"] = [{"name": segment_name(p.cache.shm_path), "heads": list(p.heads),
+                                       **({"layers": list(p.layers)} if staged else {})} for p in parts]
+        self.fence = FenceFile(parts[0].cache.shm_path + ".fence", kv.spec.num_blocks)
         self._params["fence"] = segment_name(self.fence.path)
         self._jobs: dict[str, list[int]] = {}  # request id -> its destination blocks, until forgotten
 
@@ -147,18 +153,41 @@ def _name_of(entry: dict) -> str:
     return name
 
 
-def _shard_files(params: dict) -> list[tuple[str, int, int]]:
-    """(file name, first head, end head) of each file of the destination pool; ``Refused`` for
-    anything malformed or outside the mesh's directory."""
+def _shard_files(params: dict) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """(file name, layer range, head range) of each file of the destination pool, in rank order;
+    ``Refused`` for anything malformed or outside the mesh's directory."""
     try:
+        spec = params["spec"]
+        every_layer = (0, int(spec["num_layers"]))
         shards = params.get("shards")
         if shards is None:
-            return [(_name_of(params), 0, int(params["spec"]["num_kv_heads"]))]
-        return [(_name_of(s), int(s["heads"][0]), int(s["heads"][1])) for s in shards]
+            return [(_name_of(params), every_layer, (0, int(spec["num_kv_heads"])))]
+        return [(_name_of(s), (int(s["layers"][0]), int(s["layers"][1])) if "layers" in s else every_layer,
+                 (int(s["heads"][0]), int(s["heads"][1]))) for s in shards]
     except Refused:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise Refused(f"malformed shm params ({type(e).__name__})") from None
+
+
+def _tiling_tp(files: list[tuple[str, tuple[int, int], tuple[int, int]]], spec: KVCacheSpec) -> int:
+    """The TP degree of a pool whose files tile its layers (stage by stage) and, within each
+    stage, its heads (rank by rank); ``Refused`` if they do not."""
+    tp = sum(1 for _, layers, _ in files if layers == files[0][1])
+    stages = [files[i:i + tp] for i in range(0, len(files), tp)]
+    layer = 0
+    for stage in stages:
+        head = 0
+        for _, (l0, l1), (h0, h1) in stage:
+            if (l0, l1) != (layer, stage[0][1][1]) or h0 != head or h1 <= h0 or l1 <= l0:
+                raise Refused("the decode worker's KV shards do not tile its layers and heads")
+            head = h1
+        if head != spec.num_kv_heads:
+            raise Refused("the decode worker's KV shards do not tile its heads")
+        layer = stage[0][1][1]
+    if layer != spec.num_layers or len(files) % tp:
+        raise Refused("the decode worker's KV shards do not tile its layers")
+    return tp
 
 
 def open_kv_file(name: str, kind: str = "KV", min_size: int = 0) -> tuple[int, os.stat_result]:
@@ -228,12 +257,10 @@ class ShmSender:
         kv = self._attached.get(key)
         if kv is None:
             self._prune(keep=key)
-            bounds = [0, *(hi for _, _, hi in files)]
-            if [lo for _, lo, _ in files] != bounds[:-1] or bounds[-1] != spec.num_kv_heads or any(
-                    hi <= lo for _, lo, hi in files):
-                raise Refused("the decode worker's KV shards do not tile its heads")
-            shards = [_open_segment(name, replace(spec, num_kv_heads=hi - lo)) for name, lo, hi in files]
-            kv = shards[0] if len(shards) == 1 else ShardedKVCache(shards)
+            tp = _tiling_tp(files, spec)
+            shards = [_open_segment(name, replace(spec, num_layers=l1 - l0, num_kv_heads=h1 - h0))
+                      for name, (l0, l1), (h0, h1) in files]
+            kv = shards[0] if len(shards) == 1 else ShardedKVCache(shards, tp)
             self._attached[key] = kv
         return kv
 

@@ -42,7 +42,7 @@ def expected(tiny_model):
 
 
 def rank_processes(pid: int) -> list[int]:
-    """The helper ranks a worker started (its children running engine.tp)."""
+    """The helper ranks a worker started (its children running engine.parallel.rank)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -54,7 +54,7 @@ def rank_processes(pid: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"engine.tp" in cmd:
+        if ppid == pid and b"engine.parallel.rank" in cmd:
             out.append(int(entry))
     return out
 

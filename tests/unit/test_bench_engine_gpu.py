@@ -26,10 +26,23 @@ def test_dry_run_prints_every_table_and_writes_the_json(tmp_path, capsys):
         assert r["step_ms"] > 0 and r["tok_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=2e-5)
         assert r["roofline_ms"] > 0 and r["of_roofline"] == pytest.approx(r["roofline_ms"] / r["step_ms"], rel=2e-5)
     assert [p["prompt"] for p in result["prefill"]] == [64, 128] and all(p["tok_s"] > 0 for p in result["prefill"])
+    # each mode's profile breaks a step down (on the CPU by operator: no kernel times), at batch 4 here
+    assert [(q["mode"], q["batch"], q["device"]) for q in result["profiles"]] == [("eager", 4, "cpu"),
+                                                                                ("overlap", 4, "cpu")]
+    for q in result["profiles"]:
+        assert q["wall_ms"] > 0 and 0 < len(q["top"]) <= 10 and q["kernel_ms"] is None
+        assert sum(k["share"] for k in q["top"]) <= 1.0 and all(k["calls_per_step"] > 0 for k in q["top"])
+    assert "profile: eager, batch 4, 2 decode steps" in printed
+    assert "partial" not in obj  # the complete object replaced the partial ones written after each mode
     # modes this CPU cannot run are named, not silently dropped
     assert any(s.startswith("graphs:") for s in result["skipped"])
     assert "| batch | prompt | figure | eager | best mode | target |" in printed
     assert "prefill tok/s and TTFT (torch)" in printed and "DRY RUN" in printed
+
+
+def test_the_profile_runs_at_batch_64_when_measured():
+    assert engine_gpu.profile_batch([64, 1, 256]) == 64
+    assert engine_gpu.profile_batch([1, 4, 8]) == 4
 
 
 def test_decode_gaps_take_only_whole_batch_decode_steps():

@@ -41,6 +41,9 @@ def test_the_import_contracts_hold():
      "gateway.responses is not allowed to import gateway.batches"),
     ("gateway/outputs/detok.py", "import gateway.embeddings.routes",
      "gateway.outputs is not allowed to import gateway.embeddings"),
+    ("worker/core.py", "import engine.core", "worker.core is not allowed to import engine"),
+    ("mesh/registry.py", "import torch", "worker.core is not allowed to import torch"),
+    ("worker/core.py", "import kvstore.pool", "worker.core is not allowed to import kvstore"),
 ])
 def test_an_import_across_the_layers_breaks_a_contract(tmp_path, importer, line, broken):
     """The same check on a copy of the tree with one import added where the layers forbid it."""

@@ -17,10 +17,10 @@ import kvstore.cache
 from engine.config import EngineConfig
 from engine.draft_model import DraftModelDrafter
 from engine.engine import Engine
+from engine.parallel.group import ParallelGroupError
 from engine.sampling import SamplingParams
 from engine.spec.adaptive import AcceptancePrior
 from engine.spec.registry import create_drafter
-from engine.tp import TensorParallelError
 from kvstore.cache import KVCache, KVCacheSpec, ShardedKVCache, copy_block_tensor, copy_blocks
 from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
@@ -46,7 +46,7 @@ def tiny_pair(tiny_model):
     one = Engine(EngineConfig(tiny_model, **KW))
     two = Engine(EngineConfig(tiny_model, tp=2, **KW))
     yield one, two
-    pids = two.tp.pids
+    pids = two.ranks.pids
     files = [shard.shm_path for shard in two.kv_cache.shards[1:]]
     assert files and all(os.path.exists(f) for f in files)  # rank 1's KV, mapped here too
     two.close()
@@ -82,7 +82,7 @@ def spec_tp2(tiny_model, tmp_path_factory):
                                   aux_layers=[1, 0, 1])
     two = Engine(EngineConfig(tiny_model, tp=2, speculative=f"eagle3:{head}", num_speculative_tokens=4, **KW))
     yield two, two.eagle3, head
-    pids = two.tp.pids
+    pids = two.ranks.pids
     two.close()
     assert_gone(pids)
 
@@ -153,7 +153,7 @@ def test_rank0_kv_is_the_full_head_set_over_both_ranks(tiny_pair):
     one, two = tiny_pair
     assert isinstance(two.kv_cache, ShardedKVCache)
     assert two.kv_cache.spec == one.kv_cache.spec  # 2 KV heads in all, one per rank
-    assert [(lo, hi) for lo, hi, _ in two.kv_cache.head_shards()] == [(0, 1), (1, 2)]
+    assert [(p.layers, p.heads) for p in two.kv_cache.parts()] == [((0, 2), (0, 1)), ((0, 2), (1, 2))]
     # the same prompt leaves the same KV bytes, whichever rank computed a head
     prompt = prompts_of([50], 4096, seed=9, low=3)[0]
     blocks, seqs = [], []
@@ -193,14 +193,14 @@ def test_hf_checkpoints_tp2_matches_tp1(hf_checkpoints, family):
 
 def test_a_dead_rank_fails_the_step_and_every_later_one(tiny_model):
     engine = Engine(EngineConfig(tiny_model, num_kv_blocks=64, tp=2))
-    pids = engine.tp.pids
+    pids = engine.ranks.pids
     try:
         assert engine.generate([[5, 6, 7]], GREEDY)[0].num_output_tokens == 12
         os.kill(pids[0], signal.SIGKILL)
         assert_gone(pids)
         with pytest.raises(RuntimeError):
             engine.generate([[5, 6, 7, 8]], GREEDY)
-        with pytest.raises(TensorParallelError, match="closed"):
+        with pytest.raises(ParallelGroupError, match="closed"):
             engine.generate([[9, 10]], GREEDY)
     finally:
         engine.close()

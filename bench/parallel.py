@@ -1,0 +1,180 @@
+"""One model over several ranks on this CPU: decode throughput, step time and pipeline utilisation.
+
+    python -m bench.parallel             # the `small` model, batch 32 and 128
+    python -m bench.parallel --quick     # a short smoke run: batch 32, a few tokens
+
+The model is ``small`` (``mesh model tiny --size small``: 10 layers, hidden 640) with its 10
+query and 5 KV heads of 64 regrouped as 8 and 4 of 80, so that TP 2 divides them: every matrix
+and the KV are the same size, so every figure is ``small``'s.
+
+Layouts (``engine.parallel``): PP 1 (one rank), PP 2 without micro-batches (``--pp-microbatches 1``),
+PP 2 with them (the default: one per stage), TP 2, and TP 2 x PP 2; ``--layouts ... pp2_mb4`` adds
+PP 2 with four micro-batches. Every layout has the same CPU threads in all (``--threads``,
+default: the cores this process may use), split evenly over its ranks, rank 0's share too, so
+that no layout runs more threads than another. (On a loaded machine a rank of two threads waits
+at every op for the thread that was descheduled: ``--threads 1`` compares the layouts' work.)
+
+Per layout and batch: a greedy run of ``--new-tokens``, timed from the step after the prefill
+(every prompt has its first token) to the end, the best of ``--reps`` rounds (each round runs
+every layout in turn, all of a batch's engines open at once):
+
+* ``decode_tok_s`` and ``step_ms`` (per decode step);
+* ``utilisation``: the stages' busy time (each stage's first rank: seconds computing its layers,
+  the embeddings, rank 0's logits; not waiting for activations or for a send to be taken) over
+  stages x wall time, over the decode steps (``Engine.stage_stats``). Rank 0's scheduling and
+  sampling count as idle: they are the pipeline's bubble between steps.
+
+Every layout's tokens are compared with PP 1's (``identical``). The last line of the output is
+one JSON object with every figure. On a shared machine, wall times measure the other tenants
+too: compare layouts of one run, and rerun on a quiet one for figures to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+
+BLOCK_SIZE = 16
+LAYOUTS = {  # name -> EngineConfig fields
+    "pp1": {},
+    "pp2": {"pp": 2, "pp_microbatches": 1},
+    "pp2_mb": {"pp": 2},
+    "tp2": {"tp": 2},
+    "tp2_pp2": {"tp": 2, "pp": 2},
+    "pp2_mb4": {"pp": 2, "pp_microbatches": 4},
+}
+DEFAULT_LAYOUTS = ["pp1", "pp2", "pp2_mb", "tp2", "tp2_pp2"]
+
+
+# ``small`` has 10 query and 5 KV heads of 64, which 2 ranks cannot split: the same shapes as 8 and 4
+# heads of 80 (every projection, the KV bytes and the attention work are the same), which they can.
+SMALL_FOR_TP = {"num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+def small_model_dir() -> Path:
+    """The ``small`` benchmark model with its heads regrouped for TP 2 (``SMALL_FOR_TP``), written
+    once to a cache dir."""
+    from engine.tiny import write_tiny_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdmesh" / "bench-small-tp"
+    if not (cache / "model.safetensors").is_file():
+        print(f"writing the small model (8 heads of 80, 4 KV heads) to {cache} ...", file=sys.stderr)
+        write_tiny_model(cache, size="small", seed=0, **SMALL_FOR_TP)
+    return cache
+
+
+def open_engine(model_dir: Path, layout: dict, batch: int, prompt_len: int, new_tokens: int, threads: int) -> Engine:
+    """An engine of ``layout`` whose helper ranks take ``threads`` over the ranks each (rank 0's
+    share is set before each of its runs: the threads are the process's)."""
+    torch.set_num_threads(threads)  # the helper ranks take this count over the ranks
+    return Engine(EngineConfig(
+        model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+        num_kv_blocks=batch * -(-(prompt_len + new_tokens) // BLOCK_SIZE) + 16,
+        max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len), enable_prefix_caching=False,
+        **layout))
+
+
+def stage_busy(engine: Engine) -> list[float]:
+    """Busy seconds per stage (its first rank's) since the last reset; [] with one stage."""
+    stats = engine.stage_stats(reset=True)
+    tp = engine.layout.tp
+    return [s.busy_s for s in stats if s.rank % tp == 0]
+
+
+def run(engine: Engine, prompts: list[list[int]], n: int) -> dict:
+    """``n`` greedy tokens of every prompt; the decode steps (after every prompt's first token)
+    timed, with the stages' busy seconds over them."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    seqs = [engine.new_sequence(p, params) for p in prompts]
+    for s in seqs:
+        engine.add(s)
+    while any(s.num_output_tokens == 0 for s in seqs):  # the prefill (one step when the budget takes it)
+        engine.step()
+    stage_busy(engine)
+    s0, t0 = engine.num_steps, time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    wall = time.perf_counter() - t0
+    busy = stage_busy(engine)
+    row = {"decode_tok_s": sum(s.num_output_tokens - 1 for s in seqs) / wall,
+           "step_ms": wall / max(1, engine.num_steps - s0) * 1000, "out": [s.output_token_ids for s in seqs]}
+    if busy:
+        row["utilisation"] = sum(busy) / (len(busy) * wall)
+        row["stage_busy_s"] = [round(b, 3) for b in busy]
+    return row
+
+
+def measure(engines: dict[str, Engine], prompts: list[list[int]], n: int, reps: int, threads: int) -> dict[str, dict]:
+    """Per layout, the best of ``reps`` rounds; each round runs every layout in turn, so that a
+    slow spell of a shared machine spoils a round of all of them, not one layout's figure."""
+    best: dict[str, dict] = {}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            torch.set_num_threads(max(1, threads // engine.layout.size))  # rank 0's share
+            row = run(engine, prompts, n)
+            if name not in best or row["decode_tok_s"] > best[name]["decode_tok_s"]:
+                best[name] = row
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory (default: the `small` model in a cache dir)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 32 and 128)")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=DEFAULT_LAYOUTS)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="CPU threads of every layout, all ranks together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="batch 32, 8 new tokens, one round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.new_tokens, args.reps = args.batch or [32], 8, 1
+    model_dir = Path(args.model) if args.model else small_model_dir()
+    rows = []
+    print(f"{'layout':<8} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'util':>5}  identical", flush=True)
+    for batch in args.batch or [32, 128]:
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(8, 4096) for _ in range(args.prompt_len)] for _ in range(batch)]
+        engines: dict[str, Engine] = {}
+        try:
+            for name in args.layouts:
+                engines[name] = open_engine(model_dir, LAYOUTS[name], batch, args.prompt_len, args.new_tokens,
+                                            args.threads)
+                run(engines[name], prompts[:4], 2)  # warm-up: every rank's first step
+            best = measure(engines, prompts, args.new_tokens, args.reps, args.threads)
+        finally:
+            for engine in engines.values():
+                engine.close()
+        reference = best[args.layouts[0]]["out"]
+        for name in args.layouts:
+            row = best[name]
+            out = row.pop("out")
+            row = {"layout": name, "batch": batch, **row, "identical": out == reference}
+            rows.append(row)
+            util = f"{row['utilisation']:.2f}" if "utilisation" in row else "-"
+            print(f"{name:<8} {batch:>5} {row['decode_tok_s']:>8.1f} {row['step_ms']:>8.1f} {util:>5}  "
+                  f"{row['identical']}", flush=True)
+    result = {"bench": "parallel", "model": model_dir.name, "threads": args.threads, "cpu": platform.processor()
+              or platform.machine(), "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+              "load_avg": os.getloadavg()[0], "rows": rows}
+    print(json.dumps(result))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
