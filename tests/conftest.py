@@ -12,22 +12,16 @@ import torch
 pytest.register_assert_rewrite("tests.helpers")
 
 from tests.helpers.checkpoints import HF_FAMILIES, make_hf_checkpoint  # noqa: E402
+from tests.helpers.order import known_durations, sort_items  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # pytest-xdist runs the suite in a few processes (pyproject's addopts): they share the cores
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
-# The layers in the order they run: the modules that wait on real processes first, so that under
-# xdist (whole modules per process, in this order) the many short unit tests fill the gaps at the end.
-LAYERS = ("integration", "e2e", "deploy", "unit", "gpu")
-
 
 def pytest_collection_modifyitems(config, items) -> None:
-    def layer(item) -> int:
-        folder = item.path.relative_to(config.rootpath).parts[1]  # tests/<layer>/test_x.py
-        return LAYERS.index(folder) if folder in LAYERS else len(LAYERS)
-
-    items.sort(key=layer)  # stable: each module keeps its own order
+    # the longest modules first (tests/module_durations.json): under xdist the short ones fill the end
+    sort_items(items, known_durations())
 
 
 @pytest.fixture(scope="session")
