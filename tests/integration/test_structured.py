@@ -135,8 +135,9 @@ def split(cluster, model) -> Mesh:
         # room for every request of a batch: none falls back to a local prefill
         "st-pre": cluster.worker("prefill", *common, "--served-name", "tinyd", "--worker-id", "st-pre",
                                  "--prefill-capacity", "16"),
+        # a slow prefill (2 busy cores) is waited for, not prefilled here: its tests count remote prefills
         "st-dis": cluster.worker("decode", *common, "--served-name", "tinyd", "--worker-id", "st-dis",
-                                 "--disagg-threshold", "1", "--device-kv-blocks", "512"),
+                                 "--disagg-threshold", "1", "--device-kv-blocks", "512", "--prefill-timeout", "120"),
         # 24 blocks of 16 tokens for 8 requests of ~40 prompt and up to 120 output tokens: it must preempt
         "st-small": cluster.worker("decode", *common, "--served-name", "tinyp", "--worker-id", "st-small",
                                    "--device-kv-blocks", "24"),
