@@ -121,8 +121,9 @@ wait_for_build() {  # wait_for_build PID LOG: until the background build ends, i
 
 pytest_gpu() {  # pytest exits 5 when it collects nothing: no GPU tests there is not a failure
     # only the plugins the GPU tests use: the image's others (hypothesis, cov, xdist...) cost
-    # seconds a run; -v names each test as it ends, --timeout fails a hung one and goes on
-    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$py" -m pytest -p pytest_asyncio.plugin -p pytest_timeout \
+    # seconds a run; -v names each test as it ends, --timeout fails a hung one and goes on; not
+    # the project's addopts (the suite's xdist flags: xdist is not loaded here, and one GPU runs serially)
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$py" -m pytest -p pytest_asyncio.plugin -p pytest_timeout -o addopts= \
         -v -rs -p no:cacheprovider --timeout 120 --durations 15 "$@"
     local rc=$?
     ((rc == 5)) && return 0

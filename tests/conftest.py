@@ -12,9 +12,16 @@ import torch
 pytest.register_assert_rewrite("tests.helpers")
 
 from tests.helpers.checkpoints import HF_FAMILIES, make_hf_checkpoint  # noqa: E402
+from tests.helpers.order import known_durations, sort_items  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist runs the suite in a few processes (pyproject's addopts): they share the cores
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # the longest modules first (tests/module_durations.json): under xdist the short ones fill the end
+    sort_items(items, known_durations())
 
 
 @pytest.fixture(scope="session")

@@ -226,8 +226,10 @@ async def test_silent_worker_is_504_then_503_once_it_expires(mesh):
         async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as http:
             body = {"model": "stuck", "prompt": [5, 6, 7], "max_tokens": 4}
             t0 = time.monotonic()
-            assert_error(await http.post("/v1/completions", json=body), 504, "timeout_error", "sent nothing")
-            assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 3
+            # the first-token timeout answered (its own value in the message), not any later one
+            assert_error(await http.post("/v1/completions", json=body), 504, "timeout_error",
+                         f"sent nothing for {TIMEOUT_S:g}s")
+            assert time.monotonic() - t0 >= TIMEOUT_S  # and not before it
             # streaming too: no first token, so a real HTTP status rather than a 200 stream
             assert_error(await http.post("/v1/completions", json={**body, "stream": True}), 504, "timeout_error")
             # the stopped worker's card expires (registry TTL): the gateway knows "stuck" (it has

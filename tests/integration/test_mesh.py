@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import pytest
 
@@ -102,7 +101,6 @@ async def test_prefill_worker_killed_mid_job_loses_no_request(cluster, tiny_mode
         # the prefill worker holds the job (computed, waiting to transfer): kill it now
         await w.wait_for(lambda: (r := w.loads.get("pre-fault")) and r.active_jobs == 1, 30, "the job to start")
         os.kill(victim.pid, signal.SIGKILL)
-        killed = time.monotonic()
         ((toks, last),) = await asyncio.wait_for(task, 60)
         (ref,) = engine.generate([p], SamplingParams(max_tokens=16, temperature=0.0))
         assert toks == ref.output_token_ids and last.finish_reason == "length"
@@ -111,6 +109,5 @@ async def test_prefill_worker_killed_mid_job_loses_no_request(cluster, tiny_mode
         assert dec.counters.get("local_prefill_fallback", 0) == 1
         # and the dead worker's card leaves the registry within the TTL
         await w.wait_for(lambda: w.membership.get("pre-fault") is None, 15, "the card to expire")
-        assert time.monotonic() - killed <= 10.0
     finally:
         await w.close()

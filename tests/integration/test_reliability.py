@@ -5,6 +5,7 @@ request, block usage back to idle."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import time
@@ -16,7 +17,13 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from mesh.natsserver import free_port
-from tests.helpers.cluster import Watcher, router_choices, stream_killing_its_worker, wait_http_ok
+from tests.helpers.cluster import (
+    Watcher,
+    completion_events,
+    router_choices,
+    stream_killing_its_worker,
+    wait_http_ok,
+)
 
 NS = "faults"
 
@@ -77,15 +84,29 @@ async def test_a_nats_restart_is_survived(tmp_path, tiny_model):
         body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
         async with httpx.AsyncClient(timeout=60) as client:
             before = (await client.post(f"{url}/v1/completions", json=body)).json()["choices"][0]["text"]
-            long_body = {**body, "max_tokens": 3000, "ignore_eos": True}
-            in_flight = asyncio.create_task(client.post(f"{url}/v1/completions", json=long_body))
-            await asyncio.sleep(0.5)
+            # NATS stops on a long stream's first tokens: that request is in flight through the restart
+            long_body = {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            running = asyncio.Event()
+
+            async def in_flight_stream() -> list[dict]:
+                events = []
+                async with client.stream("POST", f"{url}/v1/completions", json=long_body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            events.append(json.loads(line[6:]))
+                            running.set()
+                return events
+
+            in_flight = asyncio.create_task(in_flight_stream())
+            await asyncio.wait_for(running.wait(), 60)
             nats.stop()
             await asyncio.sleep(2.0)
             nats = EmbeddedNats(port=port, store_dir=store).start()
             t0 = time.monotonic()
-            r = await asyncio.wait_for(in_flight, 60)  # finished, or a clear error: never a hang
-            assert r.status_code == 200 or "error" in r.json(), r.text
+            events = await asyncio.wait_for(in_flight, 60)  # finished, or a clear error: never a hang
+            finished = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")]
+            assert finished or "error" in events[-1], events[-3:]
             # the mesh comes back: workers re-register, the gateway routes again
             deadline = time.monotonic() + 45
             while True:
@@ -152,14 +173,19 @@ async def test_sigterm_drains_a_decode_worker_without_losing_its_request(cluster
     wait_http_ok(f"{url}/health")
     w = await Watcher.open(cluster.nats_url, ns=ns)
     try:
-        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=120) as client:
-            task = asyncio.create_task(client.post(f"{url}/v1/completions", json=body))
-            await w.wait_for(lambda: (r := w.loads.get("drain-0")) and r.running == 1, 20, "the request to run")
-            proc.send_signal(signal.SIGTERM)
-            r = await asyncio.wait_for(task, 90)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 1500  # it finished its request...
+        # SIGTERM on the stream's first tokens: the request runs (a load report would say so a second later)
+        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        signalled, usage = False, None
+        async with asyncio.timeout(90), httpx.AsyncClient(timeout=120) as client, \
+                client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for event in completion_events(r):
+                if event["choices"] and not signalled:
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                usage = event.get("usage") or usage
+        assert signalled and usage["completion_tokens"] == 600  # it finished its request...
         assert proc.wait(30) == 0  # ...then exited cleanly
         await w.wait_for(lambda: w.membership.get("drain-0") is None, 10, "the card to go")
     finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 
 import pytest
@@ -116,14 +115,13 @@ async def test_unbound_messages_are_dropped_and_a_slow_copy_is_fenced(cluster, t
 
         spy = await bus.nc.subscribe(bus.subjects.prefill_jobs("tiny"), cb=on_job)
         try:
-            t0 = time.monotonic()
             req = request(a)
             toks, last = await stream(bus, DEC, req)
         finally:
             await spy.unsubscribe()
         assert forged == [req.request_id]
         assert toks == want and last.finish_reason == "length"
-        assert time.monotonic() - t0 < TIMEOUT + DELAY / 2  # fell back at the deadline, not after the copy
+        assert not real()  # the real copy had not ended: it fell back at the deadline, not after the copy
 
         # 2. The next request, while the late copy still holds its blocks: served from others.
         b = prompt(60, 3)

@@ -142,10 +142,8 @@ def test_a_killed_process_fails_the_step_clearly_and_the_next_step_starts_a_new_
         _take(seqs, first, 0)
         pid = m.process_pid
         os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(GrammarProcessError, match="exited"):
+        with pytest.raises(GrammarProcessError, match="exited"):  # the exit, not the fill timeout's error
             _masked(m, seqs, vocab[0])
-        assert time.monotonic() - t0 < 30  # an error, not the fill timeout
         again = _masked(m, seqs, vocab[0])  # a new process, the replicas rebuilt from the tokens
         assert m.process_pid not in (None, pid)
         reference = _manager(tiny_model, vocab, False)
