@@ -245,10 +245,10 @@ class Membership:
             if self.role is not None and card.role != self.role:
                 continue  # a card under a key that is not its role's
             age = min(max(time.time() - card.updated, 0.0), self.ttl)
-            self._freshest = min(self._freshest, age)
             self._seen[card.worker_id] = time.monotonic() - age
             if age >= self.ttl:
-                continue
+                continue  # a dead worker's last card (a replay): says nothing about our lag
+            self._freshest = min(self._freshest, age)
             old = self._cards.get(card.worker_id)
             self._cards[card.worker_id] = card
             now = time.monotonic()
@@ -301,11 +301,25 @@ class Membership:
             return
         if self._stall_task is not None and not self._stall_task.done():
             return
-        log.info("no card refreshed for %.1fs: re-opening the registry watch", now - self._last_entry)
         self._rewatching = True
-        self._last_entry = now  # one re-open per stall
-        self._stall_task = asyncio.create_task(self._rewatch(), name="registry-rewatch")
+        self._stall_task = asyncio.create_task(self._recover(now - self._last_entry), name="registry-rewatch")
+        self._last_entry = now  # one check per stall
         self._tasks.append(self._stall_task)
+
+    async def _recover(self, silent_s: float) -> None:
+        """A view of one role (a decode worker's of the prefill pool) may hear nothing because
+        every worker of that role is gone, not the registry: if the bucket answers, the silence
+        is theirs and they expire as usual. Otherwise the watch is re-opened (``_rewatch``)."""
+        if self.role is not None:
+            try:
+                kv = await asyncio.wait_for(open_bucket(self.bus, self.ttl), 2.0)
+                await asyncio.wait_for(kv.status(), 2.0)
+                self._rewatching = False
+                return
+            except Exception as e:
+                log.info("the registry does not answer (%s)", e)
+        log.info("no card refreshed for %.1fs: re-opening the registry watch", silent_s)
+        await self._rewatch()
 
     def _notify(self, worker_id: str, card: WorkerCard | None) -> None:
         for fn in self._listeners:

@@ -103,7 +103,9 @@ async def test_requests_per_minute_limit(mesh):
 async def test_concurrent_requests_limit(mesh):
     base, *_ = mesh
     c = client(base, "sk-file-one")
-    stream = await c.completions.create(model="mock", prompt=[1, 2, 3], max_tokens=400, stream=True,
+    # long enough to outlast a loaded machine's delay before the second request (400 tokens at
+    # --mock-speedup 20 were done in well under a second, and a CI run's second request came after)
+    stream = await c.completions.create(model="mock", prompt=[1, 2, 3], max_tokens=20000, stream=True,
                                         extra_body={"ignore_eos": True})
     first = await anext(aiter(stream))
     assert first.choices
