@@ -57,13 +57,7 @@ def serve_experts(link: Lifeline, setup: RankSetup) -> int:
         stats.microbatches += forwards
         stats.steps += 1
 
-    while True:
-        try:
-            message = link.recv()
-        except EOFError:
-            return 0  # rank 0 is gone
-        if message is None:
-            return 0
+    for message in link.messages():  # until rank 0 closes the group or is gone
         if isinstance(message, StageStep):
             serve(len(message.microbatches))
         elif isinstance(message, RebuildStep):
@@ -74,3 +68,4 @@ def serve_experts(link: Lifeline, setup: RankSetup) -> int:
                 stats = StageStats(setup.rank, place.stage)
         else:
             raise TypeError(f"rank {setup.rank}: unknown message {type(message).__name__}")
+    return 0

@@ -89,6 +89,17 @@ class Lifeline:
             raise EOFError(self.lost or "the lifeline is closed")
         return message
 
+    def messages(self):
+        """Rank 0's messages, in order, until it closes the group (None) or is gone (EOF)."""
+        while True:
+            try:
+                message = self.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            yield message
+
     def close(self) -> None:
         self._closing = True
         if self._inbox is not None:

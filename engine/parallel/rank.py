@@ -107,13 +107,7 @@ def _serve(link: Lifeline, host: RankHost | None = None, agent_conn: Connection 
     shard.join(groups.tp, groups.ep)
     stage = StageRunner(model, attention, layout, setup.rank, groups, device, cfg.torch_dtype)
     rebuild: TargetStates | None = None  # made at the first RebuildStep (EAGLE-3 only)
-    while True:
-        try:
-            message = link.recv()
-        except EOFError:
-            return 0  # rank 0 is gone
-        if message is None:
-            return 0
+    for message in link.messages():  # until rank 0 closes the group or is gone
         if isinstance(message, StageStep):
             stage.run(message)
         elif isinstance(message, RebuildStep):
@@ -123,6 +117,7 @@ def _serve(link: Lifeline, host: RankHost | None = None, agent_conn: Connection 
             link.send(stage.take_stats(message.reset))
         else:
             raise TypeError(f"rank {setup.rank}: unknown message {type(message).__name__}")
+    return 0
 
 
 def serve_joined(link: Lifeline, host: RankHost) -> int:
