@@ -44,7 +44,7 @@ from engine.attention import AttentionBackend, AttentionBatch, create_backend
 from engine.config import ModelConfig, RopeConfig
 from engine.hostcopy import array_to_device
 from engine.kernels import PLAIN
-from engine.model import MLP, CausalLM, RMSNorm, Rotary, pack_cpu_linears
+from engine.model import MLP, CausalLM, RMSNorm, Rotary, embedding, pack_cpu_linears
 from engine.runner import StepInputs
 from kvstore.cache import KVCache
 
@@ -139,7 +139,7 @@ class Eagle3Head(nn.Module):
         self.cfg = cfg
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, h, bias=False)
-        self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens = embed_tokens if embed_tokens is not None else embedding(cfg.vocab_size, h)
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.qkv_proj = nn.Linear(2 * h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)

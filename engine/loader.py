@@ -249,8 +249,17 @@ def _moe_table(moe: SparseMoE, cfg: ModelConfig, shard: Shard, rest: str) -> dic
 
 def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A module built on the meta device, made real (uninitialized) on ``device``: no host-side
-    random init of billions of weights."""
-    module = module.to_empty(device=device).to(dtype)
+    random init of billions of weights. (Not ``Module.to_empty``: its ``empty_like`` of a meta
+    tensor runs torch's Python reference ops, whose first call imports sympy and torch.fx: ~1 s of
+    CPU in every worker's start. Parameters tied on meta come apart here: the caller re-ties them.)"""
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                real = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                table[name] = torch.nn.Parameter(real, requires_grad=False) if isinstance(t, torch.nn.Parameter) else real
+    module = module.to(dtype)
     for moe in module.modules():
         if isinstance(moe, SparseMoE):
             moe.keep_router_fp32()

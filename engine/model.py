@@ -48,11 +48,23 @@ class RMSNorm(nn.Module):
         return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialised: its weights come from the checkpoint. (Its random
+    init on the meta device, where the loader builds models, runs torch's Python reference ops,
+    whose first call imports torch._dynamo: ~1.7 s of CPU in every worker's start.)"""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Rotary(nn.Module):
     """cos/sin tables for all positions, in the rotate-half convention of HF Llama."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
+        if torch.empty(0).device.type == "meta":  # a skeleton (engine.loader): the tables come after
+            shape = (max_positions, cfg.head_dim)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         inv_freq = cfg.rope.inv_freq(cfg.head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -153,7 +165,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.shard = shard or Shard()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
