@@ -27,7 +27,7 @@ from engine.sampling import SamplingParams
 from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions, WorkerLayout
 from tests.helpers.cluster import Watcher, run_all
-from tests.helpers.procs import stop_processes
+from tests.helpers.layouts import rank_processes, run_split
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
@@ -46,24 +46,6 @@ def expected(tiny_model):
     return [s.output_token_ids for s in seqs]
 
 
-def rank_processes(pid: int) -> list[int]:
-    """The helper ranks a worker started (its children running engine.parallel.rank)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"engine.parallel.rank" in cmd:
-            out.append(int(entry))
-    return out
-
-
 @pytest.mark.parametrize(("ns", "transport", "prefill", "decode"), [
     ("pp-shm-1-2", "shm", [], ["--pp", "2"]),
     ("pp-shm-2-1", "shm", ["--pp", "2"], []),
@@ -71,32 +53,15 @@ def rank_processes(pid: int) -> list[int]:
     # nats at PP: the whole pool block-major, split by stage (tests/unit/test_pp.py; kept out of the suite's time)
 ])
 async def test_prefill_and_decode_of_different_layouts(cluster, tiny_model, expected, ns, transport, prefill, decode):
-    flags = ["--ns", ns, "--model", str(tiny_model), "--device-kv-blocks", "1024", "--transports", transport]
-    dec, pre = f"dec-{ns}", f"pre-{ns}"
-    procs = [
-        cluster.worker("decode", *flags, *decode, "--disagg-threshold", str(THRESHOLD), "--worker-id", dec),
-        cluster.worker("prefill", *flags, *prefill, "--worker-id", pre, "--prefill-capacity", "16"),
-    ]
-    w = await Watcher.open(cluster.nats_url, ns=ns)
-    try:
-        await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "both workers")
-        await w.fresh_load(pre)  # the decode worker hears prefill load reports too
-        await asyncio.sleep(1.2)
-        results = await run_all(w.bus, dec, prompts(), max_tokens=12)
-        assert [toks for toks, _ in results] == expected
-        d = await w.fresh_load(dec)
-        p = await w.fresh_load(pre)
-        assert d.counters.get("remote_prefill_done", 0) == LONG, d.counters
-        assert d.counters.get(f"transport_{transport}", 0) == LONG
-        assert p.counters.get(f"transport_{transport}", 0) == LONG, p.counters
-        assert d.kv_blocks_used == 0 and d.running == 0
-        for worker_id, layout in ((dec, decode), (pre, prefill)):
-            card = w.membership.get(worker_id)
-            assert card.layout.pp == (2 if "--pp" in layout else 1)
-            assert card.layout.tp == (2 if "--tp" in layout else 1)
-    finally:
-        await w.close()
-        stop_processes(procs)
+    run = await run_split(cluster, tiny_model, ns, transport, prefill, decode, prompts(), 12, THRESHOLD)
+    assert run.tokens == expected
+    assert run.decode.counters.get("remote_prefill_done", 0) == LONG, run.decode.counters
+    assert run.decode.counters.get(f"transport_{transport}", 0) == LONG
+    assert run.prefill.counters.get(f"transport_{transport}", 0) == LONG, run.prefill.counters
+    assert run.decode.kv_blocks_used == 0 and run.decode.running == 0
+    for card, layout in ((run.decode_card, decode), (run.prefill_card, prefill)):
+        assert card.layout.pp == (2 if "--pp" in layout else 1)
+        assert card.layout.tp == (2 if "--tp" in layout else 1)
 
 
 async def test_aggregated_pp2_worker_its_card_and_a_dead_stage_ends_the_worker(cluster, tiny_model, expected):

@@ -22,7 +22,8 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kvstore.transfer.shm import PREFIX, remove_stale_files, shm_dir
 from tests.helpers.cluster import Watcher, run_all
-from tests.helpers.procs import alive, stop_processes
+from tests.helpers.layouts import rank_processes, run_split
+from tests.helpers.procs import alive
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
@@ -41,53 +42,18 @@ def expected(tiny_model):
     return [s.output_token_ids for s in seqs]
 
 
-def rank_processes(pid: int) -> list[int]:
-    """The helper ranks a worker started (its children running engine.parallel.rank)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"engine.parallel.rank" in cmd:
-            out.append(int(entry))
-    return out
-
-
 @pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"),
                          [("shm", 1, 2), ("shm", 2, 1), ("nats", 1, 2), ("nats", 2, 1)])
 async def test_prefill_and_decode_of_different_tp_degrees(cluster, tiny_model, expected, transport,
                                                           prefill_tp, decode_tp):
-    ns = f"tp-{transport}-{prefill_tp}{decode_tp}"
-    flags = ["--ns", ns, "--model", str(tiny_model), "--device-kv-blocks", "1024", "--transports", transport]
-    dec, pre = f"dec-{ns}", f"pre-{ns}"
-    procs = [
-        cluster.worker("decode", *flags, "--tp", str(decode_tp), "--disagg-threshold", str(THRESHOLD),
-                       "--worker-id", dec),
-        cluster.worker("prefill", *flags, "--tp", str(prefill_tp), "--worker-id", pre, "--prefill-capacity", "16"),
-    ]
-    w = await Watcher.open(cluster.nats_url, ns=ns)
-    try:
-        await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "both workers")
-        await w.fresh_load(pre)  # the decode worker hears prefill load reports too
-        await asyncio.sleep(1.2)
-        results = await run_all(w.bus, dec, prompts())
-        assert [toks for toks, _ in results] == expected
-        d = await w.fresh_load(dec)
-        p = await w.fresh_load(pre)
-        assert d.counters.get("remote_prefill_done", 0) == LONG, d.counters
-        assert d.counters.get(f"transport_{transport}", 0) == LONG
-        assert d.counters.get("local_prefill", 0) == len(LENGTHS) - LONG
-        assert p.counters.get(f"transport_{transport}", 0) == LONG, p.counters
-        assert d.kv_blocks_used == 0 and d.running == 0
-    finally:
-        await w.close()
-        stop_processes(procs)
+    run = await run_split(cluster, tiny_model, f"tp-{transport}-{prefill_tp}{decode_tp}", transport,
+                          ["--tp", str(prefill_tp)], ["--tp", str(decode_tp)], prompts(), 16, THRESHOLD)
+    assert run.tokens == expected
+    assert run.decode.counters.get("remote_prefill_done", 0) == LONG, run.decode.counters
+    assert run.decode.counters.get(f"transport_{transport}", 0) == LONG
+    assert run.decode.counters.get("local_prefill", 0) == len(LENGTHS) - LONG
+    assert run.prefill.counters.get(f"transport_{transport}", 0) == LONG, run.prefill.counters
+    assert run.decode.kv_blocks_used == 0 and run.decode.running == 0
 
 
 async def test_aggregated_tp2_worker_and_no_rank_outlives_a_killed_worker(cluster, tiny_model, expected):
