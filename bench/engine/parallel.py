@@ -63,15 +63,17 @@ BENCHMARK = Benchmark(
 )
 
 BLOCK_SIZE = 16
+ONE_STEP = {"pp_steps_in_flight": 1}  # one step at a time over the stages
 LAYOUTS = {  # name -> EngineConfig fields
     "pp1": {},
-    "pp2": {"pp": 2, "pp_microbatches": 1},
-    "pp2_mb": {"pp": 2},
+    "pp2": {"pp": 2, "pp_microbatches": 1, **ONE_STEP},
+    "pp2_mb": {"pp": 2, **ONE_STEP},
+    "pp2_steps": {"pp": 2},
     "tp2": {"tp": 2},
     "tp2_pp2": {"tp": 2, "pp": 2},
-    "pp2_mb4": {"pp": 2, "pp_microbatches": 4},
+    "pp2_mb4": {"pp": 2, "pp_microbatches": 4, **ONE_STEP},
 }
-DEFAULT_LAYOUTS = ["pp1", "pp2", "pp2_mb", "tp2", "tp2_pp2"]
+DEFAULT_LAYOUTS = ["pp1", "pp2", "pp2_mb", "pp2_steps", "tp2", "tp2_pp2"]
 
 
 # ``small`` has 10 query and 5 KV heads of 64, which 2 ranks cannot split: the same shapes as 8 and 4

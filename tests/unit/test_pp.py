@@ -146,7 +146,7 @@ def test_micro_batching_on_and_off_give_the_same_tokens(models, engines, referen
     """A step of 8 rows or more is cut into 2 micro-batches (one per stage) by default, into none
     with ``pp_microbatches`` 1; prefill chunks are cut through their middle. (The engine without
     micro-batches also speculates: ``test_ngram_speculation_...``.)"""
-    on = engines.get(models["dense"], pp=2)
+    on = engines.get(models["dense"], pp=2, pp_steps_in_flight=1)  # one step at a time: each cut
     off = engines.get(models["dense"], pp=2, pp_microbatches=1, **NGRAM)
     on.stage_stats(reset=True)
     off.stage_stats(reset=True)
@@ -198,6 +198,75 @@ def test_ngram_speculation_is_verified_through_the_stages(models, engines, kind,
     assert spec.scheduler.spec.drafted > drafted and spec.scheduler.spec.accepted > accepted
 
 
+# -- steps in flight (engine.inflight): the default over several stages ----------------------
+
+IN_FLIGHT = dict(pp_steps_in_flight=0)  # the default, named: an engine of its own, whose logits are never captured
+
+
+def mixed_requests(one: Engine) -> tuple[list[list[int]], list[SamplingParams]]:
+    """11 prompts (one of 3 chunks) with outputs of different lengths: one ends on a stop token
+    mid-run (a token the single rank gives it), one has penalties."""
+    prompts = prompts_of([3, 17, 40, 150, 9, 25, 6, 12, 30, 8, 20], 4096, seed=6, low=3)
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    params[1] = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0, repetition_penalty=1.3)
+    probe = one.generate([prompts[2]], params[2])[0].output_token_ids
+    params[2] = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(probe[3],))
+    return prompts, params
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("dense", "pp2"), ("moe", "pp3"), ("dense", "tp2pp2")])
+def test_steps_in_flight_are_token_identical_with_uneven_groups_stops_and_a_prefix_hit(models, engines, kind, layout):
+    one = engines.get(models[kind])
+    many = engines.get(models[kind], **LAYOUTS[layout], **IN_FLIGHT)
+    prompts, params = mixed_requests(one)
+    many.pipeline.most_in_flight = 0  # (an engine of the module's: other tests ran on it)
+    want = one.generate(prompts, params)
+    got = many.generate(prompts, params)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
+    assert got[2].num_output_tokens < 30  # stopped mid-run
+    # a step per stage was in flight at once, and none ran whole (the fallback)
+    assert many.pipeline.most_in_flight == many.layout.pp and many.steps_in_flight.whole == 0
+    shared = [*prompts[3][:120], 5, 6, 7]  # its first 15 blocks hit on every stage
+    a, b = one.generate([shared, prompts[0]], GREEDY), many.generate([shared, prompts[0]], GREEDY)
+    assert [s.output_token_ids for s in b] == [s.output_token_ids for s in a]
+    assert b[0].num_cached_tokens == a[0].num_cached_tokens == 120
+    assert many.pool.num_used == 0 and not many.has_work
+
+
+def test_steps_in_flight_with_preemption_and_speculation_are_token_identical(models, engines):
+    """A small pool preempts sequences whose step may be in flight; n-gram drafts are verified in
+    flight."""
+    prompts = [p * 3 for p in prompts_of([13, 15, 17, 14, 16, 18], 4000, seed=7, low=3)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate(prompts, params)]
+    small = engines.get(models["dense"], pp=2, num_kv_blocks=30, **NGRAM, **IN_FLIGHT)
+    small.scheduler.spec_prior = AcceptancePrior()
+    assert [s.output_token_ids for s in small.generate(prompts, params)] == want
+    assert small.scheduler.num_preemptions > 0 and small.scheduler.spec.drafted > 0
+    assert small.pipeline.most_in_flight == 2 and small.steps_in_flight.whole == 0
+    assert small.pool.num_used == 0
+
+
+def test_a_constrained_request_runs_whole_steps_beside_steps_in_flight(models, engines):
+    """Steps with constrained rows run whole, one at a time; the others, in flight."""
+    schema = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())[0]["schema"]
+    tok = Tokenizer(models["dense"])
+    prompt = tok.encode_chat([{"role": "user", "content": "Reply with JSON that fits the schema."}])
+    plain = prompts_of([7, 9, 11, 13], 4096, seed=8, low=3)
+    many = engines.get(models["dense"], pp=2, **IN_FLIGHT)
+    # the plain ones first: in flight; then with the constrained one: whole
+    many.pipeline.most_in_flight = many.steps_in_flight.whole = 0
+    many.generate(plain, GREEDY)
+    assert many.steps_in_flight.whole == 0 and many.pipeline.most_in_flight == 2
+    params = [SamplingParams(max_tokens=80, temperature=0.0, constraint=Constraint.json_schema(schema)),
+              *[GREEDY] * len(plain)]
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate([prompt, *plain], params)]
+    seqs = many.generate([prompt, *plain], params)
+    assert [s.output_token_ids for s in seqs] == want
+    assert many.steps_in_flight.whole > 0
+    json.loads(tok.decode(seqs[0].output_token_ids))
+
+
 def test_a_dead_stage_fails_the_step_and_every_later_one(models):
     engine = Engine(EngineConfig(models["dense"], num_kv_blocks=64, pp=2))
     pids = engine.ranks.pids
@@ -236,6 +305,9 @@ def test_layouts_that_do_not_fit_the_model_are_refused(models, kw, message):
 @pytest.mark.parametrize(("kw", "refused"), [
     (dict(loras=(("a", "/x"),)), "--lora"), (dict(cuda_graphs=True), "--cuda-graphs"),
     (dict(speculative="eagle3:/x"), "--speculative eagle3"), (dict(pp_layers=(5,)), "--pp-layers names 1 stages"),
+    (dict(pp_steps_in_flight=3), "--pp-steps-in-flight must be 0"),
+    (dict(pp_steps_in_flight=2, async_scheduling=True), "contradict"),
+    (dict(pp_steps_in_flight=2, host_kv_blocks=8), "KV tiers"),
 ])
 def test_combinations_not_supported_are_refused_at_config(kw, refused):
     with pytest.raises(ValueError, match=refused):
