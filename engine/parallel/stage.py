@@ -15,6 +15,11 @@ pieces before it wrote on the same stage, which every stage runs first, so the c
 invisible to the result. Every rank of a stage's TP group runs the same micro-batches (their
 all-reduces meet); rank (s, t) sends to rank (s + 1, t).
 
+Rank 0 may start a step (``StageRunner.start``: its stage's compute, the sends and the receives
+of the rows that come back posted) and start others before it ``finish``es the first (steps in
+flight: ``engine.inflight``); the other ranks run each step whole, in the order rank 0 handed
+them out.
+
 With one stage (TP alone) a ``StageStep`` is the whole step, run by the helper ranks with rank 0.
 """
 

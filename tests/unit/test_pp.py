@@ -320,7 +320,7 @@ def test_combinations_not_supported_are_refused_at_config(kw, refused):
 @pytest.mark.parametrize("argv", [
     ["--pp", "6"], ["--pp", "2", "--pp-layers", "1,2"], ["--pp", "2", "--pp-layers", "2,x"],
     ["--tp", "2", "--pp", "2", "--device", "cuda"], ["--pp", "2", "--cuda-graphs"],
-    ["--pp", "2", "--transports", "cuda_ipc,nats"],
+    ["--pp", "2", "--transports", "cuda_ipc,nats"], ["--pp", "2", "--pp-steps-in-flight", "3"],
 ])
 def test_the_cli_refuses_a_layout_in_one_line(models, capsys, argv):
     from cli import main
@@ -344,9 +344,11 @@ def test_mesh_up_passes_the_pipeline_flags_to_its_workers(models, monkeypatch):
         return 0
 
     monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
-    assert main(["up", "--model", str(models["dense"]), "--pp", "3", "--pp-layers", "1,1,3"]) == 0
+    assert main(["up", "--model", str(models["dense"]), "--pp", "3", "--pp-layers", "1,1,3",
+                 "--pp-steps-in-flight", "1"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--pp") + 1] == "3" and flags[flags.index("--pp-layers") + 1] == "1,1,3"
+    assert flags[flags.index("--pp-steps-in-flight") + 1] == "1"
     assert main(["up", "--mock", "--pp", "2"]) == 2
 
 
