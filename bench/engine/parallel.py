@@ -13,7 +13,8 @@ Layouts (``engine.parallel``): PP 1 (one rank); PP 2 one step at a time (``--pp-
 without micro-batches (``pp2``: ``--pp-microbatches 1``) and with them (``pp2_mb``: one per stage);
 PP 2 with a step per stage in flight, each of half the sequences (``pp2_steps``, the default at
 ``--pp 2``: ``engine.inflight``); TP 2; and TP 2 x PP 2 (the default: steps in flight);
-``--layouts ... pp2_mb4`` adds PP 2 one step at a time with four micro-batches. Every layout has the same CPU threads in all (``--threads``,
+``--layouts ... pp2_mb4`` adds PP 2 one step at a time with four micro-batches, ``tp2_pp2_mb``
+TP 2 x PP 2 one step at a time. Every layout has the same CPU threads in all (``--threads``,
 default: the cores this process may use), split evenly over its ranks, rank 0's share too, so
 that no layout runs more threads than another. (On a loaded machine a rank of two threads waits
 at every op for the thread that was descheduled: ``--threads 1`` compares the layouts' work.)
@@ -75,6 +76,7 @@ LAYOUTS = {  # name -> EngineConfig fields
     "pp2_steps": {"pp": 2},
     "tp2": {"tp": 2},
     "tp2_pp2": {"tp": 2, "pp": 2},
+    "tp2_pp2_mb": {"tp": 2, "pp": 2, **ONE_STEP},
     "pp2_mb4": {"pp": 2, "pp_microbatches": 4, **ONE_STEP},
 }
 DEFAULT_LAYOUTS = ["pp1", "pp2", "pp2_mb", "pp2_steps", "tp2", "tp2_pp2"]
@@ -155,7 +157,7 @@ def run_layouts(args) -> dict:
     """Every layout of ``args.layouts`` at every batch size, in this process (the helper ranks as its children)."""
     model_dir = Path(args.model) if args.model else small_model_dir()
     rows = []
-    print(f"{'layout':<8} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'util':>5}  identical", flush=True)
+    print(f"{'layout':<10} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'util':>5}  identical", flush=True)
     for batch in args.batch:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(8, 4096) for _ in range(args.prompt_len)] for _ in range(batch)]
@@ -176,7 +178,7 @@ def run_layouts(args) -> dict:
             row = {"layout": name, "batch": batch, **row, "identical": out == reference}
             rows.append(row)
             util = f"{row['utilisation']:.2f}" if "utilisation" in row else "-"
-            print(f"{name:<8} {batch:>5} {row['decode_tok_s']:>8.1f} {row['step_ms']:>8.1f} {util:>5}  "
+            print(f"{name:<10} {batch:>5} {row['decode_tok_s']:>8.1f} {row['step_ms']:>8.1f} {util:>5}  "
                   f"{row['identical']}", flush=True)
     return {"model": model_dir.name, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
             "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "rows": rows}
