@@ -250,6 +250,13 @@ class Engine(EngineCore):
         except Exception as e:
             raise self._step_failed(e) from e
 
+    def abort(self, request_id: str):
+        steps = self.steps_in_flight
+        seq = self.scheduler.find(request_id) if steps is not None else None
+        if seq is not None:
+            steps.fence(seq)  # its blocks wait for its step in flight
+        return super().abort(request_id)
+
     def runs_whole(self, seqs) -> bool:
         """Whether a step of ``seqs`` runs alone, as one step at a time would: one with constrained
         rows (their masks are one step's at a time), or every step while the runner keeps each

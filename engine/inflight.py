@@ -18,7 +18,11 @@ no step takes a token another has not sampled yet (unlike ``engine.overlap``). E
 the steps in the order they started: a block that a resolved step freed (a finished, aborted or
 preempted sequence's, or rejected drafts') and a later step reuses is written by that step after
 the earlier one is done with it, on every stage. A sequence preempted while its step is in flight
-keeps that step's token and is re-admitted once it is known, as under ``engine.overlap``.
+keeps that step's token and is re-admitted once it is known, as under ``engine.overlap``. An
+aborted sequence's blocks are held until its step in flight has resolved (``fence``): a prefill
+worker may write the blocks it is given at once. (A sequence preempted while its step is in
+flight gives its blocks back at once, for the step being scheduled to grow into; one taken for a
+remote prefill before that step ends on the later stages is a window this does not close yet.)
 
 Steps that run whole, alone, as with one step at a time (every step in flight is resolved first,
 and the step is cut into micro-batches): steps with constrained rows (a grammar's masks are one
@@ -38,17 +42,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.overlap import Inflight
 from engine.scheduler import Scheduler, SchedulerOutput, StepOutput
 from engine.sequence import Sequence
+from kvstore.pool import BlockPool
+
+
+@dataclass
+class Inflight:
+    out: SchedulerOutput
+    pending: Any  # the engine's handle: .result() -> list[SampledToken]
+    held: list[int] = field(default_factory=list)  # blocks of sequences aborted meanwhile (``fence``)
 
 
 class Starter(Protocol):
     """What steps in flight need of an engine (``Engine`` is one)."""
 
     scheduler: Scheduler
+    pool: BlockPool
     num_steps: int
 
     def start(self, out: SchedulerOutput) -> Any: ...
@@ -103,6 +116,17 @@ class StepsInFlight:
             self.whole += 1
         return results
 
+    def fence(self, seq: Sequence) -> None:
+        """``seq`` is about to be aborted: its blocks stay out of the free queues until its step in
+        flight (if any) has run on every stage, so that no writer outside the steps (a prefill
+        worker writing the KV of a request whose blocks it got) writes them before that step."""
+        for f in self.steps:
+            if any(c.seq is seq for c in f.out.chunks):
+                blocks = list(seq.block_table)
+                self.core.pool.hold(blocks)
+                f.held += blocks
+                return
+
     def finish(self) -> list[StepOutput]:
         """Resolve every step in flight, oldest first, without scheduling another."""
         results: list[StepOutput] = []
@@ -116,4 +140,6 @@ class StepsInFlight:
         step = self.steps[0]
         tokens = step.pending.result()
         self.steps.popleft()
+        if step.held:
+            self.core.pool.free(step.held)
         return self.core.scheduler.resolve(step.out, tokens)

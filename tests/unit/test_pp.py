@@ -252,6 +252,32 @@ def test_steps_in_flight_with_preemption_and_speculation_are_token_identical(mod
     assert small.pool.num_used == 0
 
 
+def test_an_aborted_sequence_s_blocks_wait_for_its_step_in_flight(models, engines):
+    prompts = prompts_of([20, 21, 22, 23], 4096, seed=9, low=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate(prompts, params)]
+    many = in_flight(engines.get(models["dense"], **LAYOUTS["pp2"]))
+    seqs = [many.new_sequence(p, params) for p in prompts]
+    for s in seqs:
+        many.add(s)
+    steps = many.steps_in_flight.steps
+
+    def flying(seq):
+        return any(c.seq is seq for f in steps for c in f.out.chunks)
+
+    while not (seqs[0].num_output_tokens >= 2 and flying(seqs[0])):
+        many.step()
+    free = many.pool.num_free
+    many.abort(seqs[0].request_id)
+    assert many.pool.num_free == free  # held while its step is in flight
+    while flying(seqs[0]):
+        many.step()
+    assert many.pool.num_free > free
+    while many.has_work:
+        many.step()
+    assert [s.output_token_ids for s in seqs[1:]] == want[1:] and many.pool.num_used == 0
+
+
 def test_a_constrained_request_runs_whole_steps_beside_steps_in_flight(models, engines):
     """Steps with constrained rows run whole, one at a time; the others, in flight."""
     schema = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())[0]["schema"]
