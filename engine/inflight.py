@@ -17,12 +17,13 @@ rows from the last stage, sample, stops, outputs). A sequence is never in two st
 no step takes a token another has not sampled yet (unlike ``engine.overlap``). Every stage runs
 the steps in the order they started: a block that a resolved step freed (a finished, aborted or
 preempted sequence's, or rejected drafts') and a later step reuses is written by that step after
-the earlier one is done with it, on every stage. A sequence preempted while its step is in flight
-keeps that step's token and is re-admitted once it is known, as under ``engine.overlap``. An
-aborted sequence's blocks are held until its step in flight has resolved (``fence``): a prefill
-worker may write the blocks it is given at once. (A sequence preempted while its step is in
-flight gives its blocks back at once, for the step being scheduled to grow into; one taken for a
-remote prefill before that step ends on the later stages is a window this does not close yet.)
+the earlier one is done with it, on every stage. Writers outside the steps (a prefill worker
+writing the KV of a request whose blocks it got) are kept off blocks a step in flight writes: an
+aborted sequence's blocks are held until its step in flight has resolved (``fence``), and when
+the next step may have to preempt (too few free blocks for the sequences it would grow, or a
+waiting sequence outranking a running one) the steps in flight are resolved first. Should a
+sequence be preempted while its step is in flight all the same (that estimate is short), it
+keeps that step's token and is re-admitted once it is known, as under ``engine.overlap``.
 
 Steps that run whole, alone, as with one step at a time (every step in flight is resolved first,
 and the step is cut into micro-batches): steps with constrained rows (a grammar's masks are one
@@ -89,16 +90,17 @@ class StepsInFlight:
             if core.runs_whole(scheduler.running):
                 return self._whole(self.finish())
             busy = {c.seq for f in self.steps for c in f.out.chunks}
-            out = scheduler.schedule(busy, most=-(-len(scheduler.running) // self.depth))
+            results = self.finish() if busy and self._may_preempt(busy) else []
+            out = scheduler.schedule(busy if self.steps else (), most=-(-len(scheduler.running) // self.depth))
             if not out.chunks:
-                return self._resolve_oldest()
+                return results + self._resolve_oldest()
             if core.runs_whole(c.seq for c in out.chunks):  # a constrained sequence admitted
-                return self._whole(self.finish(), out)
+                return self._whole(results + self.finish(), out)
             pending = core.start(out)
             scheduler.advance(out)
             self.steps.append(Inflight(out, pending))
             core.num_steps += 1
-            return self._resolve_oldest() if len(self.steps) >= self.depth else []
+            return results + self._resolve_oldest() if len(self.steps) >= self.depth else results
         except BaseException:
             # The steps' tokens are lost. The engine loop fails the running requests; preempted
             # ones in the queue must not wait for a token that will never come.
@@ -107,6 +109,22 @@ class StepsInFlight:
                     chunk.seq.num_placeholders = 0
             self.steps.clear()
             raise
+
+    def _may_preempt(self, busy: set[Sequence]) -> bool:
+        """Whether the next step may have to preempt (the running sequences in no step in flight
+        want more blocks than are free, or a waiting one outranks a running one): then the steps
+        in flight are resolved first, so that no victim's blocks go back while a step writes them."""
+        scheduler = self.core.scheduler
+        waiting, running = scheduler.waiting, scheduler.running
+        if waiting and running and waiting[0].priority > running[-1].priority:
+            return True
+        bs, budget = scheduler.kv.block_size, scheduler.config.max_num_batched_tokens
+        need = 0
+        for seq in running:
+            if seq not in busy:
+                end = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
+                need += max(0, -(-end // bs) - len(seq.block_table))
+        return need > self.core.pool.num_free
 
     def _whole(self, results: list[StepOutput], out: SchedulerOutput | None = None) -> list[StepOutput]:
         """A step run whole, with no step in flight (``out``, or one scheduled now)."""
