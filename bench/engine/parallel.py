@@ -63,7 +63,7 @@ BENCHMARK = Benchmark(
              "and 128; or (--hosts 2, root) PP 2 with one stage per simulated host against PP 2 on one",
     target="utilisation >= 0.7 at batch 32 with the stages overlapped (steps in flight), at least pp2_mb's tok/s; "
            "across hosts within 1.3x of one host (issue 50)",
-    minutes=6,
+    minutes=7,
     smoke=("--dry-run",),
 )
 
