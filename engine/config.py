@@ -293,6 +293,7 @@ class EngineConfig:
     pp: int = 1  # pipeline stages (x tp ranks each): contiguous runs of layers (engine.parallel)
     pp_layers: tuple[int, ...] = ()  # layers per stage; (): as even as they go
     pp_microbatches: int = 0  # at most this many micro-batches per step over the stages; 0: pp; 1: off
+    pp_steps_in_flight: int = 0  # steps of disjoint sequences in flight over the stages; 0: pp; 1: off
     seed: int = 0
     loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters loaded at start: (name, PEFT directory)
     max_loras: int | None = None  # adapters one step can run (device slots, LRU); None: 4 with loras, else off
@@ -369,6 +370,16 @@ class EngineConfig:
             raise ValueError(f"--pp must be >= 1 and --pp-microbatches >= 0, got {self.pp} and {self.pp_microbatches}")
         if self.pp_layers and len(self.pp_layers) != self.pp:
             raise ValueError(f"--pp-layers names {len(self.pp_layers)} stages, --pp is {self.pp}")
+        if not 0 <= self.pp_steps_in_flight <= self.pp:
+            raise ValueError(f"--pp-steps-in-flight must be 0 (one per stage) to --pp ({self.pp}), "
+                             f"got {self.pp_steps_in_flight}")
+        if self.pp_steps_in_flight > 1 and self.async_scheduling:
+            raise ValueError(f"--async-scheduling and --pp-steps-in-flight {self.pp_steps_in_flight} contradict each "
+                             "other (steps in flight already overlap rank 0's work; --pp-steps-in-flight 1 to choose "
+                             "async scheduling)")
+        if self.pp_steps_in_flight > 1 and self.has_host_tier:
+            raise ValueError(f"--pp-steps-in-flight {self.pp_steps_in_flight} does not run with the KV tiers yet "
+                             "(an offload could read a block a step in flight still writes)")
         if self.pp == 1:
             return
         refused = [flag for flag, on in (
@@ -384,6 +395,15 @@ class EngineConfig:
         stage: on a CPU each micro-batch reads the stage's weights again, and two per stage cost
         more in those reads than they gain in overlap (python -m bench parallel)."""
         return self.pp_microbatches or self.pp
+
+    @property
+    def pipeline_steps_in_flight(self) -> int:
+        """Steps of disjoint sequences in flight over the stages at once (``engine.inflight``; 1:
+        one step at a time, cut into micro-batches). By default one per stage, unless the
+        engine schedules asynchronously or has KV tiers, which run one step at a time."""
+        if self.pp == 1 or self.async_scheduling or self.has_host_tier:
+            return self.pp_steps_in_flight or 1
+        return self.pp_steps_in_flight or self.pp
 
     def _check_gpu_execution(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in backend_names():
@@ -412,7 +432,7 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (ASYNC_SCHEDULING_DEFAULT_CUDA and self.torch_device.type == "cuda"
-                and self.ep == 1
+                and self.ep == 1 and self.pipeline_steps_in_flight == 1
                 and not self.lora_slots)  # LoRA steps run the blocking loop
 
     @property

@@ -309,6 +309,10 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        return self.run_step(out)
+
+    def run_step(self, out: SchedulerOutput) -> list[StepOutput]:
+        """Execute a scheduled step and take its tokens."""
         sampled = self.execute(out)
         results = self.scheduler.update(out, sampled)
         if self.grammar is not None and out.sampling_chunks:

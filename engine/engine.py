@@ -27,6 +27,7 @@ from engine.core import CoreConfig, EngineCore
 from engine.cuda_graphs import DecodeGraphs, graph_memory_bytes
 from engine.draft_model import model_drafter
 from engine.eagle3_drafter import Eagle3Drafter, eagle3_drafter
+from engine.inflight import StepsInFlight
 from engine.kernels import Kernels
 from engine.loader import load_model
 from engine.lora import start_lora
@@ -41,7 +42,7 @@ from engine.parallel.layout import Layout
 from engine.parallel.pipeline import Pipeline
 from engine.parallel.remote import RemoteRanks
 from engine.parallel.stage import StageRunner, StageStats
-from engine.runner import ModelRunner, PendingStep
+from engine.runner import ModelRunner, PendingStep, StartedStep
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SampledToken
@@ -118,7 +119,10 @@ class Engine(EngineCore):
         self._log_ready(backend, num_blocks, kernels)
 
     def _pipeline(self) -> Pipeline:
+        """Rank 0's side of the stages; with several steps in flight over them, ``overlap`` runs those."""
         stage = StageRunner(self.model, self.attention, self.layout, 0, self.ranks.groups, self.device, self.dtype)
+        if self.config.pipeline_steps_in_flight > 1:
+            self.overlap = StepsInFlight(self, self.config.pipeline_steps_in_flight)
         return Pipeline(self.ranks, stage, self.model, self.config.pipeline_microbatches)
 
     @property
@@ -205,7 +209,8 @@ class Engine(EngineCore):
             num_blocks, config.block_size, str(self.kv_dtype).removeprefix("torch."), backend,
             f", {self.layout.size} ranks ({self.layout.describe()})" if self.ranks else "",
             ", CUDA graphs for decode" if self._graphs else "",
-            ", overlapped scheduling" if self.overlap is not None else "",
+            f", {self.overlap.depth} steps in flight over the stages" if isinstance(self.overlap, StepsInFlight)
+            else ", overlapped scheduling" if self.overlap is not None else "",
             f", fused kernels: {', '.join(sorted(kernels.names))}" if kernels.names else "",
         )
 
@@ -218,14 +223,50 @@ class Engine(EngineCore):
         try:
             pending = self.runner.launch(out, prev)
         except Exception as e:
-            if self.ranks is not None:  # the ranks may be out of step: the group can never step again
-                self.ranks.abort(f"{type(e).__name__}: {e}")
-                raise ParallelGroupError(f"a step over the ranks failed: {type(e).__name__}: {e}") from e
-            raise
+            raise self._step_failed(e) from e
         if self.state_drafter is not None:  # rank 0's states: the residual stream is whole on every rank
             self.state_drafter.capture(out.chunks, self.model.aux_hidden)
             self.model.aux_hidden = None  # a long prefill's states are not kept past the step
         return pending
+
+    def _step_failed(self, e: Exception) -> Exception:
+        """What a failed step raises: over several ranks, which may be out of step now, the group
+        is closed (it can never step again)."""
+        if self.ranks is None:
+            return e
+        self.ranks.abort(f"{type(e).__name__}: {e}")
+        return ParallelGroupError(f"a step over the ranks failed: {type(e).__name__}: {e}")
+
+    # -- steps in flight over pipeline stages (engine.inflight) -------------------------
+    def start(self, out: SchedulerOutput) -> _Started:
+        """Rank 0's stage of the step; its later stages go on while this thread schedules the
+        next. A decode step is one micro-batch (the steps in flight keep the stages busy), a step
+        with prompt chunks is cut into micro-batches as usual."""
+        if self.tiers is not None:
+            self.tiers.before_step()
+        prompts = any(c.num_tokens > 1 and not c.drafts for c in out.chunks)
+        try:
+            return _Started(self.runner.start(out, None if prompts else 1), self._step_failed)
+        except Exception as e:
+            raise self._step_failed(e) from e
+
+    def abort(self, request_id: str):
+        steps = self.steps_in_flight
+        seq = self.scheduler.find(request_id) if steps is not None else None
+        if seq is not None:
+            steps.fence(seq)  # its blocks wait for its step in flight
+        return super().abort(request_id)
+
+    def runs_whole(self, seqs) -> bool:
+        """Whether a step of ``seqs`` runs alone, as one step at a time would: one with constrained
+        rows (their masks are one step's at a time), or every step while the runner keeps each
+        step's logits."""
+        return self.runner.capture_logits or any(s.grammar is not None for s in seqs)
+
+    @property
+    def steps_in_flight(self) -> StepsInFlight | None:
+        """The steps in flight over the stages, if this engine keeps several (``engine.inflight``)."""
+        return self.overlap if isinstance(self.overlap, StepsInFlight) else None
 
     def set_execution(self, *, cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
                       fused_kernels: tuple[str, ...] | None = None, attention_backend: str | None = None) -> None:
@@ -338,6 +379,19 @@ class Engine(EngineCore):
             budget = min(self.config.cpu_kv_gib * _GIB, _available_memory() * 0.25)
         want = self.config.max_num_seqs * -(-max_len // self.config.block_size)
         return max(16, min(int(budget // block_bytes), want))
+
+
+class _Started:
+    """A step in flight (``Engine.start``): ``result()`` its tokens; a failure closes the group."""
+
+    def __init__(self, started: StartedStep, failed):
+        self.started, self.failed = started, failed
+
+    def result(self) -> list[SampledToken]:
+        try:
+            return self.started.result()
+        except Exception as e:
+            raise self.failed(e) from e
 
 
 def _rank_kv_files(config: EngineConfig, device: torch.device) -> str | None:

@@ -115,8 +115,13 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-layers", default=None, metavar="N,N,...",
                    help="layers per stage (they sum to the model's layers; default: as even as they go)")
     p.add_argument("--pp-microbatches", type=int, default=0, metavar="M",
-                   help="cut a step into up to M micro-batches so the stages work at once "
-                        "(default 0: --pp, one per stage; 1: off)")
+                   help="cut a step into up to M micro-batches so the stages work at once: a step with "
+                        "prompt chunks, or every step with --pp-steps-in-flight 1 (default 0: --pp, one per "
+                        "stage; 1: off)")
+    p.add_argument("--pp-steps-in-flight", type=int, default=0, metavar="N",
+                   help="keep up to N steps of different sequences in flight over the stages, so each stage "
+                        "has one while rank 0 samples and schedules (default 0: --pp, one per stage; 1: off, "
+                        "one step at a time, cut into micro-batches)")
 
 
 def pipeline_fields(args: argparse.Namespace) -> dict:
@@ -124,7 +129,8 @@ def pipeline_fields(args: argparse.Namespace) -> dict:
     from engine.parallel.layout import parse_stage_layers
 
     layers = parse_stage_layers(args.pp_layers) if args.pp_layers else ()
-    return {"pp": args.pp, "pp_layers": layers, "pp_microbatches": args.pp_microbatches}
+    return {"pp": args.pp, "pp_layers": layers, "pp_microbatches": args.pp_microbatches,
+            "pp_steps_in_flight": args.pp_steps_in_flight}
 
 
 def pipeline_argv(args: argparse.Namespace) -> list[str]:
@@ -134,7 +140,9 @@ def pipeline_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--pp", str(args.pp)]
     if args.pp_layers:
         argv += ["--pp-layers", args.pp_layers]
-    return argv + (["--pp-microbatches", str(args.pp_microbatches)] if args.pp_microbatches else [])
+    if args.pp_microbatches:
+        argv += ["--pp-microbatches", str(args.pp_microbatches)]
+    return argv + (["--pp-steps-in-flight", str(args.pp_steps_in_flight)] if args.pp_steps_in_flight else [])
 
 
 def check_layout(config: EngineConfig, mc: ModelConfig, here: int | None = None) -> None:

@@ -66,6 +66,19 @@ class PendingStep:
         return tokens if self.verification is None else self.verification.emit(tokens)
 
 
+class StartedStep:
+    """A step whose first stage ran and whose later ones may still run (``ModelRunner.start``):
+    ``result()`` waits for its rows, samples them and waits for the tokens."""
+
+    def __init__(self, sample: Callable[[], PendingStep]):
+        self._sample = sample
+
+    def result(self) -> list[SampledToken]:
+        with torch.inference_mode():
+            pending = self._sample()
+        return pending.result()
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, sampler: Sampler | None, block_size: int,
                  broadcast: Callable[[StepInputs, torch.Tensor], None] | None = None,
@@ -105,13 +118,29 @@ class ModelRunner:
         step, sample_rows = self.inputs(out)
         draft_rows, drafting = _drafted_rows(out)
         logits = self._logits(step, prev, sample_rows + draft_rows if sample_rows else [])
-        if not sample_rows:
+        return self._sample(logits, seqs, len(sample_rows), drafting, masks)
+
+    @torch.inference_mode()
+    def start(self, out: SchedulerOutput, microbatches: int | None = None) -> StartedStep:
+        """Pipeline stages: run rank 0's stage of the step and return while the later stages work
+        on it (``engine.inflight``); ``StartedStep.result()`` samples. No row takes an in-flight
+        token, none is constrained (those steps run whole: ``launch``); ``microbatches``: at most
+        this many for the step."""
+        seqs = [c.seq for c in out.sampling_chunks]
+        step, sample_rows = self.inputs(out)
+        draft_rows, drafting = _drafted_rows(out)
+        rows = sample_rows + draft_rows if sample_rows else []
+        started = self.pipeline.launch(step, array_to_device(step.input_ids, self.device), rows, microbatches)
+        return StartedStep(lambda: self._sample(started.logits(), seqs, len(sample_rows), drafting, None))
+
+    def _sample(self, logits: torch.Tensor | None, seqs: list[Sequence], n: int, drafting, masks) -> PendingStep:
+        """Sample the step's ``n`` sampled rows (the first ``n`` of ``logits``; the drafted rows follow)."""
+        if not n:
             return PendingStep(None, {})
-        n = len(sample_rows)
         verification = None
-        if draft_rows:  # before the sampler masks the sampled rows in place
+        if drafting:  # before the sampler masks the sampled rows in place
             verification = Verification.launch(self.sampler, self.grammar, logits, n, drafting, seqs, masks)
-        samples = self.sampler.sample(logits[:n] if draft_rows else logits, seqs, masks)
+        samples = self.sampler.sample(logits[:n] if drafting else logits, seqs, masks)
         return PendingStep(samples, {s: i for i, s in enumerate(seqs)}, verification)
 
     def _logits(self, step: StepInputs, prev: PendingStep | None, rows: list[int]) -> torch.Tensor | None:

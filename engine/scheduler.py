@@ -173,7 +173,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: set[Sequence] | tuple = (), most: int | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._make_room_for(out, budget)
@@ -186,12 +186,12 @@ class Scheduler:
         bs = self.kv.block_size
         prefill = -1  # prompt tokens this step may still take (-1: not worked out yet)
         drafting = self._drafter is not None
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and (most is None or len(chunks) < most):  # (engine.inflight)
             seq = running[i]
             if seq.priority < top:
                 break  # paused while higher-priority work exists (the rest rank lower still)
-            if seq.num_placeholders and self._stops_by_length(seq):
-                i += 1  # its in-flight token is its last: nothing more to compute
+            if (busy and seq in busy) or (seq.num_placeholders and self._stops_by_length(seq)):
+                i += 1  # in a step in flight (``busy``), or its in-flight token is its last: nothing to compute
                 continue
             start = seq.num_computed_tokens
             end = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_placeholders

@@ -56,8 +56,9 @@ def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.
 
 class Link:
     """One direction between two ranks: the sender sends, the receiver receives, tagged per
-    message (a micro-batch's index in its step). Both return the operation's handle; ``wait()``
-    it before the tensor is read (receive) or reused (send)."""
+    message (its step's ``tag_base`` plus the micro-batch's index: ``engine.parallel.stage``).
+    Both return the operation's handle; ``wait()`` it before the tensor is read (receive) or
+    reused (send)."""
 
     def __init__(self, group):
         self.group = group

@@ -15,6 +15,11 @@ pieces before it wrote on the same stage, which every stage runs first, so the c
 invisible to the result. Every rank of a stage's TP group runs the same micro-batches (their
 all-reduces meet); rank (s, t) sends to rank (s + 1, t).
 
+Rank 0 may start a step (``StageRunner.start``: its stage's compute, the sends and the receives
+of the rows that come back posted) and start others before it ``finish``es the first (steps in
+flight: ``engine.inflight``); the other ranks run each step whole, in the order rank 0 handed
+them out.
+
 With one stage (TP alone) a ``StageStep`` is the whole step, run by the helper ranks with rank 0.
 """
 
@@ -48,11 +53,22 @@ class StageStep:
     # rows whose token is in flight (overlapped scheduling): the first stage's ranks take the
     # step's ids from rank 0 over their TP group (``share_ids``), not from ``input_ids``
     fed: bool = False
+    # the tag of micro-batch i on the links is tag_base + i: steps in flight together (rank 0's
+    # ``Pipeline.launch``) never share one
+    tag_base: int = 0
 
     @classmethod
     def whole(cls, step: StepInputs, fed: bool = False) -> StageStep:
         """The step as one micro-batch, nothing returned (tensor parallelism alone)."""
         return cls([step], [[]], fed)
+
+
+@dataclass
+class StageRun:
+    """A step this rank started (``StageRunner.start``): what ``finish`` waits for."""
+
+    back: list  # rank 0: (receive, buffer) per micro-batch that returns rows
+    sends: list  # (send, tensor) per micro-batch: the tensor must live until its send ends
 
 
 @dataclass
@@ -136,21 +152,28 @@ class StageRunner:
         self.hidden_size = model.cfg.hidden_size
         self.stats = StageStats(rank, place.stage)
 
-    @torch.inference_mode()
     def run(self, step: StageStep, input_ids: torch.Tensor | None = None,
             on_rows: Callable[[torch.Tensor], None] | None = None) -> None:
         """Run ``step`` on this stage. ``input_ids``: the step's ids on the device, where the caller
         has them (rank 0); ``on_rows``: rank 0's, called with each micro-batch's returned hidden
         states (``[rows, hidden]``, in row order) as they arrive, while later ones still run."""
+        self.finish(self.start(step, input_ids), on_rows)
+
+    @torch.inference_mode()
+    def start(self, step: StageStep, input_ids: torch.Tensor | None = None) -> StageRun:
+        """This stage's compute of every micro-batch of ``step``, its sends posted (and on rank 0
+        the receives of the rows that come back): the step goes on in the later stages while the
+        caller (rank 0) starts another (``finish`` takes its rows)."""
         t0 = time.perf_counter()
         waited = 0.0
         if self.embeds and step.fed and self.groups.tp is not None:
             input_ids = self._share_ids(step, input_ids)
         inbox = None if self.embeds else self._post_receives(step)
-        back = self._post_returns(step) if self.collects else None
+        back = self._post_returns(step) if self.collects else []
         sends, row = [], 0
         for i, mb in enumerate(step.microbatches):
             n = len(mb.positions)
+            tag = step.tag_base + i
             self.attention.plan(AttentionBatch(mb.query_lens, mb.context_lens, mb.block_tables,
                                                array_to_device(mb.slot_mapping, self.device)))
             positions = array_to_device(mb.positions, self.device)
@@ -166,25 +189,33 @@ class StageRunner:
             x, residual = self.model.forward_layers(x, residual, positions, self.attention, self.layers)
             if self.groups.to_next is not None:
                 out = torch.stack([x, residual])
-                sends.append((self.groups.to_next.send(out, i), out))  # the tensor lives until its send ends
+                sends.append((self.groups.to_next.send(out, tag), out))  # the tensor lives until its send ends
             elif self.returns and step.returned[i]:
                 rows = torch.as_tensor(step.returned[i], dtype=torch.long).to(self.device)
                 out = residual.index_select(0, rows) + x.index_select(0, rows)
-                sends.append((self.groups.back.send(out, i), out))
+                sends.append((self.groups.back.send(out, tag), out))
             row += n
-        if back is not None:
-            for work, buf in back:
-                w0 = time.perf_counter()
-                work.wait()
-                waited += time.perf_counter() - w0
-                if on_rows is not None:
-                    on_rows(buf)
+        self.stats.busy_s += time.perf_counter() - t0 - waited
+        self.stats.microbatches += len(step.microbatches)
+        return StageRun(back, sends)
+
+    @torch.inference_mode()
+    def finish(self, run: StageRun, on_rows: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Wait for a started step's returned rows (rank 0: ``on_rows`` with each micro-batch's, in
+        row order) and for its sends to be taken."""
+        t0 = time.perf_counter()
+        waited = 0.0
+        for work, buf in run.back:
+            w0 = time.perf_counter()
+            work.wait()
+            waited += time.perf_counter() - w0
+            if on_rows is not None:
+                on_rows(buf)
         w0 = time.perf_counter()
-        for work, _ in sends:
+        for work, _ in run.sends:
             work.wait()
         waited += time.perf_counter() - w0
         self.stats.busy_s += time.perf_counter() - t0 - waited
-        self.stats.microbatches += len(step.microbatches)
         self.stats.steps += 1
 
     def _share_ids(self, step: StageStep, input_ids: torch.Tensor | None) -> torch.Tensor:
@@ -199,7 +230,7 @@ class StageRunner:
         out = []
         for i, mb in enumerate(step.microbatches):
             buf = torch.empty(2, len(mb.positions), self.hidden_size, dtype=self.dtype, device=self.device)
-            out.append((self.groups.from_prev.recv(buf, i), buf))
+            out.append((self.groups.from_prev.recv(buf, step.tag_base + i), buf))
         return out
 
     def _post_returns(self, step: StageStep) -> list:
@@ -207,7 +238,7 @@ class StageRunner:
         for i, rows in enumerate(step.returned):
             if rows:
                 buf = torch.empty(len(rows), self.hidden_size, dtype=self.dtype, device=self.device)
-                out.append((self.groups.back.recv(buf, i), buf))
+                out.append((self.groups.back.recv(buf, step.tag_base + i), buf))
         return out
 
     def take_stats(self, reset: bool = False) -> StageStats:

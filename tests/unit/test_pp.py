@@ -146,7 +146,7 @@ def test_micro_batching_on_and_off_give_the_same_tokens(models, engines, referen
     """A step of 8 rows or more is cut into 2 micro-batches (one per stage) by default, into none
     with ``pp_microbatches`` 1; prefill chunks are cut through their middle. (The engine without
     micro-batches also speculates: ``test_ngram_speculation_...``.)"""
-    on = engines.get(models["dense"], pp=2)
+    on = engines.get(models["dense"], pp=2, pp_steps_in_flight=1)  # one step at a time: each cut
     off = engines.get(models["dense"], pp=2, pp_microbatches=1, **NGRAM)
     on.stage_stats(reset=True)
     off.stage_stats(reset=True)
@@ -198,6 +198,104 @@ def test_ngram_speculation_is_verified_through_the_stages(models, engines, kind,
     assert spec.scheduler.spec.drafted > drafted and spec.scheduler.spec.accepted > accepted
 
 
+# -- steps in flight (engine.inflight): the default over several stages ----------------------
+
+def in_flight(engine: Engine) -> Engine:
+    """One of the module's engines with steps in flight (the default over several stages), their
+    counters reset, and its logits no longer kept (``run_with_logits``: every step then runs whole)."""
+    engine.runner.capture_logits = False
+    engine.pipeline.most_in_flight = engine.steps_in_flight.whole = 0
+    return engine
+
+
+def mixed_requests(one: Engine) -> tuple[list[list[int]], list[SamplingParams]]:
+    """11 prompts (one of 3 chunks) with outputs of different lengths: one ends on a stop token
+    mid-run (a token the single rank gives it), one has penalties."""
+    prompts = prompts_of([3, 17, 40, 150, 9, 25, 6, 12, 30, 8, 20], 4096, seed=6, low=3)
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    params[1] = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0, repetition_penalty=1.3)
+    probe = one.generate([prompts[2]], params[2])[0].output_token_ids
+    params[2] = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(probe[3],))
+    return prompts, params
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("dense", "pp2"), ("moe", "pp3"), ("dense", "tp2pp2")])
+def test_steps_in_flight_are_token_identical_with_uneven_groups_stops_and_a_prefix_hit(models, engines, kind, layout):
+    one = engines.get(models[kind])
+    many = in_flight(engines.get(models[kind], **LAYOUTS[layout]))
+    prompts, params = mixed_requests(one)
+    want = one.generate(prompts, params)
+    got = many.generate(prompts, params)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
+    assert got[2].num_output_tokens < 30  # stopped mid-run
+    # a step per stage was in flight at once, and none ran whole (the fallback)
+    assert many.pipeline.most_in_flight == many.layout.pp and many.steps_in_flight.whole == 0
+    shared = [*prompts[3][:120], 5, 6, 7]  # its first 15 blocks hit on every stage
+    a, b = one.generate([shared, prompts[0]], GREEDY), many.generate([shared, prompts[0]], GREEDY)
+    assert [s.output_token_ids for s in b] == [s.output_token_ids for s in a]
+    assert b[0].num_cached_tokens == a[0].num_cached_tokens == 120
+    assert many.pool.num_used == 0 and not many.has_work
+
+
+def test_steps_in_flight_with_preemption_and_speculation_are_token_identical(models, engines):
+    """A small pool preempts sequences whose step may be in flight; n-gram drafts are verified in
+    flight."""
+    prompts = [p * 3 for p in prompts_of([13, 15, 17, 14, 16, 18], 4000, seed=7, low=3)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in engines.get(models["moe"]).generate(prompts, params)]
+    small = in_flight(engines.get(models["moe"], pp=3, num_kv_blocks=24, **NGRAM))
+    small.scheduler.spec_prior = AcceptancePrior()
+    preempted, drafted = small.scheduler.num_preemptions, small.scheduler.spec.drafted
+    assert [s.output_token_ids for s in small.generate(prompts, params)] == want
+    assert small.scheduler.num_preemptions > preempted and small.scheduler.spec.drafted > drafted
+    assert small.pipeline.most_in_flight >= 2 and small.steps_in_flight.whole == 0
+    assert small.pool.num_used == 0
+
+
+def test_an_aborted_sequence_s_blocks_wait_for_its_step_in_flight(models, engines):
+    prompts = prompts_of([20, 21, 22, 23], 4096, seed=9, low=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate(prompts, params)]
+    many = in_flight(engines.get(models["dense"], **LAYOUTS["pp2"]))
+    seqs = [many.new_sequence(p, params) for p in prompts]
+    for s in seqs:
+        many.add(s)
+    steps = many.steps_in_flight.steps
+
+    def flying(seq):
+        return any(c.seq is seq for f in steps for c in f.out.chunks)
+
+    while not (seqs[0].num_output_tokens >= 2 and flying(seqs[0])):
+        many.step()
+    free = many.pool.num_free
+    many.abort(seqs[0].request_id)
+    assert many.pool.num_free == free  # held while its step is in flight
+    while flying(seqs[0]):
+        many.step()
+    assert many.pool.num_free > free
+    while many.has_work:
+        many.step()
+    assert [s.output_token_ids for s in seqs[1:]] == want[1:] and many.pool.num_used == 0
+
+
+def test_a_constrained_request_runs_whole_steps_beside_steps_in_flight(models, engines):
+    """Steps with constrained rows run whole, one at a time; the others, in flight."""
+    schema = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())[0]["schema"]
+    tok = Tokenizer(models["dense"])
+    prompt = tok.encode_chat([{"role": "user", "content": "Reply with JSON that fits the schema."}])
+    plain = prompts_of([7, 9, 11, 13], 4096, seed=8, low=3)
+    many = in_flight(engines.get(models["dense"], **LAYOUTS["pp2"]))
+    many.generate(plain, GREEDY)  # the plain ones alone: in flight; with the constrained one: whole
+    assert many.steps_in_flight.whole == 0 and many.pipeline.most_in_flight == 2
+    params = [SamplingParams(max_tokens=80, temperature=0.0, constraint=Constraint.json_schema(schema)),
+              *[GREEDY] * len(plain)]
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate([prompt, *plain], params)]
+    seqs = many.generate([prompt, *plain], params)
+    assert [s.output_token_ids for s in seqs] == want
+    assert many.steps_in_flight.whole > 0
+    json.loads(tok.decode(seqs[0].output_token_ids))
+
+
 def test_a_dead_stage_fails_the_step_and_every_later_one(models):
     engine = Engine(EngineConfig(models["dense"], num_kv_blocks=64, pp=2))
     pids = engine.ranks.pids
@@ -236,6 +334,9 @@ def test_layouts_that_do_not_fit_the_model_are_refused(models, kw, message):
 @pytest.mark.parametrize(("kw", "refused"), [
     (dict(loras=(("a", "/x"),)), "--lora"), (dict(cuda_graphs=True), "--cuda-graphs"),
     (dict(speculative="eagle3:/x"), "--speculative eagle3"), (dict(pp_layers=(5,)), "--pp-layers names 1 stages"),
+    (dict(pp_steps_in_flight=3), "--pp-steps-in-flight must be 0"),
+    (dict(pp_steps_in_flight=2, async_scheduling=True), "contradict"),
+    (dict(pp_steps_in_flight=2, host_kv_blocks=8), "KV tiers"),
 ])
 def test_combinations_not_supported_are_refused_at_config(kw, refused):
     with pytest.raises(ValueError, match=refused):
@@ -245,7 +346,7 @@ def test_combinations_not_supported_are_refused_at_config(kw, refused):
 @pytest.mark.parametrize("argv", [
     ["--pp", "6"], ["--pp", "2", "--pp-layers", "1,2"], ["--pp", "2", "--pp-layers", "2,x"],
     ["--tp", "2", "--pp", "2", "--device", "cuda"], ["--pp", "2", "--cuda-graphs"],
-    ["--pp", "2", "--transports", "cuda_ipc,nats"],
+    ["--pp", "2", "--transports", "cuda_ipc,nats"], ["--pp", "2", "--pp-steps-in-flight", "3"],
 ])
 def test_the_cli_refuses_a_layout_in_one_line(models, capsys, argv):
     from cli import main
@@ -269,9 +370,11 @@ def test_mesh_up_passes_the_pipeline_flags_to_its_workers(models, monkeypatch):
         return 0
 
     monkeypatch.setattr(cli.localmesh, "run_up", fake_run_up)
-    assert main(["up", "--model", str(models["dense"]), "--pp", "3", "--pp-layers", "1,1,3"]) == 0
+    assert main(["up", "--model", str(models["dense"]), "--pp", "3", "--pp-layers", "1,1,3",
+                 "--pp-steps-in-flight", "1"]) == 0
     flags = plans[0].worker_flags
     assert flags[flags.index("--pp") + 1] == "3" and flags[flags.index("--pp-layers") + 1] == "1,1,3"
+    assert flags[flags.index("--pp-steps-in-flight") + 1] == "1"
     assert main(["up", "--mock", "--pp", "2"]) == 2
 
 
