@@ -22,8 +22,9 @@ writing the KV of a request whose blocks it got) are kept off blocks a step in f
 aborted sequence's blocks are held until its step in flight has resolved (``fence``), and when
 the next step may have to preempt (too few free blocks for the sequences it would grow, or a
 waiting sequence outranking a running one) the steps in flight are resolved first. Should a
-sequence be preempted while its step is in flight all the same (that estimate is short), it
-keeps that step's token and is re-admitted once it is known, as under ``engine.overlap``.
+sequence be preempted while its step is in flight all the same (that estimate is short), its
+blocks are held as an aborted one's (``Scheduler.before_preempt``), and it keeps that step's
+token and is re-admitted once it is known, as under ``engine.overlap``.
 
 Steps that run whole, alone, as with one step at a time (every step in flight is resolved first,
 and the step is cut into micro-batches): steps with constrained rows (a grammar's masks are one
@@ -78,6 +79,7 @@ class StepsInFlight:
         self.depth = depth  # steps in flight at most (the stages)
         self.steps: deque[Inflight] = deque()  # oldest first
         self.whole = 0  # steps run whole (the fallback), for tests and logs
+        core.scheduler.before_preempt = self.fence  # a victim's step in flight still writes its blocks
 
     @property
     def inflight(self) -> Inflight | None:
@@ -135,7 +137,7 @@ class StepsInFlight:
         return results
 
     def fence(self, seq: Sequence) -> None:
-        """``seq`` is about to be aborted: its blocks stay out of the free queues until its step in
+        """``seq`` is about to be aborted or preempted: its blocks stay out of the free queues until its step in
         flight (if any) has run on every stage, so that no writer outside the steps (a prefill
         worker writing the KV of a request whose blocks it got) writes them before that step."""
         for f in self.steps:

@@ -1,29 +1,26 @@
 """Continuous batching: which sequences compute how many tokens this step.
 
-One token budget per step. Running sequences go first (a decode takes one
-token, a half-prefilled prompt takes the next chunk), then waiting ones are
-admitted in order with their prefix-cache hits (in any KV tier: hits below the
-device are onboarded into fresh device blocks at admission, and admission
-counts those blocks). When blocks run out, the most recently admitted running
-sequence is preempted by recompute: its blocks are freed (they stay cached, or
-are offloaded, so the recompute is mostly a prefix hit) and it goes back to the
-front of the queue.
+One token budget per step. Running sequences go first (a decode takes one token, a half-prefilled
+prompt takes the next chunk), then waiting ones are admitted in order with their prefix-cache hits
+(in any KV tier: hits below the device are onboarded into fresh device blocks at admission, and
+admission counts those blocks). When blocks run out, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed (they stay cached, or are offloaded, so the recompute
+is mostly a prefix hit) and it goes back to the front of the queue (``before_preempt``, where set,
+hears of it first: steps in flight hold a victim's blocks while a step still writes them).
 
-Priority (higher first; interactive traffic 0, batch below): the queue and the
-running set are ordered by priority, then arrival. A waiting sequence that does
-not fit preempts lower-priority running ones, and while any higher-priority
-sequence is running or waiting, lower-priority ones are paused (they keep their
-blocks but skip steps), so an interactive request never shares a step with a
-flood of batch work. The lowest priority, most recent sequence is always the
-first victim.
+Priority (higher first; interactive traffic 0, batch below): the queue and the running set are
+ordered by priority, then arrival. A waiting sequence that does not fit preempts lower-priority
+running ones, and while any higher-priority sequence is running or waiting, lower-priority ones are
+paused (they keep their blocks but skip steps), so an interactive request never shares a step with
+a flood of batch work. The lowest priority, most recent sequence is always the first victim.
 
-The scheduler never touches tensors; ``SchedulerOutput`` is a plain value the
-runner executes.
+The scheduler never touches tensors; ``SchedulerOutput`` is a plain value the runner executes.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.sequence import SampledToken, SeqStatus, Sequence
@@ -110,6 +107,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.drafter: Drafter | None = None  # speculative decoding: proposes tokens for decoding rows
         self.spec = SpecCounters()
+        self.before_preempt: Callable[[Sequence], None] | None = None  # each victim, before its free
 
     @property
     def drafter(self) -> Drafter | None:
@@ -273,6 +271,8 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.before_preempt is not None:
+            self.before_preempt(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.PREEMPTED

@@ -252,6 +252,29 @@ def test_steps_in_flight_with_preemption_and_speculation_are_token_identical(mod
     assert small.pool.num_used == 0
 
 
+def test_a_sequence_preempted_in_flight_keeps_its_blocks_until_its_step_ran(models, engines, monkeypatch):
+    """With the look-ahead that resolves the steps before a preemption switched off, victims are
+    taken while their step is in flight: their blocks are held until it resolves (no writer outside
+    the steps may have them before), and the tokens are still one rank's."""
+    prompts = prompts_of([40, 45, 50, 55], 4096, seed=5, low=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in engines.get(models["dense"]).generate(prompts, params)]
+    small = in_flight(engines.get(models["dense"], **LAYOUTS["pp2"], num_kv_blocks=24))
+    flight = small.steps_in_flight
+    monkeypatch.setattr(flight, "_may_preempt", lambda busy: False)
+    held_in_flight = []
+
+    def fence(seq):
+        before = sum(len(f.held) for f in flight.steps)
+        flight.fence(seq)
+        held_in_flight.append(sum(len(f.held) for f in flight.steps) - before)
+
+    monkeypatch.setattr(small.scheduler, "before_preempt", fence)
+    assert [s.output_token_ids for s in small.generate(prompts, params)] == want
+    assert any(held_in_flight), held_in_flight  # a victim's step was in flight: its blocks were held
+    assert small.pool.num_used == 0 and not flight.steps
+
+
 def test_an_aborted_sequence_s_blocks_wait_for_its_step_in_flight(models, engines):
     prompts = prompts_of([20, 21, 22, 23], 4096, seed=9, low=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
