@@ -36,7 +36,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from mesh.bus import Bus
-from mesh.procutil import cancel_and_wait
+from mesh.procutil import cancel_and_wait, until_tick
 from mesh.protocol import DecodeError, WorkerCard, decode, encode, subject_token
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class CardPublisher:
 
     async def _refresh(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl / 3)
+            await asyncio.sleep(until_tick(self.ttl / 3))  # with the process's other cards (worker.host)
             try:
                 await self.put()
             except Exception as e:  # reconnecting, or the server lost the bucket: open it anew
