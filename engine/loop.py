@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -177,6 +178,15 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
+_GRID_PHASE = random.random()  # this process's offset on the step grid, as a fraction of its period
+
+
+def on_grid(t: float, period: float) -> float:
+    """``t`` moved to the nearest tick of ``period`` on this process's step grid."""
+    base = _GRID_PHASE * period
+    return base + round((t - base) / period) * period
+
+
 class InlineEngineLoop(EngineLoop):
     """``EngineLoop`` without the thread, for engines whose step never blocks: the mocker, whose
     timing model is a pause this loop awaits (``MockEngine.paced``) rather than a sleep.
@@ -193,6 +203,12 @@ class InlineEngineLoop(EngineLoop):
     A step's outputs and KV events leave at its due time, as a GPU step's leave when it ends
     (sent when the step started, a first token skipped its own prefill's time: TTFT without
     the prefill, and no prefix hit could shorten it).
+    With a step grid (the mocker's ``--mock-step-grid-ms``) each step's due time moves to the nearest
+    tick of the process's grid: the engines of one process (``worker.host``) then end their steps
+    in the same turn of the loop, and their outputs (token batches, KV events) leave together, as
+    one host stepping its workers on one clock would send them. A step of the grid's period stays
+    that long; an idle engine's first step ends at the tick nearest its due time (half a period
+    sooner or later).
     While it is behind, steps also run back to back within one turn of the event loop, for up to
     ``CHAIN_S``: a turn of the loop (poll, callbacks, the pacing sleep) per step cost the mocker
     as much as the step at small batches, and what a step's outputs wait for (the loop's turn)
@@ -201,6 +217,7 @@ class InlineEngineLoop(EngineLoop):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.grid = getattr(self.engine, "step_grid_s", 0.0)  # steps end on the process's grid of this period
         self._queue: deque = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -268,6 +285,8 @@ class InlineEngineLoop(EngineLoop):
                     t1 = time.perf_counter()
                     self.step_seconds = t1 - t0
                     due += engine.take_owed_seconds()
+                    if self.grid:
+                        due = on_grid(due, self.grid)
                     delay = due - clock()
                     if delay > 0:
                         break  # its outputs leave when its time is up, after the pause below

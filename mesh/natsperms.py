@@ -18,7 +18,9 @@ One NATS user per role; each may publish and subscribe only what its role does:
               gateway's LoRA inboxes), its registry card
     planner   planner.decisions                           load, planner.decisions, its inbox
 
-plus the JetStream API calls each role makes on the registry bucket
+Every role also subscribes to the registry bucket's subjects (``$KV.{ns}_workers.>``: the cards
+its view follows after the watch's replay, ``mesh.registry``), plus the JetStream API calls each
+role makes on the registry bucket
 (``KV_{ns}_workers``) and the prefill streams (``{ns}_{model}_prefill``): info,
 create, the registry watch, the prefill pull consumer and its acks. Nobody may
 delete, purge or update a stream. Inboxes are per role (``_INBOX.{role}``, which
@@ -84,6 +86,12 @@ def _registry(ns: str, writes: bool) -> list[str]:
     return ["$JS.API.INFO", *api, *([f"$KV.{bucket}.>"] if writes else [])]
 
 
+def _registry_follow(ns: str) -> str:
+    """What a registry view subscribes to after its first replay (``mesh.registry.Membership``): the
+    bucket's puts and deletes as they are published."""
+    return f"$KV.{Subjects(ns).workers_bucket()}.>"
+
+
 def _responses(ns: str) -> list[str]:
     """The stored responses' bucket (the gateway's): open or create it, get, put and purge keys."""
     bucket = Subjects(ns).responses_bucket()
@@ -128,7 +136,8 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}",
                s.router_decisions(), lora, *_registry(ns, False), *_responses(ns), *_batches(ns)]
-        sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway")]
+        sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway"),
+               _registry_follow(ns)]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
         pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
@@ -137,7 +146,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
         sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "embed", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",
                                             f"nixl.{ANY}", "kv_fetch", f"kv_fetch_data.{ANY}", "kv_fetch_release")),
-               f"{m}.kv.snapshot.{ANY}", load, lora, rank_join, inbox("decode")]
+               f"{m}.kv.snapshot.{ANY}", load, lora, rank_join, inbox("decode"), _registry_follow(ns)]
     elif role == "prefill":
         pub = [f"{decode}.kv_ready", f"{decode}.kv_data.{ANY}", f"{decode}.nccl.{ANY}", f"{decode}.nixl.{ANY}", load,
                f"_INBOX.gateway.{LORA_REPLIES}.>", *_registry(ns, True)]
@@ -145,10 +154,10 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
             pub += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",
                     f"$JS.API.CONSUMER.CREATE.{st}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{st}.*",
                     f"$JS.API.CONSUMER.MSG.NEXT.{st}.*", f"$JS.ACK.{st}.>"]
-        sub = [lora, inbox("prefill")]
+        sub = [lora, inbox("prefill"), _registry_follow(ns)]
     else:  # planner (and mesh top: it reads what the planner reads)
         pub = [s.planner_decisions(), *_registry(ns, False)]
-        sub = [load, s.planner_decisions(), inbox("planner")]
+        sub = [load, s.planner_decisions(), inbox("planner"), _registry_follow(ns)]
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
 
 

@@ -1,4 +1,5 @@
-"""Child processes that never outlive their parent (Linux), and signal plumbing.
+"""Child processes that never outlive their parent (Linux), signal plumbing, and the process's
+tick grid for periodic work (``until_tick``).
 
 Signals mean what they mean to gunicorn or nginx:
 
@@ -14,6 +15,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import random
 import signal
 import sys
 import time
@@ -140,3 +142,15 @@ def settle_heap() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0, gen1, gen2)
+
+
+_PHASE = random.random()  # this process's offset on every tick grid, as a fraction of the interval
+
+
+def until_tick(interval: float) -> float:
+    """Seconds to the next tick of ``interval`` on this process's grid. Periodic messages of the
+    workers one process holds (``worker.host``: their load reports, card refreshes) then leave in
+    the same turn of its loop, in one write, and a reader takes them in one read, not one wake-up
+    each (a gateway reading 1,000 workers' in 8 processes: ~70 us a message arriving alone, ~25 in
+    a burst). Each process draws its own phase, so separate processes (hosts) do not tick together."""
+    return interval - (time.monotonic() - _PHASE * interval) % interval

@@ -176,6 +176,8 @@ class MockConfig:
     num_speculative_tokens: int = 4
     spec_adaptive: bool = True  # --speculative-adaptive: K adapts per row (engine.spec.adaptive)
     spec_acceptance: float = 0.7  # the probability that each drafted token is the target's own
+    # --mock-step-grid-ms: steps end on the process's grid of this period (engine.loop.InlineEngineLoop)
+    step_grid_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -190,6 +192,8 @@ class MockConfig:
             raise ValueError("fetch_timeout must be > 0 and hint_wait >= 0")
         if not 0.0 <= self.spec_acceptance <= 1.0:
             raise ValueError(f"--mock-spec-acceptance must be in [0, 1], got {self.spec_acceptance}")
+        if self.step_grid_ms < 0:
+            raise ValueError(f"--mock-step-grid-ms must be >= 0 (0: off), got {self.step_grid_ms}")
         if self.speculative and self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
 
@@ -218,6 +222,10 @@ class MockConfig:
         p.add_argument("--mock-speedup", type=float, default=1.0, help="mocker: run the timing model this much faster")
         p.add_argument("--mock-timing", action="append", default=[], metavar="FIELD=VALUE",
                        help="mocker: set a timing-model field, e.g. network_gb_per_s=50 (repeatable)")
+        p.add_argument("--mock-step-grid-ms", type=float, default=0.0, metavar="MS",
+                       help="mocker: each step ends on the nearest tick of this period on a grid the process's "
+                            "workers share, so a process of many (--num-workers) steps them together (a step of "
+                            "this period stays one; 0: off)")
         p.add_argument("--mock-spec-acceptance", type=float, default=0.7, metavar="ALPHA",
                        help="mocker with --speculative: the probability that each drafted token is accepted")
 
@@ -233,7 +241,8 @@ class MockConfig:
               "speculative": getattr(args, "speculative", None),
               "num_speculative_tokens": getattr(args, "num_speculative_tokens", 4),
               "spec_adaptive": getattr(args, "speculative_adaptive", True),
-              "spec_acceptance": getattr(args, "mock_spec_acceptance", 0.7)}
+              "spec_acceptance": getattr(args, "mock_spec_acceptance", 0.7),
+              "step_grid_ms": getattr(args, "mock_step_grid_ms", 0.0)}
         if getattr(args, "peer_fetch_timeout", None) is not None:
             kw["fetch_timeout"] = args.peer_fetch_timeout
         if args.device_kv_blocks:
@@ -315,6 +324,11 @@ class MockEngine(EngineCore):
     steps_inline = True
     paced = False
     owed_seconds = 0.0
+
+    @property
+    def step_grid_s(self) -> float:
+        """The grid the inline loop ends steps on (0: none), in wall seconds."""
+        return self.config.step_grid_ms / 1000.0 / self.config.speedup
 
     def take_owed_seconds(self) -> float:
         owed, self.owed_seconds = self.owed_seconds, 0.0

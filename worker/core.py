@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
 from mesh.natsauth import retry_unavailable
-from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
+from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals, until_tick
 from mesh.protocol import LoadReport, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher, Membership
 from mesh.telemetry import serve_metrics, setup_tracing
@@ -197,4 +197,4 @@ class WorkerCore:
                 await self.bus.publish(subject, report, traced=False)
             except Exception as e:
                 log.warning("load report failed: %s", e)
-            await asyncio.sleep(self.settings.load_interval)
+            await asyncio.sleep(until_tick(self.settings.load_interval))  # with the process's other workers

@@ -7,7 +7,13 @@ token-id prompts, a 64-token system prompt every request shares and 192 tokens o
 tokens out, every token its own chunk). The simulated step is fixed, ``1000 * C / rate`` ms for any
 batch, so the mesh carries ``--token-rate`` tokens a second (default 3,000: what two shared cores
 carry beside 1,000 workers' own upkeep) whatever the number of workers, and a row at 1,000
-workers does the same work as a row at 10 with the same streams.
+workers does the same work as a row at 10 with the same streams. The workers of one process step
+on one clock (``--mock-step-grid-ms`` = the step; ``--no-step-grid``: each on its own), as one
+host's would: their token batches and KV events leave in one turn of its loop, and the gateway
+wakes once per process per step rather than once per worker. Their load reports and card
+refreshes tick together either way (``mesh.procutil.until_tick``). Workers one per process (a
+real deployment) get neither; what they keep of issue 51's fixes is the registry view's cheaper
+refreshes (``mesh.registry``).
 
 Per run, over a window after a warm-up: every component's CPU seconds per second and RSS (from
 /proc; the gateway with its processes, the workers summed over theirs); NATS messages and bytes per
@@ -26,10 +32,12 @@ index bytes per block, ingest rate. ``checks``: the issue's targets (51) read of
 
     python -m bench scale [--quick | --dry-run] [--workers 10,100,1000] [--streams 512,4096]
                           [--gateway-workers 1] [--token-rate 3000] [--seconds 30] [--kill [--kill-streams N]]
+                          [--no-step-grid]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -188,12 +196,14 @@ def plan(args) -> tuple[list[Spec], Spec | None, tuple[int, int, int] | None]:
     def step(c: int) -> float:
         return max(10.0, round(1000 * c / args.token_rate, 1))
 
-    specs = [Spec(w, c, g, min(MAX_PROCESSES, w), step(c), args.tokens, args.warmup, args.seconds)
+    specs = [Spec(w, c, g, min(MAX_PROCESSES, w), step(c), args.tokens, args.warmup, args.seconds,
+                  step_grid=args.step_grid)
              for w in workers for c in streams for g in gws]
     kill = None
     if args.kill:
         c, seconds = args.kill_streams or streams[-1], max(args.seconds, 20.0)
-        kill = Spec(kill_w, c, gws[0], kill_p, step(c), args.tokens, args.warmup, seconds, kill_after=seconds / 3)
+        kill = Spec(kill_w, c, gws[0], kill_p, step(c), args.tokens, args.warmup, seconds, kill_after=seconds / 3,
+                    step_grid=args.step_grid)
     return specs, kill, None if args.no_router else router
 
 
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", action="store_true", help="also the kill run (1,000 workers, 200 per process)")
     p.add_argument("--kill-streams", type=int, default=0, help="the kill run's streams (default: the most of --streams; "
                    "512: its requests last 11 s, not 87, and ~100 streams are on the killed workers)")
+    p.add_argument("--step-grid", action=argparse.BooleanOptionalAction, default=True,
+                   help="the workers of a process step on one clock (--mock-step-grid-ms: the step), so their "
+                        "token batches and KV events leave together (default: on)")
     p.add_argument("--no-router", action="store_true", help="skip the in-process router figures")
     p.add_argument("--keep", action="store_true", help="keep each run's logs (their folder printed)")
     args = parse(BENCHMARK, p, argv)

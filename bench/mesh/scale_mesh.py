@@ -35,6 +35,7 @@ class Spec:
     warmup: float = 10.0
     seconds: float = 30.0
     kill_after: float = 0.0  # --kill: SIGKILL one worker process this long into the window
+    step_grid: bool = False  # --step-grid: a process's workers step on one clock (--mock-step-grid-ms)
 
     def settle_s(self) -> float:
         """Warm-up: the initial burst admitted and a request's time run, so that requests end and
@@ -121,12 +122,13 @@ class Mesh:
         blocks = seqs * (-(-(SYSTEM_TOKENS + OWN_TOKENS + s.tokens) // 16) + 1) + 512
         timing = [f"decode_base_ms={s.step_ms}", "decode_ms_per_seq=0", "decode_ms_per_kv_token=0",
                   "prefill_base_ms=0", "prefill_ms_per_token=0.001", "prefill_ms_per_token_ctx=0"]
+        grid = ["--mock-step-grid-ms", str(s.step_ms)] if s.step_grid else []
         per = [s.workers // s.processes + (i < s.workers % s.processes) for i in range(s.processes)]
         for i, n in enumerate(per):
             self.spawn("workers", [*mesh, "worker", "mock", "--nats", url, "--ns", self.ns, "--model",
                                    str(self.model_dir), "--num-workers", str(n), "--worker-id", f"h{i}",
                                    "--device-kv-blocks", str(blocks), "--max-num-seqs", str(seqs),
-                                   "--metrics-port", "-1", *[a for t in timing for a in ("--mock-timing", t)]],
+                                   "--metrics-port", "-1", *grid, *[a for t in timing for a in ("--mock-timing", t)]],
                        f"workers-{i}.log")
 
     def pids(self, component: str) -> list[int]:

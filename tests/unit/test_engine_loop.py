@@ -184,6 +184,56 @@ async def test_the_inline_loop_runs_steps_back_to_back_while_behind_its_pace():
         collect.cancel()
 
 
+async def test_engines_on_one_step_grid_end_their_steps_in_the_same_turn():
+    """``--mock-step-grid-ms``: the engines of one process end their steps on the ticks of one grid
+    (a host stepping its workers together), so their outputs leave in the same turn of the loop;
+    a step of the grid's period keeps its length, whenever its engine began."""
+    from engine.loop import on_grid
+    from mocker.engine import TimingModel
+
+    assert abs(on_grid(on_grid(12.3456, 0.02) + 0.02, 0.02) - on_grid(12.3456, 0.02) - 0.02) < 1e-9
+    assert abs(on_grid(12.3456, 0.02) - 12.3456) <= 0.01
+    timing = TimingModel(prefill_base_ms=0, prefill_ms_per_token=0.001, prefill_ms_per_token_ctx=0,
+                         decode_base_ms=20, decode_ms_per_seq=0, decode_ms_per_kv_token=0)
+    turn = 0
+    turns: dict[str, list[int]] = {"a": [], "b": []}
+
+    async def ticker():
+        nonlocal turn
+        while True:
+            turn += 1
+            await asyncio.sleep(0)
+
+    async def collect(loop, name):
+        while True:
+            await loop.outputs()
+            turns[name].append(turn)
+
+    tick = asyncio.create_task(ticker())
+    loops, tasks = {}, []
+    try:
+        for name in ("a", "b"):
+            engine = MockEngine(MockConfig(num_blocks=64, timing=timing, step_grid_ms=20))
+            loops[name] = loop = InlineEngineLoop(engine, asyncio.get_running_loop())
+            tasks.append(asyncio.create_task(collect(loop, name)))
+            loop.start()
+            await loop.call(lambda e: e.add(e.new_sequence([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True),
+                                                           request_id="r")))
+            await asyncio.sleep(0.007)  # b begins off a's phase
+        while not all(lp.engine.num_steps >= 8 and not lp.engine.has_work for lp in loops.values()):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.03)
+        # together: within a turn or two (the ticker may run between the two collectors' wake-ups);
+        # 7 ms apart, without the grid, they are thousands of turns apart
+        together = [t for t in turns["b"] if any(abs(t - u) <= 2 for u in turns["a"])]
+        assert len(together) >= 5, turns  # all but the first step or two of each
+    finally:
+        for loop in loops.values():
+            loop.stop()
+        for t in (tick, *tasks):
+            t.cancel()
+
+
 def test_settle_heap_freezes_start_up_objects_and_collects_less_often():
     import gc
 
