@@ -213,7 +213,8 @@ class Admission:
             return f"model {req.model!r} is not served here", 404
         if req.request_id in self.active:
             return "duplicate request id", 409
-        if self.queued() >= self.max_queued:
+        # (queued() walks every active request: only when they could be too many)
+        if len(self.active) >= self.max_queued and self.queued() >= self.max_queued:
             self.ctx.counters.bump("rejected_overloaded")
             return "worker overloaded: too many requests queued", 429
         return None
