@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import random
 import threading
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.scheduler import StepOutput
+from mesh.procutil import on_tick
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +178,6 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
-_GRID_PHASE = random.random()  # this process's offset on the step grid, as a fraction of its period
-
-
-def on_grid(t: float, period: float) -> float:
-    """``t`` moved to the nearest tick of ``period`` on this process's step grid."""
-    base = _GRID_PHASE * period
-    return base + round((t - base) / period) * period
-
-
 class InlineEngineLoop(EngineLoop):
     """``EngineLoop`` without the thread, for engines whose step never blocks: the mocker, whose
     timing model is a pause this loop awaits (``MockEngine.paced``) rather than a sleep.
@@ -286,7 +277,7 @@ class InlineEngineLoop(EngineLoop):
                     self.step_seconds = t1 - t0
                     due += engine.take_owed_seconds()
                     if self.grid:
-                        due = on_grid(due, self.grid)
+                        due = on_tick(due, self.grid)
                     delay = due - clock()
                     if delay > 0:
                         break  # its outputs leave when its time is up, after the pause below

@@ -1,5 +1,5 @@
 """Child processes that never outlive their parent (Linux), signal plumbing, and the process's
-tick grid for periodic work (``until_tick``).
+tick grid for periodic work (``until_tick``, ``on_tick``).
 
 Signals mean what they mean to gunicorn or nginx:
 
@@ -154,3 +154,11 @@ def until_tick(interval: float) -> float:
     each (a gateway reading 1,000 workers' in 8 processes: ~70 us a message arriving alone, ~25 in
     a burst). Each process draws its own phase, so separate processes (hosts) do not tick together."""
     return interval - (time.monotonic() - _PHASE * interval) % interval
+
+
+def on_tick(t: float, interval: float) -> float:
+    """``t`` (a monotonic time) moved to the nearest tick of ``interval`` on this process's grid:
+    the mocker's steps (``engine.loop.InlineEngineLoop``), so that the workers one process holds end
+    theirs in the same turn of its loop."""
+    base = _PHASE * interval
+    return base + round((t - base) / interval) * interval

@@ -188,11 +188,11 @@ async def test_engines_on_one_step_grid_end_their_steps_in_the_same_turn():
     """``--mock-step-grid-ms``: the engines of one process end their steps on the ticks of one grid
     (a host stepping its workers together), so their outputs leave in the same turn of the loop;
     a step of the grid's period keeps its length, whenever its engine began."""
-    from engine.loop import on_grid
+    from mesh.procutil import on_tick
     from mocker.engine import TimingModel
 
-    assert abs(on_grid(on_grid(12.3456, 0.02) + 0.02, 0.02) - on_grid(12.3456, 0.02) - 0.02) < 1e-9
-    assert abs(on_grid(12.3456, 0.02) - 12.3456) <= 0.01
+    assert abs(on_tick(on_tick(12.3456, 0.02) + 0.02, 0.02) - on_tick(12.3456, 0.02) - 0.02) < 1e-9
+    assert abs(on_tick(12.3456, 0.02) - 12.3456) <= 0.01
     timing = TimingModel(prefill_base_ms=0, prefill_ms_per_token=0.001, prefill_ms_per_token_ctx=0,
                          decode_base_ms=20, decode_ms_per_seq=0, decode_ms_per_kv_token=0)
     turn = 0
