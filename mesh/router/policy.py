@@ -86,11 +86,11 @@ class WorkerLoad:
     can_serve: bool = True  # it sends blocks to peers that ask
 
 
-@dataclass(frozen=True)
-class RouteRequest:
+class PromptBlocks:
+    """A request's prompt in blocks (for a dataclass with ``num_tokens`` and ``block_size``)."""
+
     num_tokens: int
     block_size: int
-    hashes: tuple[int, ...] = ()
 
     @property
     def prompt_blocks(self) -> int:
@@ -100,6 +100,13 @@ class RouteRequest:
     def reusable_blocks(self) -> int:
         """Blocks an engine can take from a cache: never the one holding the last prompt token."""
         return max((self.num_tokens - 1) // self.block_size, 0)
+
+
+@dataclass(frozen=True)
+class RouteRequest(PromptBlocks):
+    num_tokens: int
+    block_size: int
+    hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from mesh.router.costs import KvCosts
-from mesh.router.policy import Decision, RouterConfig
+from mesh.router.policy import Decision, PromptBlocks, RouterConfig
 from mesh.router.slots import Slots, slot_array
 
 
@@ -110,19 +110,11 @@ class LoadTable:
 
 
 @dataclass(frozen=True)
-class KvRequest:
+class KvRequest(PromptBlocks):
     num_tokens: int
     block_size: int
     runs: list[tuple[int, int]]  # KvIndex.match_slots: (depth, mask of slots)
     below: dict[int, list[tuple[int, int]]]
-
-    @property
-    def prompt_blocks(self) -> int:
-        return -(-self.num_tokens // self.block_size)
-
-    @property
-    def reusable_blocks(self) -> int:
-        return max((self.num_tokens - 1) // self.block_size, 0)
 
 
 def pick_kv(req: KvRequest, table: LoadTable, candidates: np.ndarray, config: RouterConfig, rng: random.Random,
