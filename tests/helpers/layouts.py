@@ -5,29 +5,24 @@ test_tp_workers.py, test_pp_workers.py)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from mesh.protocol import LoadReport, WorkerCard
 from tests.helpers.cluster import Cluster, Watcher, run_all
-from tests.helpers.procs import stop_processes
+from tests.helpers.procs import descendants, stop_processes
 
 
 def rank_processes(pid: int) -> list[int]:
-    """The helper ranks a worker started (its children running engine.parallel.rank)."""
+    """The helper ranks a worker started (the processes below it running engine.parallel.rank)."""
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child in descendants(pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, ValueError, IndexError):
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
             continue
-        if ppid == pid and b"engine.parallel.rank" in cmd:
-            out.append(int(entry))
+        if b"engine.parallel.rank" in cmd:
+            out.append(child)
     return out
 
 
