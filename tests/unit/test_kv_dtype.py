@@ -6,8 +6,6 @@ greedy tokens against a bf16 cache), its figures printed."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from kvstore.disk import layout_fingerprint
 from kvstore.kv_dtype import FP8_DTYPES, from_kv_dtype, kv_cache_dtype, to_kv_dtype
 from kvstore.transfer import TransferTarget
 from kvstore.transfer.shm import ShmReceiver, ShmSender, shm_path
+from tests.helpers.tiers import offload_and_onboard
 
 CPU = torch.device("cpu")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -171,21 +170,7 @@ def test_the_host_tier_holds_fp8_blocks_and_gives_them_back(tiny_model):
     engine = Engine(EngineConfig(tiny_model, kv_cache_dtype="fp8", num_kv_blocks=24, host_kv_blocks=64))
     copier = engine.tiers.copier
     assert copier.slots.dtype == E4M3 and copier.block_bytes == engine.kv_spec.block_bytes
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 4096) for _ in range(200)]  # 12 full blocks + 8 tokens
-    first = engine.new_sequence(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    first.hold_blocks = True
-    engine.add(first)
-    while not first.is_finished:
-        engine.step()
-    computed = engine.kv_cache.read_blocks(first.block_table[:12]).clone()
-    engine.release(first.request_id)
-    engine.generate([[rng.randrange(3, 4096) for _ in range(370)]], SamplingParams(max_tokens=4))  # evicts them
-    again = engine.new_sequence([*prompt, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0))
-    again.hold_blocks = True
-    engine.add(again)
-    while not again.is_finished:
-        engine.step()
+    computed, again = offload_and_onboard(engine, SamplingParams(max_tokens=4))
     assert again.num_cached_tokens == 12 * 16 and engine.kv_counters()["hit_blocks_host"] == 12
     got = engine.kv_cache.read_blocks(again.block_table[:12])
     assert got.dtype == E4M3 and torch.equal(got.view(torch.uint8), computed.view(torch.uint8))

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.sequence import SampledToken
+from tests.helpers.tiers import offload_and_onboard
 
 CONVS = 4
 FIRST = 120  # tokens of a conversation's first prompt
@@ -113,22 +114,7 @@ def test_preempted_sequences_come_back_through_the_host_tier(tiny_model):
 def test_onboarded_blocks_hold_the_computed_bytes(tiny_model):
     """What a prefill worker sends from its own tiers: held blocks, onboarded from the host tier."""
     engine = Engine(EngineConfig(tiny_model, num_kv_blocks=24, host_kv_blocks=64))
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 4096) for _ in range(200)]  # 12 full blocks + 8 tokens
-    first = engine.new_sequence(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    first.hold_blocks = True
-    engine.add(first)
-    while not first.is_finished:
-        engine.step()
-    computed = engine.kv_cache.read_blocks(first.block_table[:12]).clone()
-    engine.release(first.request_id)
-    engine.generate([[rng.randrange(3, 4096) for _ in range(370)]], GREEDY)  # takes every device block
-    assert all(engine.pool.lookup(h) is None for h in first.block_hashes(12))
-    again = engine.new_sequence([*prompt, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0.0))
-    again.hold_blocks = True
-    engine.add(again)
-    while not again.is_finished:
-        engine.step()
+    computed, again = offload_and_onboard(engine, GREEDY)
     assert again.num_cached_tokens == 12 * 16
     assert torch.equal(engine.kv_cache.read_blocks(again.block_table[:12]), computed)
     assert engine.kv_counters()["hit_blocks_host"] == 12
