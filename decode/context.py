@@ -19,6 +19,7 @@ from engine.loop import EngineLoop
 from mesh import metrics
 from mesh.bus import Bus
 from mesh.registry import Membership
+from mesh.tokenlink import LinkPool
 from worker.core import Counters
 from worker.settings import WorkerSettings
 
@@ -39,6 +40,7 @@ class WorkerContext:
     transports: list[str]  # the KV transports this worker offers, best first
     tasks: list[asyncio.Task]  # the worker's background tasks (cancelled when it stops)
     membership: Membership | None = None  # the process's registry view, when its workers share one
+    links: LinkPool | None = None  # the process's token links, when its workers share them
 
     @property
     def model(self) -> str:

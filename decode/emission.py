@@ -56,7 +56,7 @@ class Emission:
         self.ttft = Window()
         self.itl = Window()
         self.step_metrics = metrics.StepMetrics.of(ctx.model, ctx.role)
-        self.links = TokenLinks(ctx.worker_id)  # to gateways that run a token link (mesh.tokenlink)
+        self.links = TokenLinks(ctx.worker_id, ctx.links)  # to gateways that run a token link (mesh.tokenlink)
         self._unflushed: list[_StepStats] = []  # steps whose figures Prometheus has not had yet
         self._flushed_at = 0.0
 

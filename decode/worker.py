@@ -96,7 +96,8 @@ class DecodeWorker(WorkerBase):
             self.receivers[name] = rx
         self.ctx = ctx = WorkerContext(self.worker_id, self.role, self.settings, bus, self.engine, self.loop,
                                        self.counters, self.transport_names(), self._tasks,
-                                       self.shared.membership if self.shared is not None else None)
+                                       self.shared.membership if self.shared is not None else None,
+                                       self.shared.links if self.shared is not None else None)
         if self.settings.peer_fetch:
             from decode.peerfetch import PeerFetch  # imports torch, which the mocker never loads
 

@@ -31,6 +31,7 @@ from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on
 from mesh.protocol import LoadReport, WorkerCard, subject_token
 from mesh.registry import DEFAULT_TTL, CardPublisher, Membership
 from mesh.telemetry import serve_metrics, setup_tracing
+from mesh.tokenlink import LinkPool
 
 if TYPE_CHECKING:
     from mesh.natsauth import NatsConfig
@@ -74,11 +75,13 @@ class Counters:
 @dataclass(frozen=True)
 class SharedParts:
     """What the workers of one process share when it runs several (``worker.host``: the mocker's
-    ``--num-workers``): one NATS connection and one view of the registry, both the host's to open
-    and close. A worker without them opens its own."""
+    ``--num-workers``): one NATS connection, one view of the registry and one token link per
+    gateway (``mesh.tokenlink.LinkPool``), all the host's to open and close. A worker without them
+    opens its own."""
 
     bus: Bus
     membership: Membership
+    links: LinkPool
 
 
 class WorkerCore:

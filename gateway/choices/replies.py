@@ -113,12 +113,12 @@ class ReplyStreams:
             return
         stream.push(chunk)
 
-    def on_link_batch(self, data: bytes, worker: str) -> None:
-        """A TokenBatch from the token link bound to ``worker`` (``mesh.tokenlink``)."""
+    def on_link_batch(self, data: bytes, workers: set[str]) -> None:
+        """A TokenBatch from a token link on which ``workers`` proved who they are (``mesh.tokenlink``)."""
         metrics.LINK_BATCHES.inc()
-        self._on_batch(data, worker)
+        self._on_batch(data, workers)
 
-    def _on_batch(self, data: bytes, bound: str | None = None) -> None:
+    def _on_batch(self, data: bytes, bound: set[str] | None = None) -> None:
         try:
             batch = decode(data, TokenBatch)
         except DecodeError as e:
@@ -126,8 +126,8 @@ class ReplyStreams:
             BUS_DROPPED.labels("TokenBatch", e.reason).inc()
             log.warning("dropped a malformed token batch: %s", e)
             return
-        if bound is not None and batch.worker != bound:  # a link speaks for the worker it proved to be
-            log.warning("refused a token batch naming %r on %s's link", batch.worker, bound)
+        if bound is not None and batch.worker not in bound:  # a link speaks for the workers proven on it
+            log.warning("refused a token batch naming %r on a link of %d other workers", batch.worker, len(bound))
             REFUSED_MESSAGES.labels("gateway", "link_other_worker").inc()
             return
         metrics.TOKEN_BATCHES.inc()

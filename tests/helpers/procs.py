@@ -34,6 +34,25 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def tcp_peers(pid: int) -> list[tuple[str, int]]:
+    """The remote (address, port) of each established IPv4 TCP connection ``pid`` holds (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    peers = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "01" and f[9] in inodes:  # ESTABLISHED
+            host, port = f[2].split(":")
+            peers.append((".".join(str(b) for b in reversed(bytes.fromhex(host))), int(port, 16)))
+    return peers
+
+
 def stop_processes(procs: list[subprocess.Popen]) -> None:
     """SIGTERM them all, then wait up to 20 s each before SIGKILL."""
     for p in procs:

@@ -15,6 +15,7 @@ import openai
 from mesh.protocol import RouterDecision
 from mocker.spec import next_token
 from tests.helpers.cluster import Watcher, wait_http_ok
+from tests.helpers.procs import tcp_peers
 
 NS = "host"
 N = 24
@@ -46,6 +47,12 @@ async def test_many_workers_in_one_process_go_live_and_serve(cluster, tiny_model
             lambda: (s := [wid for wid, r in w.loads.items() if r.counters.get("finished", 0)]) and len(s) >= 4 and s,
             10, "load reports of the workers that served")
         assert set(served) <= {c.worker_id for c in cards}
+        # their batches reached the gateway over one token link for the whole process (mesh.tokenlink)
+        async with httpx.AsyncClient(timeout=10) as http:
+            metrics = (await http.get(url + "/metrics")).text
+        linked = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pdmesh_gateway_token_links "))
+        nats_port = int(cluster.nats_url.rsplit(":", 1)[1])
+        assert linked >= len(served) and len([p for p in tcp_peers(proc.pid) if p[1] != nats_port]) == 1
     finally:
         await w.close()
         proc.terminate()

@@ -1,15 +1,17 @@
-"""The token link (``mesh.tokenlink``) over real loopback sockets: a worker's ``TokenLinks`` and a
-gateway's ``LinkServer``, without NATS. Who may send, what is refused, and the fallback."""
+"""The token link (``mesh.tokenlink``) over real loopback sockets: a worker's ``TokenLinks`` (alone,
+or with the other workers of its process on one ``LinkPool``) and a gateway's ``LinkServer``,
+without NATS. Who may send, what is refused, and the fallback."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from mesh.protocol import LinkHello, TokenBatch, TokenChunk, encode
 from mesh.subjects import max_bytes
-from mesh.tokenlink import LinkServer, TokenLinks, frame, listen_address
+from mesh.tokenlink import LinkPool, LinkServer, TokenLinks, frame, listen_address
 
 
 async def until(cond, timeout: float = 5.0) -> None:
@@ -19,9 +21,10 @@ async def until(cond, timeout: float = 5.0) -> None:
 
 
 async def serving():
-    got: list[tuple[bytes, str]] = []
+    got: list[tuple[bytes, frozenset[str]]] = []
     bound: list[int] = []
-    server = LinkServer(lambda data, worker: got.append((data, worker)), "127.0.0.1", on_bound=bound.append)
+    server = LinkServer(lambda data, workers: got.append((data, frozenset(workers))), "127.0.0.1",
+                        on_bound=bound.append)
     await server.start()
     return server, got, bound
 
@@ -42,7 +45,7 @@ async def test_a_worker_proves_its_id_then_its_batches_arrive_in_order():
         for n in (1, 2, 3):
             assert link.send(batch("w-1", n))
         await until(lambda: len(got) == 3)
-        assert got == [(batch("w-1", n), "w-1") for n in (1, 2, 3)]  # bound to the worker it proved
+        assert got == [(batch("w-1", n), {"w-1"}) for n in (1, 2, 3)]  # bound to the worker it proved
         assert bound == [1] and server.refused == 0 and links.sent == 3
     finally:
         links.close()
@@ -135,6 +138,63 @@ async def test_a_link_the_gateway_drops_stops_taking_frames():
         await server.stop()
 
 
+async def test_the_workers_of_one_process_share_one_connection_and_one_write_per_turn():
+    server, got, bound = await serving()
+    pool = LinkPool()
+    workers = [TokenLinks(f"w-{i}", pool) for i in range(3)]
+    try:
+        def links():
+            return [w.sender(server.address, server.key_for(w.worker_id), "s") for w in workers]
+
+        assert links() == [None] * 3
+        await until(lambda: all(links()))
+        assert len(server.connections) == 1 and bound == [1, 1, 1]
+        (conn,) = server.connections
+        reads = []
+        feed = conn.data_received
+        conn.data_received = lambda data: (reads.append(len(data)), feed(data))
+        for link, w in zip(links(), workers, strict=True):  # one turn of the loop: one write
+            assert link.send(batch(w.worker_id, 2))
+        await until(lambda: len(got) == 3)
+        assert got == [(batch(f"w-{i}", 2), {"w-0", "w-1", "w-2"}) for i in range(3)]
+        assert len(reads) == 1 and pool.sent == 3
+        workers[0].close()  # a worker that stops leaves its process's connection to the others
+        assert links()[1].send(batch("w-1"))
+        await until(lambda: len(got) == 4)
+        # a hello with a bad key on the shared connection closes it: every worker back to the bus
+        workers.append(TokenLinks("w-9", pool))
+        assert workers[-1].sender(server.address, server.key_for("w-1"), "s") is None
+        await until(lambda: pool.failed == 1)
+        assert server.refused == 1 and bound == [1, 1, 1, -3]
+        assert links() == [None] * 4 and len(got) == 4
+    finally:
+        pool.close()
+        await server.stop()
+
+
+async def test_a_batch_naming_a_worker_not_proven_on_its_connection_is_refused():
+    from gateway.choices.replies import ReplyStreams
+    from mesh.metrics import REFUSED_MESSAGES
+
+    server, _, _ = await serving()
+    replies = ReplyStreams(SimpleNamespace(nc=SimpleNamespace(new_inbox=lambda: "_INBOX.t")))  # no NATS needed
+    refused = REFUSED_MESSAGES.labels("gateway", "link_other_worker")
+    before = refused._value.get()
+    try:
+        r, w = await raw(server)
+        w.write(frame(encode(LinkHello("w-1", server.key_for("w-1")))))
+        await r.readexactly(4 + 16)
+        (conn,) = server.connections
+        server.on_batch = replies.on_link_batch
+        conn.data_received(frame(batch("w-2")))  # w-2 never said hello here
+        assert replies.stray == 0 and refused._value.get() == before + 1  # refused before any chunk was looked up
+        conn.data_received(frame(batch("w-1")))
+        assert replies.stray == 3  # taken: its chunks looked up (no such streams here)
+        w.close()
+    finally:
+        await server.stop()
+
+
 def test_listen_addresses():
     assert listen_address("10.1.2.3") == ("10.1.2.3", 0)
     assert listen_address("10.1.2.3:9000") == ("10.1.2.3", 9000)
@@ -146,7 +206,7 @@ def test_listen_addresses():
 
 
 class _Replies:
-    def on_link_batch(self, data: bytes, worker: str) -> None:
+    def on_link_batch(self, data: bytes, workers: set[str]) -> None:
         pass
 
 
