@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from cli.flags import add_bus_flags, nats_config
+from mesh.loads import subscribe_loads
 from mesh.protocol import LoadReport, PlannerDecision, WorkerCard
 
 
@@ -118,7 +119,7 @@ async def run_top(nats, ns: str, interval: float = 1.0, once: bool = False) -> N
     async def on_decision(d: PlannerDecision, raw) -> None:
         state.decisions[(d.model, d.pool)] = d
 
-    await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
+    await subscribe_loads(bus, on_load)
     await bus.subscribe(bus.subjects.planner_decisions(), on_decision, PlannerDecision)
     try:
         if once:

@@ -3,11 +3,11 @@
 One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
-    gateway   generate, cancel, embed, kv.snapshot        kv.events, load, router.decisions,
+    gateway   generate, cancel, embed, kv.snapshot        kv.events, load, loads, router.decisions,
               (request), router.decisions, lora           planner.decisions, its inbox
               (request), stored responses, files and
               batches (its buckets)
-    decode    kv.events, load, prefill jobs (JetStream),  generate, cancel, embed, kv_ready, kv_data,
+    decode    kv.events, load, loads, prefill jobs,       generate, cancel, embed, kv_ready, kv_data,
               replies to gateway, prefill and decode      nccl, nixl, kv_fetch, kv_fetch_data,
               inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
               kv_fetch_release and nixl (peer fetch),     ranks.*.join, its inbox
@@ -16,7 +16,7 @@ One NATS user per role; each may publish and subscribe only what its role does:
     prefill   kv_ready, kv_data, nccl and nixl            lora, its inbox (jobs come by a JetStream
               (requests), load, lora replies (only to a   pull)
               gateway's LoRA inboxes), its registry card
-    planner   planner.decisions                           load, planner.decisions, its inbox
+    planner   planner.decisions                           load, loads, planner.decisions, its inbox
 
 Every role also subscribes to the registry bucket's subjects (``$KV.{ns}_workers.>``: the cards
 its view follows after the watch's replay, ``mesh.registry``), plus the JetStream API calls each
@@ -130,17 +130,18 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
     streams = _prefill_streams(ns, models)
     decode = f"{m}.decode.{ANY}"
     load = s.load_all()
+    loads = s.loads_all()  # a process's decode workers' reports together (mesh.loads)
     lora = f"{m}.lora"  # runtime adapter load/unload: the gateway asks, every worker answers
     rank_join = f"{ns}.ranks.{ANY}.join"  # a worker's ranks on other hosts join it (mesh rank: the decode user's credentials)
     if role == "gateway":
         # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}",
                s.router_decisions(), lora, *_registry(ns, False), *_responses(ns), *_batches(ns)]
-        sub = [s.kv_events_any(), load, s.router_decisions(), s.planner_decisions(), inbox("gateway"),
+        sub = [s.kv_events_any(), load, loads, s.router_decisions(), s.planner_decisions(), inbox("gateway"),
                _registry_follow(ns)]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
-        pub = [f"{m}.kv.events.{ANY}", load, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
+        pub = [f"{m}.kv.events.{ANY}", load, loads, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
                inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
                f"{decode}.nixl.{ANY}", rank_join,
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
@@ -157,7 +158,7 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         sub = [lora, inbox("prefill"), _registry_follow(ns)]
     else:  # planner (and mesh top: it reads what the planner reads)
         pub = [s.planner_decisions(), *_registry(ns, False)]
-        sub = [load, s.planner_decisions(), inbox("planner"), _registry_follow(ns)]
+        sub = [load, loads, s.planner_decisions(), inbox("planner"), _registry_follow(ns)]
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
 
 

@@ -346,6 +346,13 @@ class LoadReport(Message):
     deferrable: int = 0  # of running + waiting + waiting_for_kv: below priority 0 (batch work; the planner defers it)
 
 
+class LoadReports(Message):
+    """Periodic, on ``loads``: the ``LoadReport``s of the decode workers of one process that ticked
+    together (``mesh.loads``), one message for all of them."""
+
+    reports: list[LoadReport] = field(default_factory=list)
+
+
 
 class KvEvent(Part):
     """One change to a worker's cache. ``stored``: a chain of blocks, each the child of the one

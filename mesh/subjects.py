@@ -77,6 +77,13 @@ class Subjects:
     def load_all(self) -> str:
         return f"{self.ns}.*.load.*"
 
+    def loads(self, model: str, process: str) -> str:
+        """The reports of the decode workers of one process, together (``LoadReports``, ``mesh.loads``)."""
+        return f"{self._m(model)}.loads.{subject_token(process)}"
+
+    def loads_all(self) -> str:
+        return f"{self.ns}.*.loads.*"
+
     def router_decisions(self) -> str:
         return f"{self.ns}.router.decisions"
 
@@ -144,7 +151,7 @@ MAX_BYTES: dict[str, int] = {
     "KvEventBatch": 4 * MIB, "KvSnapshot": 4 * MIB,
     "KvFetchRequest": 2 * MIB, "KvFetchDone": 2 * MIB,
     "KvChunk": 64 * MIB,  # bytes: decoded without growing
-    "WorkerCard": 256 * KIB, "LoadReport": 64 * KIB,
+    "WorkerCard": 256 * KIB, "LoadReport": 64 * KIB, "LoadReports": 1 * MIB,
     "EmbedRequest": 8 * MIB, "EmbedReply": 64 * MIB,  # vectors as bytes: decoded without growing
 }
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
+from mesh.loads import LoadBatcher
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals, until_tick
 from mesh.protocol import LoadReport, WorkerCard, subject_token
@@ -75,13 +76,14 @@ class Counters:
 @dataclass(frozen=True)
 class SharedParts:
     """What the workers of one process share when it runs several (``worker.host``: the mocker's
-    ``--num-workers``): one NATS connection, one view of the registry and one token link per
-    gateway (``mesh.tokenlink.LinkPool``), all the host's to open and close. A worker without them
-    opens its own."""
+    ``--num-workers``): one NATS connection, one view of the registry, one token link per gateway
+    (``mesh.tokenlink.LinkPool``) and one load message a tick (``mesh.loads.LoadBatcher``), all the
+    host's to open and close. A worker without them opens its own."""
 
     bus: Bus
     membership: Membership
     links: LinkPool
+    loads: LoadBatcher
 
 
 class WorkerCore:
@@ -193,11 +195,17 @@ class WorkerCore:
 
     async def _report_load(self) -> None:
         subject = self.bus.subjects.load(self.served_model(), self.worker_id)
+        # a process's decode workers report together (mesh.loads); a prefill worker's own subject
+        # is followed by the decode workers that take its jobs
+        together = self.shared.loads if self.shared is not None and self.role == "decode" else None
         while True:
             try:
                 report = await self.next_load()
                 self.last_load = report
-                await self.bus.publish(subject, report, traced=False)
+                if together is not None:
+                    together.add(report)
+                else:
+                    await self.bus.publish(subject, report, traced=False)
             except Exception as e:
                 log.warning("load report failed: %s", e)
             await asyncio.sleep(until_tick(self.settings.load_interval))  # with the process's other workers

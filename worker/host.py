@@ -10,6 +10,8 @@ for all of them:
                                     a step is a pause the loop awaits, so no thread per worker)
     one NATS connection         --> SharedParts.bus: each worker's own subscriptions and subjects on it
     one registry view           --> SharedParts.membership: one KV watch, not one per worker
+    one load message a tick     --> SharedParts.loads: the decode workers' reports of one tick as one
+                                    LoadReports (mesh.loads)
     one token link per gateway  --> SharedParts.links: the workers' batches to a gateway on one
                                     socket, a turn's frames in one write (mesh.tokenlink)
     one /metrics page           --> the process's registry (step metrics by model and role)
@@ -30,6 +32,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from mesh.bus import Bus
+from mesh.loads import LoadBatcher
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.registry import Membership
 from mesh.telemetry import serve_metrics, setup_tracing
@@ -82,7 +85,7 @@ class WorkerHost:
             stack.push_async_callback(membership.stop)
             if s.metrics_port >= 0:
                 self.metrics_port = serve_metrics(s.metrics_port, s.metrics_host)
-            shared = SharedParts(bus, membership, LinkPool())
+            shared = SharedParts(bus, membership, LinkPool(), LoadBatcher(bus, self.name))
             stack.callback(shared.links.close)  # after every worker's drain: their last chunks go out first
             stops = [child_stop(stop) for _ in self.workers]
             for w in self.workers:

@@ -28,6 +28,7 @@ from bench.common import DRY_RUN_HELP, Benchmark, emit, parse, parser
 from bench.common.models import model_dir as resolve_model
 from mesh.bus import Bus
 from mesh.client import generate
+from mesh.loads import subscribe_loads
 from mesh.natsserver import EmbeddedNats
 from mesh.protocol import GenerateRequest, LoadReport, SamplingOptions
 from mesh.registry import Membership
@@ -117,7 +118,7 @@ async def run_mode(url: str, model: str, disagg: bool, args) -> dict:
     async def on_load(r: LoadReport, raw) -> None:
         loads[r.worker_id] = r
 
-    await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
+    await subscribe_loads(bus, on_load)
     try:
         while len(members.cards()) < 2:
             await asyncio.sleep(0.2)

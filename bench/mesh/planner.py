@@ -63,6 +63,7 @@ from bench.common import DRY_RUN_HELP, Benchmark, emit, parse, parser
 from bench.common.registry import ROOT
 from bench.common.sse_client import Connection
 from mesh.bus import Bus
+from mesh.loads import subscribe_loads
 from mesh.natsserver import free_port
 from mesh.protocol import LoadReport, PlannerDecision, RouterDecision
 from mesh.registry import Membership
@@ -223,7 +224,7 @@ class MeshWatcher:
         await membership.start(wait=1.0)
         w = cls(bus, membership, t0_wall, t0)
         await bus.subscribe(bus.subjects.planner_decisions(), w._on_decision, PlannerDecision)
-        await bus.subscribe(bus.subjects.load_all(), w._on_load, LoadReport)
+        await subscribe_loads(bus, w._on_load)
         await bus.subscribe(bus.subjects.router_decisions(), w._on_route, RouterDecision)
         return w
 

@@ -70,6 +70,7 @@ from bench.mesh.replay_report import (
 )
 from kvstore.hashing import DEFAULT_HASH_KEY, block_hashes, hash_seed
 from mesh.bus import Bus
+from mesh.loads import subscribe_loads
 from mesh.natsserver import free_port
 from mesh.protocol import LoadReport, RouterDecision
 
@@ -486,7 +487,7 @@ class Observer:
         self.bus = await Bus.connect(self.nats_url, name="trace-replay")
         s = self.bus.subjects
         await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision)
-        await self.bus.subscribe(s.load_all(), self._on_load, LoadReport)
+        await subscribe_loads(self.bus, self._on_load)
 
     async def stop(self) -> None:
         if self.bus is not None:

@@ -29,6 +29,7 @@ from cli.up import default_model_dir, ensure_tiny_model
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling import SamplingParams
+from mesh.loads import subscribe_loads
 from mesh.natsserver import free_port
 
 BENCHMARK = Benchmark(
@@ -112,7 +113,7 @@ async def run(args) -> dict:
         async def on_load(r: LoadReport, raw) -> None:
             report.append(r)
 
-        await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
+        await subscribe_loads(bus, on_load)
         await asyncio.sleep(1.5)
         await bus.close()
     finally:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from mesh.bus import Bus
+from mesh.loads import subscribe_loads
 from mesh.planner.connectors import POOLS, Connector
 from mesh.planner.policy import PlannerConfig, PoolPlanner, PoolWindow, ScaleDecision
 from mesh.procutil import cancel_and_wait
@@ -53,18 +54,18 @@ class Planner:
         self._prefilling_until: dict[str, float] = {}  # decode worker -> until when its ITL p90s show overflow
         self.decisions: list[PlannerDecision] = []
         self._task: asyncio.Task | None = None
-        self._sub = None
+        self._subs: list = []
 
     async def start(self) -> None:
-        self._sub = await self.bus.subscribe(self.bus.subjects.load_all(), self._on_load, LoadReport)
+        self._subs = await subscribe_loads(self.bus, self._on_load)
         self._task = asyncio.create_task(self._run(), name="planner")
 
     async def stop(self) -> None:
         if self._task:
             await cancel_and_wait([self._task])
-        if self._sub:
+        for sub in self._subs:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
 
     async def _on_load(self, report: LoadReport, raw) -> None:
         # only from members (anyone may claim an id); what a worker that left reported goes at the

@@ -26,6 +26,7 @@ import numpy as np
 from kvstore.hashing import block_hashes, hash_seed
 from mesh import metrics
 from mesh.bus import Bus
+from mesh.loads import subscribe_loads
 from mesh.protocol import (
     KvEventBatch,
     KvSnapshot,
@@ -39,7 +40,7 @@ from mesh.router.index import KvIndex
 from mesh.router.inflight import _Inflight, _InflightQueue
 from mesh.router.policy import Decision, RouterConfig, RouteRequest, WorkerLoad, pick_worker
 from mesh.router.slots import Slots
-from mesh.router.table import KvRequest, LoadSummary, LoadTable, pick_kv
+from mesh.router.table import KvRequest, LoadSummaries, LoadSummary, LoadTable, pick_kv
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class KvRouter:
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
-            await self.bus.subscribe(s.load_all(), self._on_load, LoadSummary),
+            *await subscribe_loads(self.bus, self._on_load, LoadSummary, LoadSummaries),
             await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
         ]
         self.membership.on_change(self._on_member)

@@ -41,6 +41,12 @@ class LoadSummary(msgspec.Struct, tag_field="type", tag="LoadReport", omit_defau
     hot_adapters: list[str] = msgspec.field(default_factory=list)
 
 
+class LoadSummaries(msgspec.Struct, tag_field="type", tag="LoadReports"):
+    """A ``LoadReports`` (a process's reports together, ``mesh.loads``) read as ``LoadSummary``s."""
+
+    reports: list[LoadSummary] = msgspec.field(default_factory=list)
+
+
 _COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
 
 

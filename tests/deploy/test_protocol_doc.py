@@ -82,7 +82,8 @@ def test_no_message_is_documented_that_does_not_exist():
     assert set(re.findall(r"^### (\w+)$", MESSAGES_PART, re.M)) == set(MESSAGE_TYPES)
 
 
-PLACEHOLDERS = {"model": "MODEL", "worker": "WORKER", "request_id": "REQUESTID", "verb": "VERB", "fetch_id": "FETCHID"}
+PLACEHOLDERS = {"model": "MODEL", "worker": "WORKER", "request_id": "REQUESTID", "verb": "VERB", "fetch_id": "FETCHID",
+                "process": "PROCESS"}
 
 
 def subject_patterns() -> dict[str, str]:

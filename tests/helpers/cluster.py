@@ -19,6 +19,7 @@ import httpx
 
 from mesh.bus import Bus
 from mesh.client import generate
+from mesh.loads import subscribe_loads
 from mesh.natsserver import free_port
 from mesh.protocol import GenerateRequest, LoadReport, RouterDecision, SamplingOptions
 from mesh.registry import Membership
@@ -84,7 +85,7 @@ class Watcher:
         async def on_load(report: LoadReport, raw) -> None:
             w.loads[report.worker_id] = report
 
-        await bus.subscribe(bus.subjects.load_all(), on_load, LoadReport)
+        await subscribe_loads(bus, on_load)
         return w
 
     async def wait_for(self, predicate, timeout: float = 60.0, what: str = "condition"):
