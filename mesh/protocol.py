@@ -121,7 +121,9 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
             tagged = tuple(c for c in MESSAGE_TYPES.values() if c.__struct_config__.tag is not None)
             entry = msgspec.msgpack.Decoder(typing.Union[tagged]), max_bytes(None)  # noqa: UP007
         else:
-            entry = msgspec.msgpack.Decoder(expect), max_bytes(expect.__name__)
+            # the bound of the wire type: a reader's narrower struct (the router's LoadSummary) has its tag
+            tag = getattr(getattr(expect, "__struct_config__", None), "tag", None)
+            entry = msgspec.msgpack.Decoder(expect), max_bytes(tag if isinstance(tag, str) else expect.__name__)
         _DECODERS[expect] = entry
     dec, limit = entry
     if len(data) > limit:  # before decoding a byte: the size is all a peer controls
