@@ -203,6 +203,8 @@ def family(subject: str, reply: str) -> str:
     if len(parts) >= 3:
         if parts[2] == "load":
             return "load reports"
+        if parts[2] == "loads":
+            return "load reports (a process's together)"
         if parts[2] == "kv":
             return "kv events" if len(parts) > 3 and parts[3] == "events" else "kv snapshots"
         if parts[2] == "decode" and len(parts) >= 5:
