@@ -56,21 +56,23 @@ SPLITS = {"pp-shm-1": ((), (("pp2", ["--pp", "2"]),)),
 @pytest.fixture(scope="module")
 def splits(cluster, tiny_model):
     """``splits(ns)``: the workers of ``SPLITS[ns]`` started (decode workers ``dec-<ns>-<name>``) on
-    first use; the split asked for before is stopped then (one at a time)."""
+    first use; the split asked for before is stopped then."""
     started: dict[str, list] = {}
+    stopping: list = []
 
     def split(ns: str) -> None:
         if ns not in started:
-            for procs in started.values():
-                stop_processes(procs)
+            for procs in started.values():  # stopping while the next split starts: waited for at the end
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                stopping.extend(procs)
             started.clear()
             prefill, decodes = SPLITS[ns]
             started[ns] = start_split(cluster, tiny_model, ns, list(prefill),
                                       {f"dec-{ns}-{name}": ("shm", layout) for name, layout in decodes}, THRESHOLD)
 
     yield split
-    for procs in started.values():
-        stop_processes(procs)
+    stop_processes([*stopping, *(p for procs in started.values() for p in procs)])
 
 
 @pytest.mark.parametrize(("ns", "name"), [(ns, name) for ns, (_, decodes) in SPLITS.items() for name, _ in decodes])

@@ -47,13 +47,16 @@ def expected(tiny_model):
 def splits(cluster, tiny_model):
     """``splits(prefill_tp, decode_tp)``: the namespace of a prefill worker of one TP degree and, for
     each transport, a decode worker of the other that offers only that one (``dec-<ns>-<transport>``),
-    started on first use; the split asked for before is stopped then (one at a time)."""
+    started on first use; the split asked for before is stopped then."""
     started: dict[tuple[int, int], tuple[str, list]] = {}
+    stopping: list = []
 
     def split(prefill_tp: int, decode_tp: int) -> str:
         if (prefill_tp, decode_tp) not in started:
-            for _, procs in started.values():
-                stop_processes(procs)
+            for _, procs in started.values():  # stopping while the next split starts: waited for at the end
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                stopping.extend(procs)
             started.clear()
             ns = f"tp-{prefill_tp}{decode_tp}"
             decodes = {f"dec-{ns}-{t}": (t, ["--tp", str(decode_tp)]) for t in TRANSPORTS}
@@ -62,8 +65,7 @@ def splits(cluster, tiny_model):
         return started[prefill_tp, decode_tp][0]
 
     yield split
-    for _, procs in started.values():
-        stop_processes(procs)
+    stop_processes([*stopping, *(p for _, procs in started.values() for p in procs)])
 
 
 # grouped by TP degrees: the two decode workers of a split share its prefill worker
