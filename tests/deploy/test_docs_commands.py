@@ -43,8 +43,8 @@ COVERAGE: list[tuple[str, str]] = [
     (r"python -m pytest( -q)?", ".ci/run"),
     (r"mesh model tiny \S+", "tests/e2e/test_cli.py::test_model_tiny_is_deterministic"),
     (r"mesh generate --model \S+ .+", "tests/e2e/test_cli.py::test_generate_json_matches_the_engine"),
-    (r"mesh up", "tests/e2e/test_up.py::test_mesh_up_answers_and_stops_cleanly"),
-    (r"mesh up --mock( --(decode|prefill) \d+)*", "tests/e2e/test_up.py::test_mesh_up_mock_serves_the_mocker"),
+    (r"mesh up", "tests/e2e/test_up.py::test_mesh_up_answers_and_stops_cleanly_on_ctrl_c"),
+    (r"mesh up --mock( --(decode|prefill) \d+)*", "tests/e2e/test_up.py::test_mesh_up_mock_serves_the_mocker_and_stops_cleanly_on_sigterm"),
     (r"mesh up --model \S+", LIVE),  # the same command with --nats, below
     (r"curl -s (http://127\.0\.0\.1|localhost):8000/v1/.*", LIVE),
     (r"nats-server -js -p 4222", LIVE),

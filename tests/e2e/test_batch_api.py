@@ -211,13 +211,14 @@ def test_cancel_stops_new_work(mesh):
 def test_a_gateway_killed_mid_batch_is_taken_over_without_duplicates(mesh):
     proc, url, model = mesh
     c = client(url)
-    rows = mixed_lines(model, 300, max_tokens=200)  # long enough to kill it mid-batch
+    n = 100
+    rows = mixed_lines(model, n, max_tokens=200)  # long enough to kill it mid-batch (asserted below)
     batch_id = submit(c, rows)
     deadline = time.monotonic() + 30
     while (counts := c.batches.retrieve(batch_id).request_counts).completed < 20:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert counts.completed < 300  # mid-batch
+    assert counts.completed < n  # mid-batch
     (gateway,) = [p for p in descendants(proc.pid) if b"gateway" in Path(f"/proc/{p}/cmdline").read_bytes()]
     argv = Path(f"/proc/{gateway}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{gateway}/environ").read_bytes().split(b"\0") if b"=" in kv)
@@ -229,13 +230,13 @@ def test_a_gateway_killed_mid_batch_is_taken_over_without_duplicates(mesh):
         out, err = rows_of(c, b.output_file_id), rows_of(c, b.error_file_id)
         assert not err
         ids = [r["custom_id"] for r in out]
-        assert len(ids) == len(set(ids)) == 300  # none lost, none twice
-        assert (b.request_counts.completed, b.request_counts.failed) == (300, 0)
+        assert len(ids) == len(set(ids)) == n  # none lost, none twice
+        assert (b.request_counts.completed, b.request_counts.failed) == (n, 0)
         # the restarted gateway took the batch over and ran the lines the dead one had not kept
         text = httpx.get(f"{url}/metrics", timeout=10).text
         ran = [float(line.split()[-1]) for line in text.splitlines()
                if line.startswith('pdmesh_gateway_batch_lines_total{outcome="completed"}')]
-        assert ran and 0 < ran[0] <= 300 - counts.completed
+        assert ran and 0 < ran[0] <= n - counts.completed
     finally:
         restarted.send_signal(signal.SIGINT)
         restarted.wait(30)

@@ -5,6 +5,7 @@ test_tp_workers.py, test_pp_workers.py)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,44 @@ class SplitRun:
     prefill: LoadReport
     decode_card: WorkerCard
     prefill_card: WorkerCard
+    prefill_before: LoadReport  # the prefill worker's load report from just before the prompts
+
+    def prefill_delta(self, counter: str) -> int:
+        """What the prefill worker counted while the prompts ran (it may have served others before)."""
+        return self.prefill.counters.get(counter, 0) - self.prefill_before.counters.get(counter, 0)
+
+
+def start_split(cluster: Cluster, model, ns: str, prefill: list[str], decodes: dict[str, tuple[str, list[str]]],
+                threshold: int) -> list[subprocess.Popen]:
+    """In namespace ``ns``: the decode workers of ``decodes`` (id -> (the one transport it offers, its
+    layout flags); prompts of ``threshold`` tokens and more go to the prefill worker) and one prefill
+    worker ``pre-<ns>`` with ``prefill``'s layout flags, offering each of their transports (it sends
+    over the one the job's decode worker offers). Their processes."""
+    flags = ["--ns", ns, "--model", str(model), "--device-kv-blocks", "1024"]
+    transports = ",".join(dict.fromkeys(t for t, _ in decodes.values()))
+    procs = [cluster.worker("decode", *flags, "--transports", t, *layout, "--disagg-threshold", str(threshold),
+                            "--worker-id", dec) for dec, (t, layout) in decodes.items()]
+    procs.append(cluster.worker("prefill", *flags, "--transports", transports, *prefill, "--worker-id", f"pre-{ns}",
+                                "--prefill-capacity", "16"))
+    return procs
+
+
+async def run_on(cluster: Cluster, ns: str, dec: str, prompts: list[list[int]], max_tokens: int) -> SplitRun:
+    """Every prompt of ``prompts`` generated greedily, at once, on decode worker ``dec`` of a split
+    (``start_split``), once it and the prefill worker are registered and it has heard the prefill
+    worker's load."""
+    pre = f"pre-{ns}"
+    w = await Watcher.open(cluster.nats_url, ns=ns)
+    try:
+        await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "both workers")
+        await w.fresh_load(pre)  # the decode worker hears prefill load reports too
+        await asyncio.sleep(1.2)
+        before = await w.fresh_load(pre)
+        results = await run_all(w.bus, dec, prompts, max_tokens=max_tokens)
+        return SplitRun([toks for toks, _ in results], await w.fresh_load(dec), await w.fresh_load(pre),
+                        w.membership.get(dec), w.membership.get(pre), before)
+    finally:
+        await w.close()
 
 
 async def run_split(cluster: Cluster, model, ns: str, transport: str, prefill: list[str], decode: list[str],
@@ -42,20 +81,9 @@ async def run_split(cluster: Cluster, model, ns: str, transport: str, prefill: l
     """A prefill worker with ``prefill``'s layout flags feeding a decode worker with ``decode``'s
     (prompts of ``threshold`` tokens and more go to the prefill worker) over ``transport``: every
     prompt of ``prompts`` generated greedily, at once; both workers stopped after."""
-    flags = ["--ns", ns, "--model", str(model), "--device-kv-blocks", "1024", "--transports", transport]
-    dec, pre = f"dec-{ns}", f"pre-{ns}"
-    procs = [
-        cluster.worker("decode", *flags, *decode, "--disagg-threshold", str(threshold), "--worker-id", dec),
-        cluster.worker("prefill", *flags, *prefill, "--worker-id", pre, "--prefill-capacity", "16"),
-    ]
-    w = await Watcher.open(cluster.nats_url, ns=ns)
+    dec = f"dec-{ns}"
+    procs = start_split(cluster, model, ns, prefill, {dec: (transport, decode)}, threshold)
     try:
-        await w.wait_for(lambda: w.membership.get(dec) and w.membership.get(pre), 120, "both workers")
-        await w.fresh_load(pre)  # the decode worker hears prefill load reports too
-        await asyncio.sleep(1.2)
-        results = await run_all(w.bus, dec, prompts, max_tokens=max_tokens)
-        return SplitRun([toks for toks, _ in results], await w.fresh_load(dec), await w.fresh_load(pre),
-                        w.membership.get(dec), w.membership.get(pre))
+        return await run_on(cluster, ns, dec, prompts, max_tokens)
     finally:
-        await w.close()
         stop_processes(procs)

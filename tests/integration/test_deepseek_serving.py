@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 from types import SimpleNamespace
 
 import httpx
@@ -36,7 +38,7 @@ import torch
 from kvstore.hashing import HashKey, generate_hash_key
 from mesh.router.policy import RouterConfig
 from mesh.router.router import KvRouter
-from tests.helpers.cluster import Watcher, kill_serving_worker, router_choices, start_up
+from tests.helpers.cluster import Watcher, router_choices, start_up
 from tests.helpers.peer_fetch import BS, PREFIX_BLOCKS, ask, plan_of, prefix_in_host_tier
 from tests.helpers.procs import stop_processes
 from tests.helpers.references import hf_greedy, hf_model, prompts_of
@@ -203,8 +205,10 @@ async def test_a_prefix_in_one_workers_host_tier_is_fetched_by_the_other(mesh):
         await w.close()
 
 
-async def migrated_stream(mesh, w: Watcher, model: str, pids: dict, chosen: list[str]) -> list[int]:
-    """Every token id of one greedy stream of ``model`` whose decode worker is killed (-9) mid-way."""
+async def migrated_stream(mesh, w: Watcher, model: str, chosen: list[str]) -> list[int]:
+    """Every token id of one greedy stream of ``model`` whose decode worker is killed (-9) mid-way
+    (the router's last choice among ``model``'s decode workers: the other model's stream runs too)."""
+    pids = {c.worker_id: c.pid for c in mesh.cards if c.role == "decode" and c.model == model}
     got, killed = [], None
     async with openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
         stream = await client.completions.create(
@@ -214,22 +218,23 @@ async def migrated_stream(mesh, w: Watcher, model: str, pids: dict, chosen: list
             for choice in chunk.choices:
                 got += (choice.model_extra or {}).get("token_ids") or []
             if killed is None and len(got) >= 8:
-                killed = await kill_serving_worker(w, pids, chosen=chosen)
+                ours = await w.wait_for(lambda: [x for x in chosen if x in pids], 10, "the router's decision")
+                killed = ours[-1]
+                os.kill(pids[killed], signal.SIGKILL)
     assert killed is not None
     return got
 
 
 async def test_a_decode_worker_killed_mid_stream_migrates_and_the_tokens_stay_transformers(mesh, hf):
-    """Last: it kills a decode worker of each model (``mesh up`` starts another in its place)."""
+    """Last: it kills a decode worker of each model (``mesh up`` starts another in its place), both
+    streams at once (the gateway notices each death when its card expires: one wait, not two)."""
     w = await watching(mesh)
     try:
-        for n, model in enumerate(MODELS, 1):
-            pids = {c.worker_id: SimpleNamespace(pid=c.pid) for c in mesh.cards
-                    if c.role == "decode" and c.model == model}
-            chosen = await router_choices(w)
-            got = await migrated_stream(mesh, w, model, pids, chosen)
-            assert got == hf[model, tuple(MIGRATED), MIGRATED_TOKENS], model  # none lost, none repeated
-            async with httpx.AsyncClient(timeout=10) as client:
-                assert f"pdmesh_gateway_migrations_total {n}" in (await client.get(f"{mesh.url}/metrics")).text
+        chosen = await router_choices(w)
+        got = await asyncio.gather(*(migrated_stream(mesh, w, model, chosen) for model in MODELS))
+        for model, tokens in zip(MODELS, got, strict=True):
+            assert tokens == hf[model, tuple(MIGRATED), MIGRATED_TOKENS], model  # none lost, none repeated
+        async with httpx.AsyncClient(timeout=10) as client:  # one each: a stream that did not move would be short
+            assert f"pdmesh_gateway_migrations_total {len(MODELS)}" in (await client.get(f"{mesh.url}/metrics")).text
     finally:
         await w.close()

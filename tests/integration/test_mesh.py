@@ -36,36 +36,57 @@ def reference(tiny_model):
     return {tuple(p): s.output_token_ids for p, s in zip(ps, seqs, strict=True)}, engine
 
 
-@pytest.mark.parametrize("transport", ["shm", "nats"])
-async def test_disaggregated_output_is_token_identical(cluster, tiny_model, reference, transport):
-    expected, _ = reference
-    flags = ["--model", str(tiny_model), "--device-kv-blocks", "2048", "--transports", transport]
-    cluster.worker("decode", *flags, "--disagg-threshold", str(THRESHOLD), "--worker-id", f"dec-{transport}")
+TRANSPORTS = ("shm", "nats")
+
+
+@pytest.fixture(scope="module")
+def split_workers(cluster, tiny_model) -> None:
+    """One decode worker per transport (``dec-shm``, ``dec-nats``: each offers only its own) and one
+    prefill worker ``pre`` for both (it sends over the transport the job's decode worker offers), all
+    registered, the decode workers having heard the prefill worker's load."""
+    flags = ["--model", str(tiny_model), "--device-kv-blocks", "2048"]
+    for transport in TRANSPORTS:
+        cluster.worker("decode", *flags, "--transports", transport, "--disagg-threshold", str(THRESHOLD),
+                       "--worker-id", f"dec-{transport}")
     # room for every long prompt at once, so none is prefilled locally for lack of capacity
-    cluster.worker("prefill", *flags, "--worker-id", f"pre-{transport}", "--prefill-capacity", "16")
+    cluster.worker("prefill", *flags, "--transports", ",".join(TRANSPORTS), "--worker-id", "pre",
+                   "--prefill-capacity", "16")
+
+    async def ready():
+        w = await Watcher.open(cluster.nats_url)
+        try:
+            names = ("pre", *(f"dec-{t}" for t in TRANSPORTS))
+            await w.wait_for(lambda: all(w.membership.get(x) for x in names), 120, "the workers")
+            await w.fresh_load("pre")  # the decode workers hear prefill load reports too
+            await asyncio.sleep(1.2)
+        finally:
+            await w.close()
+
+    asyncio.run(ready())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_disaggregated_output_is_token_identical(cluster, reference, split_workers, transport):
+    expected, _ = reference
     w = await Watcher.open(cluster.nats_url)
     try:
-        await w.wait_for(lambda: w.membership.get(f"dec-{transport}") and w.membership.get(f"pre-{transport}"),
-                         what="both workers")
-        await w.fresh_load(f"pre-{transport}")  # the decode worker hears prefill load reports too
-        await asyncio.sleep(1.2)
         results = await run_all(w.bus, f"dec-{transport}", prompts())
         for p, (toks, last) in zip(prompts(), results, strict=True):
             assert toks == expected[tuple(p)], f"prompt of {len(p)} tokens differs"
             assert last.finish_reason == "length" and last.usage.prompt_tokens == len(p)
         long_ones = sum(1 for n in LENGTHS if n >= THRESHOLD)
         dec = await w.fresh_load(f"dec-{transport}")
-        pre = await w.fresh_load(f"pre-{transport}")
+        pre = await w.fresh_load("pre")
         assert dec.counters.get("remote_prefill_done", 0) == long_ones, dec.counters
         assert dec.counters.get(f"transport_{transport}", 0) == long_ones
         assert dec.counters.get("local_prefill", 0) == len(LENGTHS) - long_ones
-        assert pre.counters.get(f"transport_{transport}", 0) == long_ones, pre.counters
+        assert pre.counters.get(f"transport_{transport}", 0) == long_ones, pre.counters  # this decode worker's only
         assert dec.kv_blocks_used == 0 and dec.running == 0  # every block came back
     finally:
         await w.close()
 
 
-async def test_shared_prefix_is_served_from_the_decode_cache(cluster, tiny_model, reference):
+async def test_shared_prefix_is_served_from_the_decode_cache(cluster, reference, split_workers):
     _, engine = reference
     w = await Watcher.open(cluster.nats_url)
     try:

@@ -27,7 +27,8 @@ from engine.sampling import SamplingParams
 from mesh.client import generate
 from mesh.protocol import GenerateRequest, SamplingOptions, WorkerLayout
 from tests.helpers.cluster import Watcher, run_all
-from tests.helpers.layouts import rank_processes, run_split
+from tests.helpers.layouts import rank_processes, run_on, start_split
+from tests.helpers.procs import stop_processes
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
@@ -46,18 +47,44 @@ def expected(tiny_model):
     return [s.output_token_ids for s in seqs]
 
 
-@pytest.mark.parametrize(("ns", "transport", "prefill", "decode"), [
-    ("pp-shm-1-2", "shm", [], ["--pp", "2"]),
-    ("pp-shm-2-1", "shm", ["--pp", "2"], []),
-    ("pp-shm-2-tp2", "shm", ["--pp", "2"], ["--tp", "2"]),  # layers to heads: each rank file gets its overlap
-    # nats at PP: the whole pool block-major, split by stage (tests/unit/test_pp.py; kept out of the suite's time)
-])
-async def test_prefill_and_decode_of_different_layouts(cluster, tiny_model, expected, ns, transport, prefill, decode):
-    run = await run_split(cluster, tiny_model, ns, transport, prefill, decode, prompts(), 12, THRESHOLD)
+# a prefill worker's layout -> the layouts of the decode workers it feeds (over shm), in one namespace
+SPLITS = {"pp-shm-1": ((), (("pp2", ["--pp", "2"]),)),
+          "pp-shm-2": (("--pp", "2"), (("one", []), ("tp2", ["--tp", "2"])))}  # layers to heads: each rank file gets its overlap
+# nats at PP: the whole pool block-major, split by stage (tests/unit/test_pp.py; kept out of the suite's time)
+
+
+@pytest.fixture(scope="module")
+def splits(cluster, tiny_model):
+    """``splits(ns)``: the workers of ``SPLITS[ns]`` started (decode workers ``dec-<ns>-<name>``) on
+    first use; the split asked for before is stopped then."""
+    started: dict[str, list] = {}
+    stopping: list = []
+
+    def split(ns: str) -> None:
+        if ns not in started:
+            for procs in started.values():  # stopping while the next split starts: waited for at the end
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                stopping.extend(procs)
+            started.clear()
+            prefill, decodes = SPLITS[ns]
+            started[ns] = start_split(cluster, tiny_model, ns, list(prefill),
+                                      {f"dec-{ns}-{name}": ("shm", layout) for name, layout in decodes}, THRESHOLD)
+
+    yield split
+    stop_processes([*stopping, *(p for procs in started.values() for p in procs)])
+
+
+@pytest.mark.parametrize(("ns", "name"), [(ns, name) for ns, (_, decodes) in SPLITS.items() for name, _ in decodes])
+async def test_prefill_and_decode_of_different_layouts(cluster, splits, expected, ns, name):
+    splits(ns)
+    prefill, decode = list(SPLITS[ns][0]), dict(SPLITS[ns][1])[name]
+    run = await run_on(cluster, ns, f"dec-{ns}-{name}", prompts(), 12)
+    transport = "shm"
     assert run.tokens == expected
     assert run.decode.counters.get("remote_prefill_done", 0) == LONG, run.decode.counters
     assert run.decode.counters.get(f"transport_{transport}", 0) == LONG
-    assert run.prefill.counters.get(f"transport_{transport}", 0) == LONG, run.prefill.counters
+    assert run.prefill_delta(f"transport_{transport}") == LONG, run.prefill.counters  # (it may have fed another)
     assert run.decode.kv_blocks_used == 0 and run.decode.running == 0
     for card, layout in ((run.decode_card, decode), (run.prefill_card, prefill)):
         assert card.layout.pp == (2 if "--pp" in layout else 1)

@@ -163,30 +163,41 @@ async def test_a_flood_gets_429s_not_unbounded_queues(cluster):
         await w.close()
 
 
-async def test_sigterm_drains_a_decode_worker_without_losing_its_request(cluster, tiny_model):
-    ns = "drain"
-    proc = cluster.worker("decode", "--ns", ns, "--model", str(tiny_model), "--worker-id", "drain-0")
-    port = free_port()
-    cluster.spawn("gateway", "--nats", cluster.nats_url, "--ns", ns, "--model", str(tiny_model),
-                  "--host", "127.0.0.1", "--port", str(port))
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ok(f"{url}/health")
-    w = await Watcher.open(cluster.nats_url, ns=ns)
+async def test_sigterm_drains_a_decode_worker_without_losing_its_request(cluster, mesh):
+    """On the module's mesh (last: its worker leaves): SIGTERM to the decode worker serving a stream,
+    on its first tokens; the worker finishes the request itself (the gateway moved nothing), then
+    exits cleanly and its card goes."""
+    url, workers = mesh
+    w = await Watcher.open(cluster.nats_url, ns=NS)
     try:
+        # the router picks only live workers (the first test's killed one: its card gone within the TTL)
+        await w.wait_for(lambda: all(p.poll() is None for x, p in workers.items() if w.membership.get(x)), 15,
+                         "only live workers' cards")
+        chosen = await router_choices(w)
+        migrations = (await gateway_metric(url, "pdmesh_gateway_migrations_total"))
         # SIGTERM on the stream's first tokens: the request runs (a load report would say so a second later)
         body = {"model": "tiny", "prompt": "drain me", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
-        signalled, usage = False, None
+        proc, usage = None, None
         async with asyncio.timeout(90), httpx.AsyncClient(timeout=120) as client, \
                 client.stream("POST", f"{url}/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for event in completion_events(r):
-                if event["choices"] and not signalled:
+                if event["choices"] and proc is None:
+                    serving = (await w.wait_for(lambda: chosen, 10, "the router's decision"))[-1]
+                    proc = workers[serving]
                     proc.send_signal(signal.SIGTERM)
-                    signalled = True
                 usage = event.get("usage") or usage
-        assert signalled and usage["completion_tokens"] == 600  # it finished its request...
+        assert proc is not None and usage["completion_tokens"] == 600  # it finished its request...
+        assert await gateway_metric(url, "pdmesh_gateway_migrations_total") == migrations  # ...itself
         assert proc.wait(30) == 0  # ...then exited cleanly
-        await w.wait_for(lambda: w.membership.get("drain-0") is None, 10, "the card to go")
+        await w.wait_for(lambda: w.membership.get(serving) is None, 10, "the card to go")
     finally:
         await w.close()
+
+
+async def gateway_metric(url: str, sample: str) -> float:
+    """One unlabelled sample of the gateway's /metrics (0 while it has none)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return next((float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == sample), 0.0)

@@ -22,13 +22,14 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kvstore.transfer.shm import PREFIX, remove_stale_files, shm_dir
 from tests.helpers.cluster import Watcher, run_all
-from tests.helpers.layouts import rank_processes, run_split
-from tests.helpers.procs import alive
+from tests.helpers.layouts import rank_processes, run_on, start_split
+from tests.helpers.procs import alive, stop_processes
 from tests.helpers.references import prompts_of
 
 THRESHOLD = 64
 LENGTHS = [5, 20, 63, 64, 90, 150, 256, 400, 600]
 LONG = sum(1 for n in LENGTHS if n >= THRESHOLD)
+TRANSPORTS = ("shm", "nats")
 
 
 def prompts(seed: int = 5):
@@ -42,18 +43,45 @@ def expected(tiny_model):
     return [s.output_token_ids for s in seqs]
 
 
+@pytest.fixture(scope="module")
+def splits(cluster, tiny_model):
+    """``splits(prefill_tp, decode_tp)``: the namespace of a prefill worker of one TP degree and, for
+    each transport, a decode worker of the other that offers only that one (``dec-<ns>-<transport>``),
+    started on first use; the split asked for before is stopped then."""
+    started: dict[tuple[int, int], tuple[str, list]] = {}
+    stopping: list = []
+
+    def split(prefill_tp: int, decode_tp: int) -> str:
+        if (prefill_tp, decode_tp) not in started:
+            for _, procs in started.values():  # stopping while the next split starts: waited for at the end
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)
+                stopping.extend(procs)
+            started.clear()
+            ns = f"tp-{prefill_tp}{decode_tp}"
+            decodes = {f"dec-{ns}-{t}": (t, ["--tp", str(decode_tp)]) for t in TRANSPORTS}
+            started[prefill_tp, decode_tp] = ns, start_split(cluster, tiny_model, ns, ["--tp", str(prefill_tp)],
+                                                             decodes, THRESHOLD)
+        return started[prefill_tp, decode_tp][0]
+
+    yield split
+    stop_processes([*stopping, *(p for _, procs in started.values() for p in procs)])
+
+
+# grouped by TP degrees: the two decode workers of a split share its prefill worker
 @pytest.mark.parametrize(("transport", "prefill_tp", "decode_tp"),
-                         [("shm", 1, 2), ("shm", 2, 1), ("nats", 1, 2), ("nats", 2, 1)])
-async def test_prefill_and_decode_of_different_tp_degrees(cluster, tiny_model, expected, transport,
-                                                          prefill_tp, decode_tp):
-    run = await run_split(cluster, tiny_model, f"tp-{transport}-{prefill_tp}{decode_tp}", transport,
-                          ["--tp", str(prefill_tp)], ["--tp", str(decode_tp)], prompts(), 16, THRESHOLD)
+                         [("shm", 1, 2), ("nats", 1, 2), ("shm", 2, 1), ("nats", 2, 1)])
+async def test_prefill_and_decode_of_different_tp_degrees(cluster, splits, expected, transport, prefill_tp, decode_tp):
+    ns = splits(prefill_tp, decode_tp)
+    run = await run_on(cluster, ns, f"dec-{ns}-{transport}", prompts(), 16)
     assert run.tokens == expected
     assert run.decode.counters.get("remote_prefill_done", 0) == LONG, run.decode.counters
     assert run.decode.counters.get(f"transport_{transport}", 0) == LONG
     assert run.decode.counters.get("local_prefill", 0) == len(LENGTHS) - LONG
+    # the prefill worker's count over this transport: this decode worker's jobs (the other's go over its own)
     assert run.prefill.counters.get(f"transport_{transport}", 0) == LONG, run.prefill.counters
     assert run.decode.kv_blocks_used == 0 and run.decode.running == 0
+    assert (run.decode_card.layout.tp, run.prefill_card.layout.tp) == (decode_tp, prefill_tp)
 
 
 async def test_aggregated_tp2_worker_and_no_rank_outlives_a_killed_worker(cluster, tiny_model, expected):
