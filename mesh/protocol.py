@@ -16,8 +16,8 @@ deep), and input nested past the decoder's recursion limit is a ``DecodeError`` 
 
 The subject table is ``mesh/subjects.py``; the KV transports' own messages (``KvChunk``,
 ``NcclConnect``, ``NcclBegin``, ``NcclReply``, the ``Nixl*`` handshake) are defined below the mesh, in
-``kvstore/transfer/messages.py``, the embed pool's in ``mesh/embed_messages.py``, the token link's and the LoRA admin's in
-``mesh/side_messages.py``. All are re-exported here, and the transports' messages
+``kvstore/transfer/messages.py``, the embed pool's in ``mesh/embed_messages.py``, the token link's, the LoRA admin's
+and the load reports in ``mesh/side_messages.py``. All are re-exported here, and the transports' messages
 go through this codec like every other.
 
 ``docs/protocol.md`` documents the same table for writers of custom workers.
@@ -48,6 +48,8 @@ from mesh.params import Transports, checked_transports
 from mesh.side_messages import MESSAGES as SIDE_MESSAGES
 from mesh.side_messages import LinkHello as LinkHello
 from mesh.side_messages import LinkReady as LinkReady
+from mesh.side_messages import LoadReport as LoadReport
+from mesh.side_messages import LoadReports as LoadReports
 from mesh.side_messages import LoraReply as LoraReply
 from mesh.side_messages import LoraRequest as LoraRequest
 from mesh.side_messages import RankInvite as RankInvite
@@ -121,9 +123,8 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
             tagged = tuple(c for c in MESSAGE_TYPES.values() if c.__struct_config__.tag is not None)
             entry = msgspec.msgpack.Decoder(typing.Union[tagged]), max_bytes(None)  # noqa: UP007
         else:
-            # the bound of the wire type: a reader's narrower struct (the router's LoadSummary) has its tag
-            tag = getattr(getattr(expect, "__struct_config__", None), "tag", None)
-            entry = msgspec.msgpack.Decoder(expect), max_bytes(tag if isinstance(tag, str) else expect.__name__)
+            # the wire type's bound: a reader's narrower struct (the router's LoadSummary) has its tag
+            entry = msgspec.msgpack.Decoder(expect), max_bytes(expect.__struct_config__.tag or expect.__name__)
         _DECODERS[expect] = entry
     dec, limit = entry
     if len(data) > limit:  # before decoding a byte: the size is all a peer controls
@@ -318,42 +319,6 @@ class WorkerCard(Message):
 
     def __post_init__(self):
         checked_transports(self.transports)
-
-
-class LoadReport(Message):
-    """Periodic, on ``load``: what the router and planner need to know about a worker."""
-
-    worker_id: str
-    model: str
-    role: str
-    timestamp: float
-    waiting: int = 0
-    running: int = 0
-    waiting_for_kv: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    pending_prefill_tokens: int = 0
-    capacity: int = 0
-    active_jobs: int = 0  # prefill: jobs being computed or sent
-    ttft_ms: float = 0.0  # mean over the last ~20 s (prefill workers: job compute time)
-    itl_ms: float = 0.0  # mean over the last ~20 s
-    ttft_p90_ms: float = 0.0
-    itl_p90_ms: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    requests_total: int = 0
-    status: str = "ready"
-    counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
-    hot_adapters: list[str] = field(default_factory=list)  # LoRA adapters in device slots now (no swap-in)
-    deferrable: int = 0  # of running + waiting + waiting_for_kv: below priority 0 (batch work; the planner defers it)
-
-
-class LoadReports(Message):
-    """Periodic, on ``loads``: the ``LoadReport``s of the decode workers of one process that ticked
-    together (``mesh.loads``), one message for all of them."""
-
-    reports: list[LoadReport] = field(default_factory=list)
-
 
 
 class KvEvent(Part):

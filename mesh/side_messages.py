@@ -1,5 +1,6 @@
-"""Messages off the request path: a token link's handshake (``mesh.tokenlink``), the LoRA admin's,
-and a worker's ranks on other hosts joining it (``engine.parallel.rendezvous``).
+"""Messages off the request path: a worker's load reports (``mesh.loads``), a token link's handshake
+(``mesh.tokenlink``), the LoRA admin's, and a worker's ranks on other hosts joining it
+(``engine.parallel.rendezvous``).
 
 They have the form of every message of the mesh (msgspec Structs: a msgpack map of their fields
 plus ``"type"``, the class name; fields at their default left out), like the embed pool's
@@ -16,6 +17,41 @@ from msgspec import field
 
 class SideMessage(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True):
     """A message sent on its own (the form of ``mesh.protocol.Message``)."""
+
+
+class LoadReport(SideMessage):
+    """Periodic, on ``load``: what the router and planner need to know about a worker."""
+
+    worker_id: str
+    model: str
+    role: str
+    timestamp: float
+    waiting: int = 0
+    running: int = 0
+    waiting_for_kv: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    pending_prefill_tokens: int = 0
+    capacity: int = 0
+    active_jobs: int = 0  # prefill: jobs being computed or sent
+    ttft_ms: float = 0.0  # mean over the last ~20 s (prefill workers: job compute time)
+    itl_ms: float = 0.0  # mean over the last ~20 s
+    ttft_p90_ms: float = 0.0
+    itl_p90_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    requests_total: int = 0
+    status: str = "ready"
+    counters: dict[str, int] = field(default_factory=dict)  # e.g. remote_prefill_done, transport_shm
+    hot_adapters: list[str] = field(default_factory=list)  # LoRA adapters in device slots now (no swap-in)
+    deferrable: int = 0  # of running + waiting + waiting_for_kv: below priority 0 (batch work; the planner defers it)
+
+
+class LoadReports(SideMessage):
+    """Periodic, on ``loads``: the ``LoadReport``s of the decode workers of one process that ticked
+    together (``mesh.loads``), one message for all of them."""
+
+    reports: list[LoadReport] = field(default_factory=list)
 
 
 class LinkHello(SideMessage):
@@ -77,4 +113,4 @@ class RankInvite(SideMessage):
     proof: str = ""
 
 
-MESSAGES = (LinkHello, LinkReady, LoraRequest, LoraReply, RankJoin, RankInvite)
+MESSAGES = (LoadReport, LoadReports, LinkHello, LinkReady, LoraRequest, LoraReply, RankJoin, RankInvite)
