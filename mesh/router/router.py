@@ -161,7 +161,8 @@ class KvRouter:
         w = report.worker_id
         self.loads[w] = report
         heard = self._heard[w] = time.monotonic()
-        self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard)
+        self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard,
+                          report.running + report.waiting + report.waiting_for_kv)
         queue = self.inflight.get(w)
         if queue is not None:
             queue.drop_before(report.timestamp - REPORT_MARGIN)
@@ -242,7 +243,7 @@ class KvRouter:
         if c.mode == "kv" and c.temperature <= 0 and not c.peer_fetch and not adapter:
             return self._route_kv(model, token_ids, request_id, exclude, cache_scope)
         live = self.candidates(model)
-        cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
+        cards = self._with_room([c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)])
         if not cards:
             raise LookupError(f"no live worker for {adapter or model!r}")
         bs = cards[0].block_size
@@ -277,6 +278,7 @@ class KvRouter:
                 s = self.slots.get(w)
                 if s is not None and s < len(candidates):
                     candidates[s] = False
+        candidates = table.has_room(candidates)
         first = next((card for s, card in view.order if candidates[s]), None)
         if first is None:
             raise LookupError(f"no live worker for {model!r}")
@@ -304,6 +306,7 @@ class KvRouter:
         order = []
         for c in cards:
             self.table.set_block_size(c.worker_id, c.block_size)  # may grow the table: before the mask
+            self.table.set_max_seqs(c.worker_id, c.capacity)
             order.append((self.slots.get(c.worker_id), c))
         ready = np.zeros(self.table.capacity, dtype=bool)
         for s, _ in order:
@@ -312,10 +315,24 @@ class KvRouter:
                                           ready, order)
         return view
 
+    def _with_room(self, cards: list[WorkerCard]) -> list[WorkerCard]:
+        """``cards`` less the workers at their sequence limit, unless that leaves none (``LoadTable.has_room``)."""
+        if not cards:
+            return cards
+        rows = []
+        for c in cards:
+            self.table.set_max_seqs(c.worker_id, c.capacity)  # may grow the table: before the mask
+            rows.append(self.table.row(c.worker_id))
+        mask = np.zeros(self.table.capacity, dtype=bool)
+        mask[rows] = True
+        roomy = self.table.has_room(mask)
+        return [c for c, r in zip(cards, rows, strict=True) if roomy[r]]
+
     def _decided(self, model: str, decision: Decision, card: WorkerCard, hashes: list[int], request_id: str,
                  prompt_blocks: int, now: float) -> Decision:
         """What follows a decision: counted, its load and prefix credited to the worker, published."""
         self._rr += 1
+        self.table.add_since(decision.worker_id, 1)
         self.decisions += 1
         if decision.fetch_source:
             self.fetches += 1
@@ -393,7 +410,9 @@ class KvRouter:
             self.table.set_inflight(worker, queue.new_blocks, queue.prompt_blocks)
 
     def finished(self, worker: str, request_id: str) -> None:
-        """The request ended: its blocks are free again (whatever the next load report says)."""
+        """The request ended: its blocks and its sequence slot are free again (whatever the next
+        load report says)."""
+        self.table.add_since(worker, -1)
         queue = self.inflight.get(worker)
         if queue is not None:
             queue.pop(request_id)

@@ -9,8 +9,13 @@ that hold part of the prompt off the device (their onboarding cost) are looked a
 Everything else goes through ``pick_worker`` as before; ``tests/unit/test_router_table.py`` checks
 that both choose alike, ties and their random break included.
 
-    row (slot)   active   pending_blocks   inflight_new   inflight_prompt   heard   block_size
-                 from its load report      from this router's own decisions  (monotonic)
+    row (slot)   active   pending_blocks   seqs     inflight_new   inflight_prompt   since   heard   block_size   max_seqs
+                 from its load report               from this router's own decisions   (monotonic)   its card
+
+A worker at its sequence limit (``seqs + since >= max_seqs``: its last report's sequences, plus
+those this router sent it since, less those that ended) queues a new request until one of its
+sequences ends, a whole generation's wait: while another candidate has a free slot, a full one is
+not a candidate (``has_room``; both decision paths apply it to their candidates).
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ class LoadSummary(msgspec.Struct, tag_field="type", tag="LoadReport", omit_defau
     timestamp: float
     kv_blocks_used: int = 0
     pending_prefill_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    waiting_for_kv: int = 0
     hot_adapters: list[str] = msgspec.field(default_factory=list)
 
 
-_COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
+_COLUMNS = ("active", "pending_tokens", "pending_blocks", "seqs", "since", "inflight_new", "inflight_prompt",
+            "max_seqs", "block_size")
 
 
 class LoadTable:
@@ -49,6 +58,7 @@ class LoadTable:
         self.slots = slots
         self.capacity = 0
         self.active = self.pending_tokens = self.pending_blocks = self.inflight_new = self.inflight_prompt = np.zeros(0)
+        self.seqs = self.since = self.max_seqs = np.zeros(0)
         self.block_size = np.zeros(0)
         self.heard = np.zeros(0)
         self._grow(capacity)
@@ -75,8 +85,10 @@ class LoadTable:
             self._grow(s + 1)
         return s
 
-    def report(self, worker: str, active_blocks: int, pending_tokens: int, heard: float) -> None:
+    def report(self, worker: str, active_blocks: int, pending_tokens: int, heard: float, seqs: int = 0) -> None:
         s = self.row(worker)
+        self.seqs[s] = seqs
+        self.since[s] = 0
         self.active[s] = active_blocks
         self.pending_tokens[s] = pending_tokens
         self.pending_blocks[s] = -(-pending_tokens // int(self.block_size[s]))
@@ -93,6 +105,22 @@ class LoadTable:
             self.block_size[s] = block_size
             self.pending_blocks[s] = -(-int(self.pending_tokens[s]) // block_size)
 
+    def set_max_seqs(self, worker: str, max_seqs: int) -> None:
+        """The most sequences the worker runs at once (its card's capacity; 0: not said)."""
+        self.max_seqs[self.row(worker)] = max_seqs
+
+    def add_since(self, worker: str, n: int) -> None:
+        """``n`` more (or fewer) sequences on the worker than its last report said."""
+        s = self.slots.get(worker)
+        if s is not None and s < self.capacity:
+            self.since[s] += n
+
+    def has_room(self, candidates: np.ndarray) -> np.ndarray:
+        """``candidates`` less those at their sequence limit, unless that leaves none."""
+        full = (self.max_seqs > 0) & (self.seqs + self.since >= self.max_seqs)
+        roomy = candidates & ~full
+        return roomy if roomy.any() else candidates
+
     def set_inflight(self, worker: str, new_blocks: int, prompt_blocks: int) -> None:
         s = self.row(worker)
         self.inflight_new[s] = new_blocks
@@ -103,7 +131,7 @@ class LoadTable:
         s = self.slots.get(worker)
         if s is None or s >= self.capacity:
             return
-        for name in _COLUMNS[:-1]:
+        for name in _COLUMNS[:-1]:  # all but block_size
             getattr(self, name)[s] = 0.0
         self.block_size[s] = 16
         self.heard[s] = np.inf

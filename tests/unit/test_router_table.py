@@ -240,3 +240,34 @@ async def test_at_1000_workers_with_many_blocks_the_router_still_picks_the_holde
         assert (d.worker_id, d.hit_blocks, d.cost) == (expect.worker_id, expect.hit_blocks, expect.cost)
         assert d.worker_id in idlest and d.hit_blocks == 32
         router.finished(d.worker_id, f"s{k}")
+
+
+async def test_a_worker_at_its_sequence_limit_is_passed_over_while_another_has_room(monkeypatch):
+    """A full worker (its report's sequences plus those routed to it since, less those that ended, at
+    its card's capacity) would queue a request for a whole generation: the prefix's holder is passed
+    over while another worker has a free slot, on both decision paths; when all are full, the usual
+    choice stands."""
+    frozen_clock(monkeypatch)
+    seed = hash_seed(DEFAULT_HASH_KEY, "m")
+    prompt = [random.Random(3).randrange(32000) for _ in range(16 * 6)]
+    for config in (RouterConfig(), RouterConfig(temperature=1e-9)):  # pick_kv; pick_worker
+        router = KvRouter(None, Cards([card("a", capacity=2), card("b", capacity=2)]), config)
+        router._spawn = lambda coro: coro.close()
+        idx = router.index("m")
+        for w in ("a", "b"):
+            idx.load_snapshot(w, 0, {})
+        assert idx.apply(KvEventBatch("a", "m", 1, [KvEvent("stored", block_hashes(prompt, 16, seed), None)]))
+
+        async def report(w, running, router=router):
+            await router._on_load(LoadReport(w, "m", "decode", 0.0, running=running), None)
+
+        await report("a", 1)
+        await report("b", 0)
+        assert router.route("m", prompt, "r1").worker_id == "a"  # the holder: 1 + 1 routed = 2, full now
+        assert router.route("m", prompt, "r2").worker_id == "b"
+        router.finished("a", "r1")  # a slot of a's is free again
+        assert router.route("m", prompt, "r3").worker_id == "a"
+        await report("b", 2)  # both full: the prefix decides
+        assert router.route("m", prompt, "r4").worker_id == "a"
+        await report("a", 0)  # a report resets what was routed since
+        assert router.route("m", prompt, "r5").worker_id == "a"
