@@ -76,6 +76,7 @@ class KvRouter:
         self.loads: dict[str, LoadSummary] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
         self.inflight: dict[str, _InflightQueue] = {}  # worker -> its routed requests (request id -> load)
+        self.open: dict[str, set[str]] = {}  # worker -> the requests routed to it that have not ended (its slots)
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
         self._rr = 0
@@ -127,6 +128,7 @@ class KvRouter:
             self.loads.pop(worker_id, None)
             self._heard.pop(worker_id, None)
             self.inflight.pop(worker_id, None)
+            self.open.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
             self._costs.pop(worker_id, None)
             self.table.clear(worker_id)
@@ -332,13 +334,19 @@ class KvRouter:
                  prompt_blocks: int, now: float) -> Decision:
         """What follows a decision: counted, its load and prefix credited to the worker, published."""
         self._rr += 1
-        self.table.add_since(decision.worker_id, 1)
         self.decisions += 1
+        request_id = request_id or uuid.uuid4().hex
+        w = decision.worker_id
+        opened = self.open.get(w)
+        if opened is None:
+            opened = self.open[w] = set()
+        opened.add(request_id)
+        self.table.set_open(w, len(opened))
         if decision.fetch_source:
             self.fetches += 1
             metrics.ROUTER_FETCHES.labels(model).inc()
             metrics.ROUTER_FETCH_BLOCKS.labels(model).inc(decision.fetch_blocks)
-        self._count(decision.worker_id, request_id or uuid.uuid4().hex,
+        self._count(decision.worker_id, request_id,
                     _Inflight(now, prompt_blocks, decision.new_blocks))
         if hashes:
             # Until the worker's own events show these blocks (after its prefill), the router
@@ -412,7 +420,10 @@ class KvRouter:
     def finished(self, worker: str, request_id: str) -> None:
         """The request ended: its blocks and its sequence slot are free again (whatever the next
         load report says)."""
-        self.table.add_since(worker, -1)
+        opened = self.open.get(worker)
+        if opened is not None and request_id in opened:
+            opened.discard(request_id)
+            self.table.set_open(worker, len(opened))
         queue = self.inflight.get(worker)
         if queue is not None:
             queue.pop(request_id)
