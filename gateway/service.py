@@ -411,7 +411,11 @@ class Gateway:
             req.output_offset = len(generated)
         span.set_attribute("pdworker.base", worker_id)
         run.sent(worker_id)
-        await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
+        try:
+            await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
+        except BaseException:  # never sent (or cancelled meanwhile): the router holds its slot until it ends
+            self._close(stream, request_id)
+            raise
         return stream
 
     def _close(self, stream: ReplyStream, request_id: str) -> None:

@@ -318,7 +318,7 @@ class KvRouter:
         return view
 
     def _with_room(self, cards: list[WorkerCard]) -> list[WorkerCard]:
-        """``cards`` less the workers at their sequence limit, unless that leaves none (``LoadTable.has_room``)."""
+        """``cards`` less the workers at their sequence limit (``LoadTable.has_room``)."""
         if not cards:
             return cards
         rows = []
