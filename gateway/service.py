@@ -1,10 +1,9 @@
 """The gateway's work, HTTP aside: models, tokenizers, routing, one choice's token stream.
 
-``Gateway`` owns the bus connection and the registry view. ``stream_choice``
-turns a prompt into a stream of ``ChoiceDelta``s: it picks a worker, streams
-its ``TokenChunk``s, detokenizes incrementally, applies stop strings, and
-cancels the request on the worker when the client goes away or a stop string
-ends it early.
+``Gateway`` owns the bus connection and the registry view. ``stream_choice`` turns a prompt into
+a stream of ``ChoiceDelta``s: it picks a worker, streams its ``TokenChunk``s, detokenizes
+incrementally, applies stop strings, and cancels the request on the worker when the client goes
+away or a stop string ends it early.
 """
 
 from __future__ import annotations
@@ -397,21 +396,23 @@ class Gateway:
             raise
         worker_id = d.worker_id
         stream = self.replies.open(worker_id)
-        req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(),
-                              batch_to=self.replies.batch_subject, stream=stream.key, adapter=adapter,
-                              cache_scope=cache_scope)
+        req = GenerateRequest(request_id, model, prompt_ids, sampling, priority, time.time(), batch_to=self.replies.batch_subject,
+                              stream=stream.key, adapter=adapter, cache_scope=cache_scope)
         if self.link is not None:
             req.batch_link, req.batch_link_key = self.link.address, self.link.key_for(worker_id)
         if d.fetch_source:  # the worker fetches these prefix blocks from a peer before prefilling
             req.peer_fetch = PeerFetchPlan(d.fetch_source, d.fetch_blocks, d.hit_blocks)
         if generated:  # resumed: the tokens streamed so far join the prompt and count as outputs
-            left = sampling.max_tokens - len(generated)
             req.token_ids = prompt_ids + generated
-            req.sampling = msgspec.structs.replace(sampling, max_tokens=max(1, left))
+            req.sampling = msgspec.structs.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(generated)))
             req.output_offset = len(generated)
         span.set_attribute("pdworker.base", worker_id)
         run.sent(worker_id)
-        await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
+        try:
+            await self.bus.publish(self.bus.subjects.generate(model, worker_id), req, reply=stream.subject, span=span)
+        except BaseException:  # never sent (or cancelled meanwhile): the router holds its slot until it ends
+            self._close(stream, request_id)
+            raise
         return stream
 
     def _close(self, stream: ReplyStream, request_id: str) -> None:
@@ -419,8 +420,7 @@ class Gateway:
         self.router.finished(stream.worker_id, request_id)
 
     def _untried(self, model: str, tried: set[str], adapter: str = "") -> bool:
-        return any(c.worker_id not in tried and (not adapter or adapter in c.adapters)
-                   for c in self.decode_workers(model))
+        return any(c.worker_id not in tried and (not adapter or adapter in c.adapters) for c in self.decode_workers(model))
 
     def _cancel_later(self, model: str, stream: ReplyStream, request_id: str) -> None:
         # Runs even when the calling task is being cancelled (client disconnect).

@@ -77,6 +77,7 @@ class KvRouter:
         self.loads: dict[str, LoadSummary] = {}
         self._heard: dict[str, float] = {}  # worker -> when its last load report arrived (monotonic)
         self.inflight: dict[str, _InflightQueue] = {}  # worker -> its routed requests (request id -> load)
+        self.open: dict[str, set[str]] = {}  # worker -> the requests routed to it that have not ended (its slots)
         self._buffered: dict[str, list[KvEventBatch]] = {}
         self._resyncing: set[str] = set()
         self._rr = 0
@@ -128,6 +129,7 @@ class KvRouter:
             self.loads.pop(worker_id, None)
             self._heard.pop(worker_id, None)
             self.inflight.pop(worker_id, None)
+            self.open.pop(worker_id, None)
             self._buffered.pop(worker_id, None)
             self._costs.pop(worker_id, None)
             self.table.clear(worker_id)
@@ -162,7 +164,8 @@ class KvRouter:
         w = report.worker_id
         self.loads[w] = report
         heard = self._heard[w] = time.monotonic()
-        self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard)
+        self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard,
+                          report.running + report.waiting + report.waiting_for_kv)
         queue = self.inflight.get(w)
         if queue is not None:
             queue.drop_before(report.timestamp - REPORT_MARGIN)
@@ -243,7 +246,7 @@ class KvRouter:
         if c.mode == "kv" and c.temperature <= 0 and not c.peer_fetch and not adapter:
             return self._route_kv(model, token_ids, request_id, exclude, cache_scope)
         live = self.candidates(model)
-        cards = [c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)]
+        cards = self._with_room([c for c in live if c.worker_id not in exclude and (not adapter or adapter in c.adapters)])
         if not cards:
             raise LookupError(f"no live worker for {adapter or model!r}")
         bs = cards[0].block_size
@@ -278,6 +281,7 @@ class KvRouter:
                 s = self.slots.get(w)
                 if s is not None and s < len(candidates):
                     candidates[s] = False
+        candidates = table.has_room(candidates)
         first = next((card for s, card in view.order if candidates[s]), None)
         if first is None:
             raise LookupError(f"no live worker for {model!r}")
@@ -305,6 +309,7 @@ class KvRouter:
         order = []
         for c in cards:
             self.table.set_block_size(c.worker_id, c.block_size)  # may grow the table: before the mask
+            self.table.set_max_seqs(c.worker_id, c.capacity)
             order.append((self.slots.get(c.worker_id), c))
         ready = np.zeros(self.table.capacity, dtype=bool)
         for s, _ in order:
@@ -313,16 +318,36 @@ class KvRouter:
                                           ready, order)
         return view
 
+    def _with_room(self, cards: list[WorkerCard]) -> list[WorkerCard]:
+        """``cards`` less the workers at their sequence limit (``LoadTable.has_room``)."""
+        if not cards:
+            return cards
+        rows = []
+        for c in cards:
+            self.table.set_max_seqs(c.worker_id, c.capacity)  # may grow the table: before the mask
+            rows.append(self.table.row(c.worker_id))
+        mask = np.zeros(self.table.capacity, dtype=bool)
+        mask[rows] = True
+        roomy = self.table.has_room(mask)
+        return [c for c, r in zip(cards, rows, strict=True) if roomy[r]]
+
     def _decided(self, model: str, decision: Decision, card: WorkerCard, hashes: list[int], request_id: str,
                  prompt_blocks: int, now: float) -> Decision:
         """What follows a decision: counted, its load and prefix credited to the worker, published."""
         self._rr += 1
         self.decisions += 1
+        request_id = request_id or uuid.uuid4().hex
+        w = decision.worker_id
+        opened = self.open.get(w)
+        if opened is None:
+            opened = self.open[w] = set()
+        opened.add(request_id)
+        self.table.set_open(w, len(opened))
         if decision.fetch_source:
             self.fetches += 1
             metrics.ROUTER_FETCHES.labels(model).inc()
             metrics.ROUTER_FETCH_BLOCKS.labels(model).inc(decision.fetch_blocks)
-        self._count(decision.worker_id, request_id or uuid.uuid4().hex,
+        self._count(decision.worker_id, request_id,
                     _Inflight(now, prompt_blocks, decision.new_blocks))
         if hashes:
             # Until the worker's own events show these blocks (after its prefill), the router
@@ -394,7 +419,12 @@ class KvRouter:
             self.table.set_inflight(worker, queue.new_blocks, queue.prompt_blocks)
 
     def finished(self, worker: str, request_id: str) -> None:
-        """The request ended: its blocks are free again (whatever the next load report says)."""
+        """The request ended: its blocks and its sequence slot are free again (whatever the next
+        load report says)."""
+        opened = self.open.get(worker)
+        if opened is not None and request_id in opened:
+            opened.discard(request_id)
+            self.table.set_open(worker, len(opened))
         queue = self.inflight.get(worker)
         if queue is not None:
             queue.pop(request_id)

@@ -9,8 +9,19 @@ that hold part of the prompt off the device (their onboarding cost) are looked a
 Everything else goes through ``pick_worker`` as before; ``tests/unit/test_router_table.py`` checks
 that both choose alike, ties and their random break included.
 
-    row (slot)   active   pending_blocks   inflight_new   inflight_prompt   heard   block_size
-                 from its load report      from this router's own decisions  (monotonic)
+    row (slot)   active   pending_blocks   others   open   inflight_new   inflight_prompt   heard   block_size   max_seqs
+                 from its load report             this router's own decisions        (monotonic)   its card
+
+A worker's sequences now: ``open``, the requests this router sent it that have not ended (exact,
+whether or not they reached it yet), plus ``others``, what its last report showed beyond the ones
+of ours it could have shown (other routers' requests: ``running + waiting + waiting_for_kv`` less
+our open ones then, at least 0). Counting from the report alone and adding what was routed since
+(the first version of this) lost every request still on its way when the report was made: at C=512
+about 150 ms of requests, ~20 per worker, so a full worker looked roomy. A worker at its sequence
+limit (``others + open >= max_seqs``) queues a new request until one of its sequences ends, a
+whole generation's wait: while another candidate has a free slot, a full one is not a candidate;
+when every one is full, only those with the fewest queued are (``has_room``; both decision paths
+apply it). While workers have room, slots do not enter the cost: a cached prefix still decides.
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ class LoadSummary(msgspec.Struct, tag_field="type", tag="LoadReport", omit_defau
     timestamp: float
     kv_blocks_used: int = 0
     pending_prefill_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    waiting_for_kv: int = 0
     hot_adapters: list[str] = msgspec.field(default_factory=list)
 
 
@@ -47,7 +61,8 @@ class LoadSummaries(msgspec.Struct, tag_field="type", tag="LoadReports"):
     reports: list[LoadSummary] = msgspec.field(default_factory=list)
 
 
-_COLUMNS = ("active", "pending_tokens", "pending_blocks", "inflight_new", "inflight_prompt", "block_size")
+_COLUMNS = ("active", "pending_tokens", "pending_blocks", "others", "open", "inflight_new", "inflight_prompt",
+            "max_seqs", "block_size")
 
 
 class LoadTable:
@@ -55,6 +70,7 @@ class LoadTable:
         self.slots = slots
         self.capacity = 0
         self.active = self.pending_tokens = self.pending_blocks = self.inflight_new = self.inflight_prompt = np.zeros(0)
+        self.others = self.open = self.max_seqs = np.zeros(0)
         self.block_size = np.zeros(0)
         self.heard = np.zeros(0)
         self._grow(capacity)
@@ -81,8 +97,10 @@ class LoadTable:
             self._grow(s + 1)
         return s
 
-    def report(self, worker: str, active_blocks: int, pending_tokens: int, heard: float) -> None:
+    def report(self, worker: str, active_blocks: int, pending_tokens: int, heard: float, seqs: int = 0) -> None:
+        """``seqs``: the sequences the report shows (running, waiting, waiting for their KV)."""
         s = self.row(worker)
+        self.others[s] = max(seqs - self.open[s], 0)
         self.active[s] = active_blocks
         self.pending_tokens[s] = pending_tokens
         self.pending_blocks[s] = -(-pending_tokens // int(self.block_size[s]))
@@ -99,6 +117,27 @@ class LoadTable:
             self.block_size[s] = block_size
             self.pending_blocks[s] = -(-int(self.pending_tokens[s]) // block_size)
 
+    def set_max_seqs(self, worker: str, max_seqs: int) -> None:
+        """The most sequences the worker runs at once (its card's capacity; 0: not said)."""
+        self.max_seqs[self.row(worker)] = max_seqs
+
+    def set_open(self, worker: str, n: int) -> None:
+        """The requests this router sent the worker that have not ended."""
+        s = self.slots.get(worker)
+        if s is not None and s < self.capacity:
+            self.open[s] = n
+
+    def has_room(self, candidates: np.ndarray) -> np.ndarray:
+        """``candidates`` less those at their sequence limit; when all are, those with the fewest
+        queued (a worker that did not say its limit always has room)."""
+        over = np.where(self.max_seqs > 0, self.others + self.open - self.max_seqs, -1.0)
+        roomy = candidates & (over < 0)
+        if roomy.any():
+            return roomy
+        if not candidates.any():
+            return candidates
+        return candidates & (over == over[candidates].min())
+
     def set_inflight(self, worker: str, new_blocks: int, prompt_blocks: int) -> None:
         s = self.row(worker)
         self.inflight_new[s] = new_blocks
@@ -109,7 +148,7 @@ class LoadTable:
         s = self.slots.get(worker)
         if s is None or s >= self.capacity:
             return
-        for name in _COLUMNS[:-1]:
+        for name in _COLUMNS[:-1]:  # all but block_size
             getattr(self, name)[s] = 0.0
         self.block_size[s] = 16
         self.heard[s] = np.inf

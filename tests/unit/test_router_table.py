@@ -59,14 +59,18 @@ async def test_the_decision_over_all_workers_is_pick_workers_decision(monkeypatc
     for trial in range(40):
         n = rng.choice([1, 3, 10, 70, 200])
         ids = [f"w{i:03d}" for i in range(n)]
-        cards = Cards([card(w, status="ready" if rng.random() > 0.1 else "draining") for w in ids])
+        cards = Cards([card(w, status="ready" if rng.random() > 0.1 else "draining",
+                            capacity=rng.choice([0, 1, 2, 2, 3, 64])) for w in ids])
         router = KvRouter(None, cards, RouterConfig(decode_weight=rng.choice([0.1, 0.1, 0.37])))
         router._spawn = lambda coro: coro.close()
         idx = router.index("m")
         convs = {}
+        others = {w: rng.choice([0, 0, 1, 2]) for w in ids}  # other routers' sequences, from the reports
+        opened = {w: set() for w in ids}  # what this test routed and did not end: a plain model of the slots
         for w in ids:
             await router._on_load(LoadReport(w, "m", "decode", 0.0, kv_blocks_used=rng.choice([0, 0, 5, 40]),
-                                             pending_prefill_tokens=rng.choice([0, 0, 17, 160])), None)
+                                             pending_prefill_tokens=rng.choice([0, 0, 17, 160]),
+                                             running=others[w]), None)
             idx.load_snapshot(w, 0, {})
             events = []
             if rng.random() < 0.6:  # the system prompt, on some tier
@@ -86,7 +90,7 @@ async def test_the_decision_over_all_workers_is_pick_workers_decision(monkeypatc
                 router.first_token(w, f"x{i}")
         if rng.random() < 0.3 and n > 1:
             router.suspect(rng.choice(ids))  # silent: no new work
-        for k in range(5):
+        for k in range(8):
             kind = rng.random()
             if kind < 0.4:
                 tokens = rng.choice(list(convs.values())) + [rng.randrange(32000) for _ in range(rng.randrange(1, 40))]
@@ -106,7 +110,17 @@ async def test_the_decision_over_all_workers_is_pick_workers_decision(monkeypatc
             assert (got.worker_id, got.new_blocks, got.hit_blocks) == (expect.worker_id, expect.new_blocks,
                                                                        expect.hit_blocks), (trial, k)
             assert abs(got.cost - expect.cost) < 1e-9 and abs(got.overlap_blocks - expect.overlap_blocks) < 1e-9
-            router.finished(got.worker_id, f"t{trial}-{k}")
+            seqs = {w: others[w] + len(opened[w]) for w in ids}
+            capacity = {c.worker_id: c.capacity for c in cards.cards()}
+            roomy = [c.worker_id for c in router.candidates("m") if c.worker_id not in exclude
+                     and (not capacity[c.worker_id] or seqs[c.worker_id] < capacity[c.worker_id])]
+            assert not roomy or got.worker_id in roomy, (trial, k)  # no wait for a slot while one is free
+            opened[got.worker_id].add(f"t{trial}-{k}")
+            if rng.random() < 0.4:  # some end, the others hold their slots
+                w = rng.choice(ids)
+                if opened[w]:
+                    rid = opened[w].pop()
+                    router.finished(w, rid)
 
 
 def _inflight(rng):
@@ -118,7 +132,7 @@ def _inflight(rng):
 def _slow_decision(router: KvRouter, tokens, exclude, seed):
     """What ``route`` decided before (issue 51): a WorkerLoad per live worker, then ``pick_worker``."""
     live = router.candidates("m")
-    cards = [c for c in live if c.worker_id not in exclude]
+    cards = router._with_room([c for c in live if c.worker_id not in exclude])  # the sequence limit (its own test)
     if not cards:
         return None
     hashes = block_hashes(tokens, 16, hash_seed(DEFAULT_HASH_KEY, "m"))
@@ -240,3 +254,48 @@ async def test_at_1000_workers_with_many_blocks_the_router_still_picks_the_holde
         assert (d.worker_id, d.hit_blocks, d.cost) == (expect.worker_id, expect.hit_blocks, expect.cost)
         assert d.worker_id in idlest and d.hit_blocks == 32
         router.finished(d.worker_id, f"s{k}")
+
+
+async def test_a_worker_at_its_sequence_limit_is_passed_over_while_another_has_room(monkeypatch):
+    """A full worker (the requests routed to it that have not ended, plus what its last report showed
+    beyond those: other routers' requests, at its card's capacity) would queue a request for a whole
+    generation: the prefix's holder is passed over while another worker has a free slot, on both
+    decision paths; when all are full, the one with the fewest queued is taken, and among equals the
+    usual choice stands."""
+    frozen_clock(monkeypatch)
+    seed = hash_seed(DEFAULT_HASH_KEY, "m")
+    prompt = [random.Random(3).randrange(32000) for _ in range(16 * 6)]
+    for config in (RouterConfig(), RouterConfig(temperature=1e-9)):  # pick_kv; pick_worker
+        router = KvRouter(None, Cards([card("a", capacity=2), card("b", capacity=2)]), config)
+        router._spawn = lambda coro: coro.close()
+        idx = router.index("m")
+        for w in ("a", "b"):
+            idx.load_snapshot(w, 0, {})
+        assert idx.apply(KvEventBatch("a", "m", 1, [KvEvent("stored", block_hashes(prompt, 16, seed), None)]))
+
+        async def report(w, running, router=router):
+            await router._on_load(LoadReport(w, "m", "decode", 0.0, running=running), None)
+
+        def route(rid, router=router):
+            return router.route("m", prompt, rid).worker_id
+
+        await report("a", 0)
+        await report("b", 0)
+        assert [route("r1"), route("r2"), route("r3")] == ["a", "a", "b"]  # the holder until it is full
+        await report("a", 0)  # r1 and r2 still on their way: they count all the same
+        assert route("r4") == "b"
+        assert route("r5") == "a"  # both full, none queued: the prefix decides
+        assert route("r6") == "b"  # a has one queued, b none
+        router.finished("a", "r1")
+        router.finished("a", "r1")  # ended once: a second word of it changes nothing
+        router.finished("b", "nobody")
+        assert route("r7") == "a"  # a: r2 and r5, none queued; b: one
+        for w, done in (("a", ("r2", "r5", "r7")), ("b", ("r3", "r4", "r6"))):
+            for rid in done:
+                router.finished(w, rid)
+        assert router.open == {"a": set(), "b": set()}
+        await report("a", 2)  # another router's two requests: a is full
+        assert route("r8") == "b"
+        await report("a", 1)
+        assert route("r9") == "a"
+        assert router.open == {"a": {"r9"}, "b": {"r8"}}
