@@ -24,10 +24,14 @@ MAX_TOKENS = 8
 
 
 async def decode_counters(nats_url: str) -> dict[str, int]:
-    """The decode worker's counters, from a load report sent after this call."""
+    """The decode worker's counters, from a load report sent after this call (and after the prefill
+    worker is serving: ``mesh up`` is up once its gateway and decode workers are, and a long prompt
+    that comes before the prefill worker's card is prefilled where it decodes)."""
     w = await Watcher.open(nats_url)
     try:
         await w.wait_for(lambda: w.membership.cards(role="decode"), 60, "the decode worker")
+        await w.wait_for(lambda: [c for c in w.membership.cards(role="prefill") if c.status == "ready"], 120,
+                         "the prefill worker")
         (card,) = w.membership.cards(role="decode")
         return (await w.fresh_load(card.worker_id, timeout=30)).counters
     finally:
