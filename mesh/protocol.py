@@ -46,6 +46,7 @@ from mesh.embed_messages import EmbedReply as EmbedReply
 from mesh.embed_messages import EmbedRequest as EmbedRequest
 from mesh.params import Transports, checked_transports
 from mesh.side_messages import MESSAGES as SIDE_MESSAGES
+from mesh.side_messages import HostCards as HostCards
 from mesh.side_messages import LinkHello as LinkHello
 from mesh.side_messages import LinkReady as LinkReady
 from mesh.side_messages import LoadReport as LoadReport

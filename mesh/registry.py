@@ -19,6 +19,10 @@ built) against ~30 on a plain subscription. Both carry the same message; what th
 miss (a disconnect) the watch's replay after a reconnect, or the card's TTL, makes good (a replay
 that overlaps a put may hand back the card before it for one refresh period). A refresh (the same
 bytes but ``updated``) is not decoded: the held card takes the new time.
+
+The workers of one process keep their cards together under a few set keys (``mesh.cardset``:
+``{role}.set.{process}-{n}``, a ``HostCards`` each): a view holds each card in it as if it had its
+own key, and drops a worker only when the key it last came under stops naming it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from nats.js.kv import KeyValue
 
 from mesh.bus import Bus
 from mesh.procutil import cancel_and_wait, until_tick
-from mesh.protocol import DecodeError, WorkerCard, decode, encode, subject_token
+from mesh.protocol import DecodeError, HostCards, WorkerCard, decode, encode, subject_token
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,16 @@ def card_key(card: WorkerCard) -> str:
     return f"{subject_token(card.role)}.{subject_token(card.worker_id)}"
 
 
+def set_key(role: str, process: str, part: int) -> str:
+    """The key of part ``part`` of a process's cards of ``role`` (``mesh.cardset``): three tokens, where a
+    worker's own key has two."""
+    return f"{subject_token(role)}.set.{subject_token(process)}-{part}"
+
+
+def _is_set_key(key: str) -> bool:
+    return key.count(".") == 2 and key.split(".", 2)[1] == "set"
+
+
 _UPDATED = b"\xa7updated\xcb"  # msgpack: the key "updated", then a float64's marker (its 8 bytes follow)
 
 
@@ -85,23 +99,32 @@ _FLOAT64 = struct.Struct(">d")
 
 
 class CardPublisher:
-    """Keeps one worker's card in the registry while the worker lives."""
+    """Keeps one worker's card in the registry while the worker lives. ``together``: its process's
+    ``mesh.cardset.CardSet`` (``worker.host``), which keeps it with the others' instead."""
 
-    def __init__(self, bus: Bus, card_fn: Callable[[], WorkerCard], ttl: float = DEFAULT_TTL):
+    def __init__(self, bus: Bus, card_fn: Callable[[], WorkerCard], ttl: float = DEFAULT_TTL, together=None):
         self.bus = bus
         self.card_fn = card_fn
         self.ttl = ttl
+        self.together = together
         self._kv: KeyValue | None = None
         self._task: asyncio.Task | None = None
         self._key = ""
+        self._member = ""  # with ``together``: the worker's id once its card is in the set
         self._put_at = time.monotonic()  # when the last put that succeeded began (its card's ``updated``)
 
     async def start(self) -> None:
+        if self.together is not None:
+            self._member = await self.together.add(self.card_fn)
+            return
         self._kv = await open_bucket(self.bus, self.ttl)
         await self.put()
         self._task = asyncio.create_task(self._refresh(), name="registry-refresh")
 
     async def put(self) -> None:
+        if self.together is not None:
+            await self.together.put()
+            return
         card = self.card_fn()
         began, card.updated = time.monotonic(), time.time()
         self._key = card_key(card)
@@ -111,7 +134,7 @@ class CardPublisher:
     def age(self) -> float:
         """Seconds since the newest card that reached the registry was made: a watcher counts this
         worker gone once that is its TTL (a partition, or a registry it cannot reach)."""
-        return time.monotonic() - self._put_at
+        return self.together.age() if self.together is not None else time.monotonic() - self._put_at
 
     async def _refresh(self) -> None:
         while True:
@@ -124,6 +147,11 @@ class CardPublisher:
                     self._kv = await open_bucket(self.bus, self.ttl)
 
     async def stop(self) -> None:
+        if self.together is not None:
+            if self._member:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.together.remove(self._member), 2.0)
+            return
         if self._task:
             await cancel_and_wait([self._task])
         if self._kv and self._key:
@@ -146,7 +174,8 @@ class Membership:
         self._watcher = None
         self._watch_task: asyncio.Task | None = None
         self._follow = None  # the plain subscription on the bucket's subjects (after the first replay)
-        self._raw: dict[str, tuple[str, bytes]] = {}  # key -> (worker id, its card's bytes as last read)
+        self._raw: dict[str, tuple] = {}  # key -> (worker id, or a set key's ids; its bytes as last read)
+        self._owner: dict[str, str] = {}  # worker id -> the key its card last came under
         self._rewatching = False  # the watch is being re-opened: no news is not bad news
         self._models_seen: dict[str, float] = {}  # model -> monotonic time a card of it was last seen
         self._last_entry = time.monotonic()  # of the last fresh card the watch delivered
@@ -285,6 +314,9 @@ class Membership:
         if not value:
             self._drop_key(key)
             return
+        if _is_set_key(key):
+            self._entry_set(key, value)
+            return
         held = self._raw.get(key)
         updated = None if held is None or held[0] not in self._cards else _refreshed(held[1], value)
         if updated is not None:  # a refresh: the card as held, newer (not decoded: 500 a second at 1,000 workers)
@@ -299,13 +331,47 @@ class Membership:
             if self.role is not None and card.role != self.role:
                 return  # a card under a key that is not its role's
             old = self._cards.get(card.worker_id)
+        if self._keep(card, old, key):
+            self._raw[key] = (card.worker_id, value)
+
+    def _entry_set(self, key: str, value: bytes) -> None:
+        """A process's set key (``mesh.cardset``): its workers' cards, all as new as the set."""
+        held = self._raw.get(key)
+        updated = None if held is None else _refreshed(held[1], value)
+        if updated is not None and all(w in self._cards for w in held[0]):
+            for w in held[0]:  # a refresh: the cards as held, newer (500 a second at 1,000 workers, unread)
+                card = self._cards[w]
+                card.updated = updated
+                self._keep(card, card, key)
+            self._raw[key] = (held[0], value)
+            return
+        try:
+            got = decode(value, HostCards)
+            cards = [decode(raw, WorkerCard) for raw in got.cards]
+        except DecodeError as e:
+            log.warning("ignoring a malformed card set %s: %s", key, e)
+            return
+        kept = []
+        for card in cards:
+            if self.role is None or card.role == self.role:
+                card.updated = got.updated
+                if self._keep(card, self._cards.get(card.worker_id), key):
+                    kept.append(card.worker_id)
+        for w in held[0] if held is not None else ():
+            if w not in kept and self._owner.get(w) == key:
+                self._drop(w)  # stopped, or gone from a replay as too old
+        self._raw[key] = (tuple(kept), value)
+
+    def _keep(self, card: WorkerCard, old: WorkerCard | None, key: str) -> bool:
+        """Hold ``card`` (``key``'s), unless it is a dead worker's last (a replay); tell the listeners
+        when it joins or changes."""
         age = min(max(time.time() - card.updated, 0.0), self.ttl)
         self._seen[card.worker_id] = time.monotonic() - age
         if age >= self.ttl:
-            return  # a dead worker's last card (a replay): says nothing about our lag
+            return False  # a dead worker's last card (a replay): says nothing about our lag
         self._freshest = min(self._freshest, age)
         self._cards[card.worker_id] = card
-        self._raw[key] = (card.worker_id, value)
+        self._owner[card.worker_id] = key
         now = time.monotonic()
         self._last_entry = now
         self._models_seen[card.model] = now
@@ -313,15 +379,22 @@ class Membership:
             self.version += 1
             self._notify(card.worker_id, card)
         self.ready.set()
+        return True
 
     def _drop_key(self, key: str) -> None:
-        self._raw.pop(key, None)
+        held = self._raw.pop(key, None)
+        if _is_set_key(key):
+            for w in held[0] if held is not None else ():
+                if self._owner.get(w) == key:
+                    self._drop(w)
+            return
         token = key.rsplit(".", 1)[-1]  # {role}.{worker id}, or a bare worker id (an older writer's)
         for wid in [w for w in self._cards if subject_token(w) == token]:
             self._drop(wid)
 
     def _drop(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
+        self._owner.pop(worker_id, None)
         if self._cards.pop(worker_id, None) is not None:
             self.version += 1
             self._notify(worker_id, None)

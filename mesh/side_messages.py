@@ -1,4 +1,5 @@
-"""Messages off the request path: a worker's load reports (``mesh.loads``), a token link's handshake
+"""Messages off the request path: a worker's load reports (``mesh.loads``), a process's cards
+(``mesh.cardset``), a token link's handshake
 (``mesh.tokenlink``), the LoRA admin's, and a worker's ranks on other hosts joining it
 (``engine.parallel.rendezvous``).
 
@@ -52,6 +53,16 @@ class LoadReports(SideMessage):
     together (``mesh.loads``), one message for all of them."""
 
     reports: list[LoadReport] = field(default_factory=list)
+
+
+class HostCards(SideMessage):
+    """The registry value under a process's set key (``{role}.set.{process}-{n}``, ``mesh.cardset``):
+    the cards of up to ``MAX_CARDS`` of its workers, refreshed together. ``updated`` (time.time())
+    is every card's (their own ``updated`` is 0 in it, so a refresh changes only these 8 bytes);
+    each card is an encoded ``WorkerCard``, read under that type's own bound."""
+
+    updated: float
+    cards: list[bytes] = field(default_factory=list)
 
 
 class LinkHello(SideMessage):
@@ -113,4 +124,4 @@ class RankInvite(SideMessage):
     proof: str = ""
 
 
-MESSAGES = (LoadReport, LoadReports, LinkHello, LinkReady, LoraRequest, LoraReply, RankJoin, RankInvite)
+MESSAGES = (LoadReport, LoadReports, HostCards, LinkHello, LinkReady, LoraRequest, LoraReply, RankJoin, RankInvite)

@@ -151,7 +151,7 @@ MAX_BYTES: dict[str, int] = {
     "KvEventBatch": 4 * MIB, "KvSnapshot": 4 * MIB,
     "KvFetchRequest": 2 * MIB, "KvFetchDone": 2 * MIB,
     "KvChunk": 64 * MIB,  # bytes: decoded without growing
-    "WorkerCard": 256 * KIB, "LoadReport": 64 * KIB, "LoadReports": 1 * MIB,
+    "WorkerCard": 256 * KIB, "HostCards": 1 * MIB, "LoadReport": 64 * KIB, "LoadReports": 1 * MIB,
     "EmbedRequest": 8 * MIB, "EmbedReply": 64 * MIB,  # vectors as bytes: decoded without growing
 }
 

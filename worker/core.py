@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
+from mesh.cardset import CardSet
 from mesh.loads import LoadBatcher
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals, until_tick
@@ -77,13 +78,15 @@ class Counters:
 class SharedParts:
     """What the workers of one process share when it runs several (``worker.host``: the mocker's
     ``--num-workers``): one NATS connection, one view of the registry, one token link per gateway
-    (``mesh.tokenlink.LinkPool``) and one load message a tick (``mesh.loads.LoadBatcher``), all the
-    host's to open and close. A worker without them opens its own."""
+    (``mesh.tokenlink.LinkPool``), one load message a tick (``mesh.loads.LoadBatcher``) and their
+    cards refreshed together (``mesh.cardset.CardSet``), all the host's to open and close. A worker
+    without them opens its own."""
 
     bus: Bus
     membership: Membership
     links: LinkPool
     loads: LoadBatcher
+    cards: CardSet
 
 
 class WorkerCore:
@@ -158,7 +161,8 @@ class WorkerCore:
             await asyncio.to_thread(self.warm_up)
             self._serve_metrics()
             await self.start(stack, stop)
-            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl)
+            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl,
+                                       together=self.shared.cards if self.shared is not None else None)
             await retry_unavailable(self.cards.start, "the worker registry")
             stack.push_async_callback(self.cards.stop)
             load = asyncio.create_task(self._report_load(), name="load")

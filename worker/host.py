@@ -12,6 +12,8 @@ for all of them:
     one registry view           --> SharedParts.membership: one KV watch, not one per worker
     one load message a tick     --> SharedParts.loads: the decode workers' reports of one tick as one
                                     LoadReports (mesh.loads)
+    its cards, a few keys       --> SharedParts.cards: the workers' cards under the process's set keys,
+                                    refreshed together (mesh.cardset), not a put per worker
     one token link per gateway  --> SharedParts.links: the workers' batches to a gateway on one
                                     socket, a turn's frames in one write (mesh.tokenlink)
     one /metrics page           --> the process's registry (step metrics by model and role)
@@ -32,6 +34,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from mesh.bus import Bus
+from mesh.cardset import CardSet
 from mesh.loads import LoadBatcher
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.registry import Membership
@@ -85,7 +88,10 @@ class WorkerHost:
             stack.push_async_callback(membership.stop)
             if s.metrics_port >= 0:
                 self.metrics_port = serve_metrics(s.metrics_port, s.metrics_host)
-            shared = SharedParts(bus, membership, LinkPool(), LoadBatcher(bus, self.name))
+            cards = CardSet(bus, self.name, ttl=s.registry_ttl)
+            await cards.start()
+            stack.push_async_callback(cards.stop)  # after every worker's own leave
+            shared = SharedParts(bus, membership, LinkPool(), LoadBatcher(bus, self.name), cards)
             stack.callback(shared.links.close)  # after every worker's drain: their last chunks go out first
             stops = [child_stop(stop) for _ in self.workers]
             for w in self.workers:

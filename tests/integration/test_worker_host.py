@@ -32,18 +32,24 @@ async def test_many_workers_in_one_process_go_live_and_serve(cluster, tiny_model
         assert sorted(c.worker_id for c in cards) == [f"hostA-{i:04d}" for i in range(N)]
         assert {c.pid for c in cards} == {proc.pid} and {c.engine for c in cards} == {"mock"}
         await w.wait_for(lambda: len(w.loads) >= N, 10, "a load report from every worker")
-        # ...sent together, one message a tick for the process (mesh.loads), none alone
+        # ...sent together, one message a tick for the process (mesh.loads), none alone, and their
+        # cards refreshed together under the process's one set key (mesh.cardset)
         kinds: list[str] = []
 
         async def on_raw(msg) -> None:
             kinds.append(msg.subject.split(".")[2])
 
+        async def on_put(msg) -> None:
+            kinds.append(msg.subject.split(".", 2)[2])
+
         sub = await w.bus.nc.subscribe(f"{NS}.*.load.*", cb=on_raw)
         subs = await w.bus.nc.subscribe(f"{NS}.*.loads.*", cb=on_raw)
-        await asyncio.sleep(2.2)  # two ticks at least
-        await sub.unsubscribe()
-        await subs.unsubscribe()
-        assert kinds and set(kinds) == {"loads"} and len(kinds) < N, kinds
+        puts = await w.bus.nc.subscribe(f"$KV.{w.bus.subjects.workers_bucket()}.>", cb=on_put)
+        await asyncio.sleep(2.2)  # two load ticks at least, and a card refresh
+        for s in (sub, subs, puts):
+            await s.unsubscribe()
+        loads = [k for k in kinds if k == "loads"]
+        assert loads and set(kinds) - {"loads"} == {"decode.set.hostA-0"} and len(loads) < N, kinds
         await asyncio.to_thread(wait_http_ok, url + "/health")
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
