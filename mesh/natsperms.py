@@ -3,13 +3,13 @@
 One NATS user per role; each may publish and subscribe only what its role does:
 
     role      publishes                                   subscribes
-    gateway   generate, cancel, embed, kv.snapshot        kv.events, load, loads, router.decisions,
-              (request), router.decisions, lora           planner.decisions, its inbox
-              (request), stored responses, files and
+    gateway   generate, cancel, embed, kv.snapshot        kv.events, kv.batches, load, loads,
+              (request), router.decisions, lora           router.decisions, planner.decisions,
+              (request), stored responses, files and      its inbox
               batches (its buckets)
-    decode    kv.events, load, loads, prefill jobs,       generate, cancel, embed, kv_ready, kv_data,
-              replies to gateway, prefill and decode      nccl, nixl, kv_fetch, kv_fetch_data,
-              inboxes, kv_fetch, kv_fetch_data,           kv_fetch_release, kv.snapshot, load, lora,
+    decode    kv.events, kv.batches, load, loads,         generate, cancel, embed, kv_ready, kv_data,
+              prefill jobs, replies to gateway, prefill   nccl, nixl, kv_fetch, kv_fetch_data,
+              and decode inboxes, kv_fetch, kv_fetch_data, kv_fetch_release, kv.snapshot, load, lora,
               kv_fetch_release and nixl (peer fetch),     ranks.*.join, its inbox
               its card, ranks.*.join (mesh rank runs
               as the decode user)
@@ -137,12 +137,12 @@ def permissions(role: str, ns: str = "mesh", models: Sequence[str] = ()) -> Perm
         # stored responses (the Responses API), files and batches (the Batch API): the gateway's buckets
         pub = [f"{decode}.generate", f"{decode}.cancel", f"{decode}.embed", f"{m}.kv.snapshot.{ANY}",
                s.router_decisions(), lora, *_registry(ns, False), *_responses(ns), *_batches(ns)]
-        sub = [s.kv_events_any(), load, loads, s.router_decisions(), s.planner_decisions(), inbox("gateway"),
-               _registry_follow(ns)]
+        sub = [s.kv_events_any(), s.kv_batches_any(), load, loads, s.router_decisions(), s.planner_decisions(),
+               inbox("gateway"), _registry_follow(ns)]
     elif role == "decode":
         # peer fetch: a decode worker asks another for blocks (and answers its requests, bytes over nats)
-        pub = [f"{m}.kv.events.{ANY}", load, loads, f"{m}.prefill.jobs", inbox("gateway"), inbox("prefill"),
-               inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
+        pub = [f"{m}.kv.events.{ANY}", f"{m}.kv.batches.{ANY}", load, loads, f"{m}.prefill.jobs", inbox("gateway"),
+               inbox("prefill"), inbox("decode"), f"{decode}.kv_fetch", f"{decode}.kv_fetch_data.{ANY}", f"{decode}.kv_fetch_release",
                f"{decode}.nixl.{ANY}", rank_join,
                *_registry(ns, True), *(f"$JS.API.STREAM.{verb}.{st}" for st in streams for verb in ("INFO", "CREATE"))]
         sub = [*(f"{decode}.{v}" for v in ("generate", "cancel", "embed", "kv_ready", f"kv_data.{ANY}", f"nccl.{ANY}",

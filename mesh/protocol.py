@@ -343,6 +343,13 @@ class KvEventBatch(Message):
     events: list[KvEvent] = field(default_factory=list)
 
 
+class KvEventBatches(Message):
+    """On ``kv.batches.{process}``: the batches the decode workers of one process numbered in one turn
+    of its loop (``mesh.kvevents.KvBatcher``), each read as if it came alone on its worker's subject."""
+
+    batches: list[KvEventBatch] = field(default_factory=list)
+
+
 class KvSnapshotRequest(Message):
     page: int = 0
     snapshot_id: str = ""  # from page 0's reply; later pages come from the same snapshot

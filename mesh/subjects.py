@@ -65,6 +65,13 @@ class Subjects:
         """Every model's KV events (a router serves all models of a namespace)."""
         return f"{self.ns}.*.kv.events.*"
 
+    def kv_batches(self, model: str, process: str) -> str:
+        """The KV event batches of the decode workers of one process, together (``KvEventBatches``)."""
+        return f"{self._m(model)}.kv.batches.{subject_token(process)}"
+
+    def kv_batches_any(self) -> str:
+        return f"{self.ns}.*.kv.batches.*"
+
     def kv_snapshot(self, model: str, worker: str) -> str:
         return f"{self._m(model)}.kv.snapshot.{subject_token(worker)}"
 
@@ -148,7 +155,7 @@ DEFAULT_MAX_BYTES = 64 * KIB  # control messages: Cancel, PrefillDone, decisions
 MAX_BYTES: dict[str, int] = {
     "GenerateRequest": 8 * MIB, "PrefillJob": 8 * MIB,
     "TokenChunk": 1 * MIB, "TokenBatch": 4 * MIB,
-    "KvEventBatch": 4 * MIB, "KvSnapshot": 4 * MIB,
+    "KvEventBatch": 4 * MIB, "KvEventBatches": 4 * MIB, "KvSnapshot": 4 * MIB,
     "KvFetchRequest": 2 * MIB, "KvFetchDone": 2 * MIB,
     "KvChunk": 64 * MIB,  # bytes: decoded without growing
     "WorkerCard": 256 * KIB, "HostCards": 1 * MIB, "LoadReport": 64 * KIB, "LoadReports": 1 * MIB,

@@ -286,7 +286,8 @@ class WorkerBase(WorkerCore):
         """KV events, the engine thread, output delivery, the role's ``setup``, LoRA requests."""
         if self.publishes_kv_events:
             self.kv_events = KvEventPublisher(self.bus, self.worker_id, self.engine.model_name,
-                                              self.settings.kv_event_interval_ms / 1000.0)
+                                              self.settings.kv_event_interval_ms / 1000.0,
+                                              together=self.shared.kv_batches if self.shared is not None else None)
         else:
             self.engine.pool.events.enabled = False
         # the mocker steps on the event loop itself (its step is a pause, never a block)

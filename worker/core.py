@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
 from mesh.cardset import CardSet
+from mesh.kvevents import KvBatcher
 from mesh.loads import LoadBatcher
 from mesh.natsauth import retry_unavailable
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals, until_tick
@@ -78,8 +79,9 @@ class Counters:
 class SharedParts:
     """What the workers of one process share when it runs several (``worker.host``: the mocker's
     ``--num-workers``): one NATS connection, one view of the registry, one token link per gateway
-    (``mesh.tokenlink.LinkPool``), one load message a tick (``mesh.loads.LoadBatcher``) and their
-    cards refreshed together (``mesh.cardset.CardSet``), all the host's to open and close. A worker
+    (``mesh.tokenlink.LinkPool``), one load message a tick (``mesh.loads.LoadBatcher``), their cards
+    refreshed together (``mesh.cardset.CardSet``) and one KV-event message a step
+    (``mesh.kvevents.KvBatcher``), all the host's to open and close. A worker
     without them opens its own."""
 
     bus: Bus
@@ -87,6 +89,7 @@ class SharedParts:
     links: LinkPool
     loads: LoadBatcher
     cards: CardSet
+    kv_batches: KvBatcher
 
 
 class WorkerCore:

@@ -12,6 +12,8 @@ for all of them:
     one registry view           --> SharedParts.membership: one KV watch, not one per worker
     one load message a tick     --> SharedParts.loads: the decode workers' reports of one tick as one
                                     LoadReports (mesh.loads)
+    one KV-event message a step --> SharedParts.kv_batches: the decode workers' KV event batches of one
+                                    turn as one KvEventBatches (mesh.kvevents), each still numbered by its worker
     its cards, a few keys       --> SharedParts.cards: the workers' cards under the process's set keys,
                                     refreshed together (mesh.cardset), not a put per worker
     one token link per gateway  --> SharedParts.links: the workers' batches to a gateway on one
@@ -35,6 +37,7 @@ from contextlib import AsyncExitStack
 
 from mesh.bus import Bus
 from mesh.cardset import CardSet
+from mesh.kvevents import KvBatcher
 from mesh.loads import LoadBatcher
 from mesh.procutil import StopEvent, cancel_and_wait, settle_heap, stop_event_on_signals
 from mesh.registry import Membership
@@ -91,7 +94,8 @@ class WorkerHost:
             cards = CardSet(bus, self.name, ttl=s.registry_ttl)
             await cards.start()
             stack.push_async_callback(cards.stop)  # after every worker's own leave
-            shared = SharedParts(bus, membership, LinkPool(), LoadBatcher(bus, self.name), cards)
+            shared = SharedParts(bus, membership, LinkPool(), LoadBatcher(bus, self.name), cards,
+                                 KvBatcher(bus, self.name))
             stack.callback(shared.links.close)  # after every worker's drain: their last chunks go out first
             stops = [child_stop(stop) for _ in self.workers]
             for w in self.workers:

@@ -29,6 +29,7 @@ from mesh.bus import Bus
 from mesh.loads import subscribe_loads
 from mesh.protocol import (
     KvEventBatch,
+    KvEventBatches,
     KvSnapshot,
     KvSnapshotRequest,
     RouterDecision,
@@ -102,6 +103,7 @@ class KvRouter:
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
+            await self.bus.subscribe(s.kv_batches_any(), self._on_batches, KvEventBatches, pending_msgs_limit=1 << 20),
             *await subscribe_loads(self.bus, self._on_load, LoadSummary, LoadSummaries),
             await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
         ]
@@ -154,6 +156,11 @@ class KvRouter:
             return
         self._kv_batches.inc()
         self._kv_hashes.inc(sum(len(ev.hashes) for ev in batch.events))
+
+    async def _on_batches(self, together: KvEventBatches, raw) -> None:
+        """A process's workers' batches of one turn (``mesh.kvevents.KvBatcher``): each as if alone."""
+        for batch in together.batches:
+            await self._on_events(batch, raw)
 
     async def _on_load(self, report: LoadSummary, raw) -> None:
         if report.role != "decode":

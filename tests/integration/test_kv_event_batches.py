@@ -22,7 +22,7 @@ from mesh.bus import Bus
 from mesh.kvevents import KvEventPublisher
 from mesh.protocol import KvEventBatch
 from mesh.router.index import KvIndex
-from mocker.engine import MockConfig, MockEngine
+from mocker.engine import MockConfig, MockEngine, TimingModel
 
 
 @pytest.mark.parametrize("loop_type", [InlineEngineLoop, EngineLoop])  # the mocker's, a model worker's
@@ -90,3 +90,78 @@ async def test_batches_are_coalesced_per_interval_and_lose_nothing(nats_server, 
         assert index.apply(b)
     cached = {h for hashes in snapshot.values() for h in hashes}
     assert cached and index.num_blocks("w1") == len(cached)
+
+
+async def test_a_process_workers_batches_of_one_turn_go_as_one_message_and_each_is_applied(nats_server):
+    """Three mock workers of one process (one loop, one KvBatcher, as ``worker.host`` wires them):
+    their batches arrive only on the process's ``kv.batches`` subject, fewer messages than batches,
+    each worker's numbered without gaps, and a router index fed them holds each engine's cache."""
+    from mesh.kvevents import KvBatcher
+    from mesh.protocol import KvEventBatches
+
+    bus = await Bus.connect(nats_server.url, "kv-batches-test")
+    listener = await Bus.connect(nats_server.url, "kv-batches-listener")
+    got: list[KvEventBatches] = []
+    alone: list[KvEventBatch] = []
+
+    async def on_together(msg: KvEventBatches, raw) -> None:
+        got.append(msg)
+
+    async def on_alone(batch: KvEventBatch, raw) -> None:
+        alone.append(batch)
+
+    subs = [await listener.subscribe(listener.subjects.kv_batches("kvb", "proc"), on_together, KvEventBatches),
+            await listener.subscribe(listener.subjects.kv_events_all("kvb"), on_alone, KvEventBatch)]
+    await listener.nc.flush()
+    together = KvBatcher(bus, "proc")
+    workers = [f"w{i}" for i in range(3)]
+    # every step 10 ms, on the process's step grid (--mock-step-grid-ms), as the bench's: each step's
+    # batches are numbered in one turn (the interval, 1 ms, is shorter than a step)
+    timing = TimingModel(decode_base_ms=10, decode_ms_per_seq=0, decode_ms_per_kv_token=0, prefill_base_ms=10,
+                         prefill_ms_per_token=0, prefill_ms_per_token_ctx=0)
+    engines = {w: MockEngine(MockConfig(model_name="kvb", num_blocks=512, block_size=16, timing=timing,
+                                        step_grid_ms=10)) for w in workers}
+    publishers = {w: KvEventPublisher(bus, w, "kvb", 0.001, together=together) for w in workers}
+    loops = {w: InlineEngineLoop(engines[w], asyncio.get_running_loop(), after_work=publishers[w].flush)
+             for w in workers}
+    for w in workers:
+        await publishers[w].start(loops[w])
+        loops[w].start()
+    try:
+        for i in range(12):
+            for k, w in enumerate(workers):
+                prompt = [(31 * i + 7 * k + j) % 30000 + 1 for j in range(80)]
+                await loops[w].call(lambda e, p=prompt, i=i: e.add(e.new_sequence(
+                    p, SamplingParams(max_tokens=20, ignore_eos=True), request_id=f"r{i}")))
+        for w in workers:
+            while await loops[w].call(lambda e: e.has_work):
+                await asyncio.sleep(0.01)
+        snapshots = {w: await loops[w].call(lambda e: e.kv_snapshot()) for w in workers}
+        await asyncio.sleep(0.1)  # the last events wait out the interval, then are numbered
+        for _ in range(100):
+            await listener.nc.flush()
+            last = {b.worker_id: b.seq for m in got for b in m.batches}
+            if all(last.get(w) == publishers[w].seq for w in workers):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        for w in workers:
+            loops[w].stop()
+            await publishers[w].stop()
+        for sub in subs:
+            await sub.unsubscribe()
+        await bus.close()
+        await listener.close()
+
+    batches = [b for m in got for b in m.batches]
+    assert not alone and len(got) < len(batches) and together.sent == len(got)
+    index = KvIndex()
+    for w in workers:
+        seqs = [b.seq for b in batches if b.worker_id == w]
+        assert seqs == list(range(1, publishers[w].seq + 1))  # each worker's own numbers, no gap
+        index.load_snapshot(w, 0, {})
+    for b in batches:
+        assert index.apply(b)
+    for w in workers:
+        cached = {h for hashes in snapshots[w].values() for h in hashes}
+        assert cached and index.num_blocks(w) == len(cached)

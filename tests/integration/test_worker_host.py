@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 
-from mesh.protocol import RouterDecision
+from mesh.protocol import KvEventBatches, RouterDecision, decode
 from mocker.spec import next_token
 from tests.helpers.cluster import Watcher, wait_http_ok
 from tests.helpers.procs import tcp_peers
@@ -59,16 +59,31 @@ async def test_many_workers_in_one_process_go_live_and_serve(cluster, tiny_model
                 max_tokens=8, extra_body={"ignore_eos": True})
             return r.usage.completion_tokens
 
+        events: list[tuple[str, int]] = []  # (subject kind, batches in the message)
+
+        async def on_events(msg) -> None:
+            kind = msg.subject.split(".")[3]
+            events.append((kind, len(decode(msg.data, KvEventBatches).batches) if kind == "batches" else 1))
+
+        kv_subs = [await w.bus.nc.subscribe(f"{NS}.*.kv.{kind}.*", cb=on_events) for kind in ("events", "batches")]
         assert await asyncio.gather(*(ask(i) for i in range(3 * N))) == [8] * (3 * N)
         # the gateway's router spread them over the process's workers, each answering for itself
         served = await w.wait_for(
             lambda: (s := [wid for wid, r in w.loads.items() if r.counters.get("finished", 0)]) and len(s) >= 4 and s,
             10, "load reports of the workers that served")
         assert set(served) <= {c.worker_id for c in cards}
+        # their KV events came as the process's messages (mesh.kvevents.KvBatcher), and the router took
+        # every batch in them
+        for sub in kv_subs:
+            await sub.unsubscribe()
+        assert events and {k for k, _ in events} == {"batches"}, events
         # their batches reached the gateway over one token link for the whole process (mesh.tokenlink)
         async with httpx.AsyncClient(timeout=10) as http:
             metrics = (await http.get(url + "/metrics")).text
         linked = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pdmesh_gateway_token_links "))
+        indexed = next(float(x.split()[-1]) for x in metrics.splitlines()
+                       if x.startswith('pdmesh_router_kv_events_total{unit="batches"}'))
+        assert indexed >= sum(n for _, n in events)
         nats_port = int(cluster.nats_url.rsplit(":", 1)[1])
         assert linked >= len(served) and len([p for p in tcp_peers(proc.pid) if p[1] != nats_port]) == 1
     finally:
