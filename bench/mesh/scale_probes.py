@@ -188,7 +188,7 @@ def family(subject: str, reply: str) -> str:
     if reply.startswith("$JS.ACK.KV_"):  # a KV watch's delivery: the stored message's subject, its ack reply
         return "registry watch deliveries"
     if subject.startswith("$KV."):
-        return "registry puts"
+        return "registry puts (a process's cards together)" if ".set." in subject else "registry puts"
     if subject.startswith("$JS.API"):
         return "jetstream api"
     if subject.startswith("$JS."):
@@ -206,7 +206,8 @@ def family(subject: str, reply: str) -> str:
         if parts[2] == "loads":
             return "load reports (a process's together)"
         if parts[2] == "kv":
-            return "kv events" if len(parts) > 3 and parts[3] == "events" else "kv snapshots"
+            kind = parts[3] if len(parts) > 3 else ""
+            return {"events": "kv events", "batches": "kv events (a process's together)"}.get(kind, "kv snapshots")
         if parts[2] == "decode" and len(parts) >= 5:
             return parts[4]  # generate, cancel, kv_ready, kv_fetch, ...
         return parts[2]
