@@ -29,17 +29,19 @@ MAX_REPORTS = 256  # reports per LoadReports (~600 bytes each: well inside its 1
 
 
 async def subscribe_loads(bus: Bus, handler: Callable[..., Awaitable[None]], expect: type = LoadReport,
-                          together: type = LoadReports) -> list:
+                          together: type = LoadReports, on_together: Callable[..., Awaitable[None]] | None = None) -> list:
     """``handler(report, raw)`` for every worker's load report, sent alone or with its process's.
     ``expect``/``together``: the classes to decode them as (a reader may read fewer fields, as
-    the router does: ``mesh.router.table.LoadSummary``). The subscriptions, to unsubscribe."""
+    the router does: ``mesh.router.table.LoadSummary``). ``on_together(reports, raw)``: takes a
+    process's message whole instead (the router: a thousand reports a second, one call each
+    message). The subscriptions, to unsubscribe."""
 
     async def each(batch, raw) -> None:
         for report in batch.reports:
             await handler(report, raw)
 
     return [await bus.subscribe(bus.subjects.load_all(), handler, expect),
-            await bus.subscribe(bus.subjects.loads_all(), each, together)]
+            await bus.subscribe(bus.subjects.loads_all(), on_together or each, together)]
 
 
 class LoadBatcher:

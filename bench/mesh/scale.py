@@ -10,12 +10,14 @@ carry beside 1,000 workers' own upkeep) whatever the number of workers, and a ro
 workers does the same work as a row at 10 with the same streams. The workers of one process step
 on one clock (``--mock-step-grid-ms`` = the step; ``--no-step-grid``: each on its own), as one
 host's would: their token batches and KV events leave in one turn of its loop, and the gateway
-wakes once per process per step rather than once per worker. Their load reports and card
-refreshes tick together either way (``mesh.procutil.until_tick``); a process's token batches to a
-gateway share one connection (``mesh.tokenlink.LinkPool``: a step's frames in one write) and its
-load reports of a tick leave as one message (``mesh.loads``). Workers one per process (a real
-deployment) get none of this; what they keep of issue 51's fixes is the registry view's cheaper
-refreshes (``mesh.registry``) and the admission check's.
+wakes once per process per step rather than once per worker. Their load reports tick together
+either way (``mesh.procutil.until_tick``); a process's token batches to a gateway share one
+connection (``mesh.tokenlink.LinkPool``: a step's frames in one write), its load reports of a tick
+leave as one message (``mesh.loads``), its KV event batches of a step as one (``mesh.kvevents.
+KvBatcher``), and its workers' cards sit under a few set keys refreshed as one put every 2 s
+(``mesh.cardset``), not a put per worker. Workers one per process (a real deployment) get none of
+this; what they keep of issue 51's fixes is the registry view's cheaper refreshes
+(``mesh.registry``), the router's exact slots and the admission check's.
 
 Per run, over a window after a warm-up: every component's CPU seconds per second and RSS (from
 /proc; the gateway with its processes, the workers summed over theirs); NATS messages and bytes per

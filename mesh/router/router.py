@@ -104,7 +104,7 @@ class KvRouter:
         self._subs = [
             await self.bus.subscribe(s.kv_events_any(), self._on_events, KvEventBatch, pending_msgs_limit=1 << 20),
             await self.bus.subscribe(s.kv_batches_any(), self._on_batches, KvEventBatches, pending_msgs_limit=1 << 20),
-            *await subscribe_loads(self.bus, self._on_load, LoadSummary, LoadSummaries),
+            *await subscribe_loads(self.bus, self._on_load, LoadSummary, LoadSummaries, self._on_loads),
             await self.bus.subscribe(s.router_decisions(), self._on_decision, RouterDecision),
         ]
         self.membership.on_change(self._on_member)
@@ -143,26 +143,49 @@ class KvRouter:
             self._spawn(self._resync(card.model, worker_id))
 
     async def _on_events(self, batch: KvEventBatch, raw) -> None:
+        hashes = self._take_events(batch)
+        if hashes >= 0:
+            self._kv_batches.inc()
+            self._kv_hashes.inc(hashes)
+
+    async def _on_batches(self, together: KvEventBatches, raw) -> None:
+        """A process's workers' batches of one turn (``mesh.kvevents.KvBatcher``): each as if alone
+        (the metrics once for the message)."""
+        indexed = hashes = 0
+        for batch in together.batches:
+            n = self._take_events(batch)
+            if n >= 0:
+                indexed += 1
+                hashes += n
+        if indexed:
+            self._kv_batches.inc(indexed)
+            self._kv_hashes.inc(hashes)
+
+    def _take_events(self, batch: KvEventBatch) -> int:
+        """The block hashes the batch indexed; -1 when it was not (not a member's, or held for a resync)."""
         w = batch.worker_id
         if not self.membership.vouches(w, "decode", batch.model):
             self._ignore("kv_events", w)  # a member's events before its card: its snapshot has them
-            return
+            return -1
         if w in self._resyncing:
             self._buffered.setdefault(w, []).append(batch)
-            return
+            return -1
         if not self.index(batch.model).apply(batch):
             self._buffered.setdefault(w, []).append(batch)
             self._spawn(self._resync(batch.model, w))
-            return
-        self._kv_batches.inc()
-        self._kv_hashes.inc(sum(len(ev.hashes) for ev in batch.events))
-
-    async def _on_batches(self, together: KvEventBatches, raw) -> None:
-        """A process's workers' batches of one turn (``mesh.kvevents.KvBatcher``): each as if alone."""
-        for batch in together.batches:
-            await self._on_events(batch, raw)
+            return -1
+        return sum(len(ev.hashes) for ev in batch.events)
 
     async def _on_load(self, report: LoadSummary, raw) -> None:
+        self._take_load(report, time.monotonic())
+
+    async def _on_loads(self, together: LoadSummaries, raw) -> None:
+        """A process's reports of one tick (``mesh.loads``): each as if alone, heard at one time."""
+        heard = time.monotonic()
+        for report in together.reports:
+            self._take_load(report, heard)
+
+    def _take_load(self, report: LoadSummary, heard: float) -> None:
         if report.role != "decode":
             return
         if not self.membership.vouches(report.worker_id, "decode", report.model):
@@ -170,7 +193,7 @@ class KvRouter:
             return
         w = report.worker_id
         self.loads[w] = report
-        heard = self._heard[w] = time.monotonic()
+        self._heard[w] = heard
         self.table.report(w, report.kv_blocks_used, report.pending_prefill_tokens, heard,
                           report.running + report.waiting + report.waiting_for_kv)
         queue = self.inflight.get(w)

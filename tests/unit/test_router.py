@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from kvstore.events import BlockRemoved, BlockStored
@@ -490,3 +491,43 @@ def test_a_workers_inflight_sums_are_those_of_its_requests_through_any_sequence_
         assert list(q.items) == list(model)
         assert q.prompt_blocks == sum(d.prompt_blocks for d in model.values())
         assert q.new_blocks == sum(d.new_blocks for d in model.values())
+
+
+async def test_a_process_messages_leave_the_router_as_its_workers_alone_would():
+    """A process's load reports and KV event batches together (``mesh.loads``, ``mesh.kvevents.
+    KvBatcher``) are taken one by one, as if alone: the same loads, table rows and index, the same
+    refusals of ids the registry does not vouch for, and a gap still resyncs only its worker."""
+    from mesh.protocol import KvEvent, KvEventBatch, KvEventBatches, LoadReport, WorkerCard
+    from mesh.router.router import KvRouter
+    from mesh.router.table import LoadSummaries, LoadSummary
+
+    workers = ["a", "b", "c"]
+    cards = [WorkerCard(w, "decode", "m", 16, 100, 1024, "h", 1, 0.0, 0.0) for w in workers]
+    reports = [LoadReport(w, "m", "decode", 0.0, running=i + 1, kv_blocks_used=10 * i) for i, w in enumerate(workers)]
+    reports.append(LoadReport("ghost", "m", "decode", 0.0, running=9))
+    batches = [KvEventBatch(w, "m", 1, [KvEvent("stored", [100 * i + j for j in range(3)])])
+               for i, w in enumerate([*workers, "ghost"])]
+    routers = [KvRouter(None, _Cards(cards), RouterConfig()) for _ in range(2)]
+    for r in routers:
+        for w in workers:
+            r.index("m").load_snapshot(w, 0, {})  # known from their start
+    alone, together = routers
+    for report, b in zip(reports, batches, strict=True):
+        await alone._on_load(msgspec.convert(msgspec.to_builtins(report), LoadSummary), None)
+        await alone._on_events(b, None)
+    summaries = [msgspec.convert(msgspec.to_builtins(r), LoadSummary) for r in reports]
+    await together._on_loads(LoadSummaries(summaries), None)
+    await together._on_batches(KvEventBatches(batches), None)
+    for r in routers:
+        assert sorted(r.loads) == workers and r.ignored == 2
+        assert [r.index("m").num_blocks(w) for w in workers] == [3, 3, 3]
+    rows = [alone.slots.get(w) for w in workers]
+    assert rows == [together.slots.get(w) for w in workers]
+    for name in ("active", "pending_tokens", "pending_blocks", "others"):
+        assert list(getattr(alone.table, name)[rows]) == list(getattr(together.table, name)[rows]), name
+    # a gap for b (seq 3 after 1): only b waits for a snapshot; a's next batch is applied
+    spawned = []
+    together._spawn = lambda coro: spawned.append(coro) or coro.close()
+    await together._on_batches(KvEventBatches([KvEventBatch("b", "m", 3, [KvEvent("stored", [7])]),
+                                               KvEventBatch("a", "m", 2, [KvEvent("stored", [8])])]), None)
+    assert len(spawned) == 1 and together.index("m").num_blocks("a") == 4 and together.index("m").num_blocks("b") == 3
