@@ -36,7 +36,7 @@ index bytes per block, ingest rate. ``checks``: the issue's targets (51) read of
 
     python -m bench scale [--quick | --dry-run] [--workers 10,100,1000] [--streams 512,4096]
                           [--gateway-workers 1] [--token-rate 3000] [--seconds 30] [--kill [--kill-streams N]]
-                          [--no-step-grid]
+                          [--no-step-grid] [--repeat N]
 """
 
 from __future__ import annotations
@@ -159,14 +159,21 @@ def table(rows: list[dict]) -> str:
 def checks(out: dict) -> dict:
     """The issue's targets, read off the runs (None: the run that would say was not made)."""
     runs, router = out.get("runs", []), out.get("router") or {}
-    by = {(r["workers"], r["streams"], r["gateways"]): r for r in runs}
+    by: dict[tuple, list[dict]] = {}
+    for r in runs:  # with --repeat, a size's runs in the order they were made
+        by.setdefault((r["workers"], r["streams"], r["gateways"]), []).append(r)
     ratios = {}
-    for (w, c, g), r in by.items():
+    for (w, c, g), rs in by.items():
         small = by.get((min(x[0] for x in by), c, g))
-        if w == max(x[0] for x in by) and small is not None and small is not r:
-            a, b = small["cpu_us_per_token"]["gateway"], r["cpu_us_per_token"]["gateway"]
-            ratios[f"{c} streams, {g} gateway"] = round(b / a, 2) if a and b else None
-    biggest = max(by.values(), key=lambda r: (r["workers"], r["streams"]), default=None)
+        if w == max(x[0] for x in by) and small is not None and small is not rs:
+            # each large run against the small run just before it (the machine as it was then)
+            each = [round(b["cpu_us_per_token"]["gateway"] / a["cpu_us_per_token"]["gateway"], 2)
+                    if a["cpu_us_per_token"]["gateway"] and b["cpu_us_per_token"]["gateway"] else None
+                    for a, b in zip(small, rs, strict=False)]
+            known = sorted(x for x in each if x is not None)
+            ratios[f"{c} streams, {g} gateway"] = (each[0] if len(each) == 1 else
+                                                    {"each": each, "median": known[len(known) // 2] if known else None})
+    biggest = max(runs, key=lambda r: (r["workers"], r["streams"]), default=None)
     kill = out.get("kill")
     return {
         "largest_run_clean": None if biggest is None else {
@@ -230,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-grid", action=argparse.BooleanOptionalAction, default=True,
                    help="the workers of a process step on one clock (--mock-step-grid-ms: the step), so their "
                         "token batches and KV events leave together (default: on)")
+    p.add_argument("--repeat", type=int, default=1, help="run every size this many times, interleaved (10, 1000, "
+                   "10, 1000, ...): a ratio for each pair, and their median (the machine's drift between two "
+                   "runs minutes apart: the 10-worker row's gateway CPU per token was 36.7 and 48.6 us in two runs of the "
+                   "same code)")
     p.add_argument("--no-router", action="store_true", help="skip the in-process router figures")
     p.add_argument("--keep", action="store_true", help="keep each run's logs (their folder printed)")
     args = parse(BENCHMARK, p, argv)
@@ -249,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             out["router"] = router_figures(*router)
             print(f"router: {out['router']}", file=sys.stderr, flush=True)
         out["runs"] = []
-        for spec in specs:
-            out["runs"].append(asyncio.run(run(spec, model_dir, vocab, args.keep)))
-            print(json.dumps(out["runs"][-1]), file=sys.stderr, flush=True)
+        for _ in range(args.repeat):  # interleaved: each size once, then again (the machine drifts)
+            for spec in specs:
+                out["runs"].append(asyncio.run(run(spec, model_dir, vocab, args.keep)))
+                print(json.dumps(out["runs"][-1]), file=sys.stderr, flush=True)
         if kill is not None:
             out["kill"] = asyncio.run(run(kill, model_dir, vocab, args.keep))
             print(json.dumps(out["kill"]), file=sys.stderr, flush=True)

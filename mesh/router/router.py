@@ -62,6 +62,7 @@ class _View:
     cards: dict[str, WorkerCard]
     ready: np.ndarray  # bool by slot
     order: list[tuple[int, WorkerCard]]  # (slot, card) in the registry's order
+    order_slots: np.ndarray  # their slots, in that order (the first candidate found at once, not by a loop)
 
 
 class KvRouter:
@@ -312,10 +313,11 @@ class KvRouter:
                 if s is not None and s < len(candidates):
                     candidates[s] = False
         candidates = table.has_room(candidates)
-        first = next((card for s, card in view.order if candidates[s]), None)
-        if first is None:
+        hit = candidates[view.order_slots]  # the first candidate in the registry's order: its block size
+        at = int(hit.argmax()) if len(hit) else 0
+        if not len(hit) or not hit[at]:
             raise LookupError(f"no live worker for {model!r}")
-        bs = first.block_size
+        bs = view.order[at][1].block_size
         hashes = block_hashes(token_ids, bs, hash_seed(self.config.hash_key, model, cache_scope, None))
         idx = self.index(model)
         idx.expire()
@@ -345,7 +347,7 @@ class KvRouter:
         for s, _ in order:
             ready[s] = True
         view = self._views[model] = _View((version, self.table.capacity), {c.worker_id: c for c in cards},
-                                          ready, order)
+                                          ready, order, np.array([s for s, _ in order], dtype=np.intp))
         return view
 
     def _with_room(self, cards: list[WorkerCard]) -> list[WorkerCard]:
