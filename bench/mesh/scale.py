@@ -156,6 +156,12 @@ def table(rows: list[dict]) -> str:
 
 
 
+def _by_client(run: dict) -> float | None:
+    """The gateway's CPU per token over the client's (None: either unknown)."""
+    u = run["cpu_us_per_token"]
+    return u["gateway"] / u["client"] if u.get("gateway") and u.get("client") else None
+
+
 def checks(out: dict) -> dict:
     """The issue's targets, read off the runs (None: the run that would say was not made)."""
     runs, router = out.get("runs", []), out.get("router") or {}
@@ -173,6 +179,14 @@ def checks(out: dict) -> dict:
             known = sorted(x for x in each if x is not None)
             ratios[f"{c} streams, {g} gateway"] = (each[0] if len(each) == 1 else
                                                     {"each": each, "median": known[len(known) // 2] if known else None})
+            # the same over the client's CPU per token in each run: the client's work is the same at
+            # every size (the streams, tokens and requests), so this cancels the machine's own speed,
+            # which moved every component's CPU per token, the client's too, by up to 1.4x between runs
+            norm = [round(_by_client(b) / _by_client(a), 2) if _by_client(a) and _by_client(b) else None
+                    for a, b in zip(small, rs, strict=False)]
+            known = sorted(x for x in norm if x is not None)
+            ratios[f"{c} streams, {g} gateway, over the client's"] = (
+                norm[0] if len(norm) == 1 else {"each": norm, "median": known[len(known) // 2] if known else None})
     biggest = max(runs, key=lambda r: (r["workers"], r["streams"]), default=None)
     kill = out.get("kill")
     return {
