@@ -39,6 +39,7 @@ from mesh.protocol import (
     KvSnapshotRequest,
     encode,
 )
+from mesh.together import TurnBatcher
 
 log = logging.getLogger(__name__)
 
@@ -64,60 +65,24 @@ def to_wire(events: list[BlockEvent]) -> list[KvEvent]:
     return out
 
 
-class KvBatcher:
+class KvBatcher(TurnBatcher):
     """The batches a process's decode workers hand in during one turn of the loop (``worker.host``,
     whose workers step on one clock: their batches of a step come together), sent as one
     ``KvEventBatches`` per model on ``kv.batches.{process}`` once the turn is over, instead of a
     message each: at 1,000 workers in 8 processes, ~8 messages a step into every router, not ~170 a
-    second. Each batch keeps its worker and number; a router takes each as if it came alone."""
+    second. Each batch keeps its worker and number; a router takes each as if it came alone; a worker
+    sends its next batch once the message carrying the last is out (``send``), so its order holds."""
 
     MAX_BATCHES = 256  # batches a message
-    HASH_BYTES = 10  # a hash's most msgpack bytes (a uint64: 9), to keep a message under max_payload
 
     def __init__(self, bus: Bus, process: str):
-        self.bus = bus
-        self.process = process
-        self._pending: list[tuple[KvEventBatch, asyncio.Future]] = []
-        self._tasks: set[asyncio.Task] = set()
-        self.sent = 0  # KvEventBatches messages
+        super().__init__(bus, lambda model: bus.subjects.kv_batches(model, process), KvEventBatches,
+                         self.MAX_BATCHES, f"KV events of {process}", _batch_bytes)
 
-    async def send(self, batch: KvEventBatch) -> None:
-        """Returns once the message carrying ``batch`` is published (raises if that failed)."""
-        loop = asyncio.get_running_loop()
-        if not self._pending:
-            loop.call_soon(self._send_soon)
-        done = loop.create_future()
-        self._pending.append((batch, done))
-        await done
 
-    def _send_soon(self) -> None:
-        pending, self._pending = self._pending, []
-        task = asyncio.get_running_loop().create_task(self._send(pending))  # outcomes: each batch's future
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, pending: list[tuple[KvEventBatch, asyncio.Future]]) -> None:
-        budget = max(1 << 16, self.bus.nc.max_payload // 2) // self.HASH_BYTES
-        by_model: dict[str, list[tuple[KvEventBatch, asyncio.Future]]] = {}
-        for item in pending:
-            by_model.setdefault(item[0].model, []).append(item)
-        for model, items in by_model.items():
-            subject = self.bus.subjects.kv_batches(model, self.process)
-            while items:
-                n, hashes = 0, 0
-                while n < len(items) and n < self.MAX_BATCHES and (n == 0 or hashes < budget):
-                    hashes += 8 + sum(len(ev.hashes) + 4 for ev in items[n][0].events)
-                    n += 1
-                part, items = items[:n], items[n:]
-                try:
-                    await self.bus.publish(subject, KvEventBatches([b for b, _ in part]), traced=False)
-                    self.sent += 1
-                    error = None
-                except Exception as e:  # each worker's gap in numbers makes routers resync
-                    error = e
-                for _, done in part:
-                    if not done.done():
-                        done.set_result(None) if error is None else done.set_exception(error)
+def _batch_bytes(batch: KvEventBatch) -> int:
+    """A batch's most msgpack bytes, about: 10 a hash (a uint64 is 9), 40 an event, 80 the batch."""
+    return 80 + sum(40 + 10 * len(ev.hashes) for ev in batch.events)
 
 
 class KvEventPublisher:

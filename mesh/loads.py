@@ -16,14 +16,11 @@ members' reports count.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 
 from mesh.bus import Bus
 from mesh.protocol import LoadReport, LoadReports
-
-log = logging.getLogger(__name__)
+from mesh.together import TurnBatcher
 
 MAX_REPORTS = 256  # reports per LoadReports (~600 bytes each: well inside its 1 MiB bound)
 
@@ -44,37 +41,11 @@ async def subscribe_loads(bus: Bus, handler: Callable[..., Awaitable[None]], exp
             await bus.subscribe(bus.subjects.loads_all(), on_together or each, together)]
 
 
-class LoadBatcher:
+class LoadBatcher(TurnBatcher):
     """The reports a process's decode workers hand in during one turn of the loop, sent as one
-    ``LoadReports`` per model on ``loads.{host}`` once the turn is over."""
+    ``LoadReports`` per model on ``loads.{host}`` once the turn is over (a report not sent: the next
+    tick's makes good, a report is a state, not an event)."""
 
     def __init__(self, bus: Bus, host: str):
-        self.bus = bus
-        self.host = host  # the subject token of this process's messages
-        self._pending: dict[str, list[LoadReport]] = {}
-        self._scheduled = False
-        self._tasks: set[asyncio.Task] = set()
-        self.sent = 0  # LoadReports messages
-
-    def add(self, report: LoadReport) -> None:
-        self._pending.setdefault(report.model, []).append(report)
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._send_soon)
-
-    def _send_soon(self) -> None:
-        self._scheduled = False
-        pending, self._pending = self._pending, {}
-        task = asyncio.get_running_loop().create_task(self._send(pending))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, pending: dict[str, list[LoadReport]]) -> None:
-        for model, reports in pending.items():
-            subject = self.bus.subjects.loads(model, self.host)
-            for at in range(0, len(reports), MAX_REPORTS):
-                try:
-                    await self.bus.publish(subject, LoadReports(reports[at:at + MAX_REPORTS]), traced=False)
-                    self.sent += 1
-                except Exception as e:  # the next tick's reports make good: a report is a state, not an event
-                    log.warning("load reports of %s not sent: %s", self.host, e)
+        super().__init__(bus, lambda model: bus.subjects.loads(model, host), LoadReports, MAX_REPORTS,
+                         f"load reports of {host}")
