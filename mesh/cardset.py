@@ -28,9 +28,9 @@ import msgspec
 from nats.js.kv import KeyValue
 
 from mesh.bus import Bus
-from mesh.procutil import cancel_and_wait, until_tick
+from mesh.procutil import cancel_and_wait
 from mesh.protocol import HostCards, WorkerCard, encode, subject_token
-from mesh.registry import DEFAULT_TTL, open_bucket, set_key
+from mesh.registry import DEFAULT_TTL, open_bucket, refresh_forever, set_key
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,15 @@ class CardSet:
 
     async def start(self) -> None:
         self._kv = await open_bucket(self.bus, self.ttl)
-        self._task = asyncio.create_task(self._refresh(), name="registry-refresh")
+        self._task = asyncio.create_task(refresh_forever(self.ttl, self.put, self._reopen, self.process),
+                                         name="registry-refresh")
+
+    async def _reopen(self) -> None:
+        self._kv = await open_bucket(self.bus, self.ttl)
+
+    def member(self, card_fn: Callable[[], WorkerCard]) -> Member:
+        """A worker's handle on its card here: what ``CardPublisher`` is to a worker alone."""
+        return Member(self, card_fn)
 
     async def add(self, card_fn: Callable[[], WorkerCard]) -> str:
         """Keep this worker's card (``card_fn()``, read at every put) from now on; returns its id
@@ -95,29 +103,19 @@ class CardSet:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._put_all(), 2.0)
 
-    async def _refresh(self) -> None:
-        while True:
-            await asyncio.sleep(until_tick(self.ttl / 3))
-            try:
-                await self.put()
-            except Exception as e:  # reconnecting, or the server lost the bucket: open it anew
-                log.warning("registry refresh of %s failed: %s", self.process, e)
-                with contextlib.suppress(Exception):
-                    self._kv = await open_bucket(self.bus, self.ttl)
-
     async def _put_all(self) -> None:
         self._pending = None  # a call from now on needs a put that reads the cards after it
         async with self._lock:
             began, now = time.monotonic(), time.time()
-            parts = self._pack()
-            keys = {set_key(role, self.process, n): ids for (role, n), ids in parts.items()}
-            gaining = [k for k, ids in keys.items() if not {w for w, _ in ids} <= self._written.get(k, set())]
-            for key in gaining + [k for k in keys if k not in gaining]:
-                ids = keys[key]
-                await asyncio.wait_for(self._kv.put(key, encode(HostCards(now, [raw for _, raw in ids]))), 5.0)
-                self._written[key] = {w for w, _ in ids}
+            parts = {set_key(role, self.process, n): cards for (role, n), cards in self._pack().items()}
+            ids = {key: {w for w, _ in cards} for key, cards in parts.items()}
+            gaining = [k for k in parts if not ids[k] <= self._written.get(k, set())]
+            for key in gaining + [k for k in parts if k not in gaining]:
+                value = encode(HostCards(now, [raw for _, raw in parts[key]]))
+                await asyncio.wait_for(self._kv.put(key, value), 5.0)
+                self._written[key] = ids[key]
                 self.puts += 1
-            for key in [k for k in self._written if k not in keys]:
+            for key in [k for k in self._written if k not in parts]:
                 await asyncio.wait_for(self._kv.delete(key), 5.0)
                 del self._written[key]
             self._put_at = began
@@ -155,3 +153,28 @@ class CardSet:
         for worker_id in [w for w in self._part_of if w not in cards]:
             del self._part_of[worker_id]
         return parts
+
+
+class Member:
+    """One worker's card in its process's ``CardSet``, with ``CardPublisher``'s calls: ``start``
+    (in from the next put, which it waits for), ``put`` (its card changed: every part put now),
+    ``age`` (the set's last put) and ``stop`` (out: a leave for every view)."""
+
+    def __init__(self, cards: CardSet, card_fn: Callable[[], WorkerCard]):
+        self.cards = cards
+        self.card_fn = card_fn
+        self.worker_id = ""  # once in
+
+    async def start(self) -> None:
+        self.worker_id = await self.cards.add(self.card_fn)
+
+    async def put(self) -> None:
+        await self.cards.put()
+
+    def age(self) -> float:
+        return self.cards.age()
+
+    async def stop(self) -> None:
+        if self.worker_id:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.cards.remove(self.worker_id), 2.0)

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import msgspec
@@ -98,33 +98,43 @@ def _refreshed(held: bytes, value: bytes) -> float | None:
 _FLOAT64 = struct.Struct(">d")
 
 
-class CardPublisher:
-    """Keeps one worker's card in the registry while the worker lives. ``together``: its process's
-    ``mesh.cardset.CardSet`` (``worker.host``), which keeps it with the others' instead."""
+async def refresh_forever(ttl: float, put: Callable[[], Awaitable[None]], reopen: Callable[[], Awaitable[None]],
+                          what: str) -> None:
+    """``put()`` every ``ttl / 3``, on the process's tick (``until_tick``: with its other cards);
+    a failed put (reconnecting, or the server lost the bucket) reopens the bucket for the next."""
+    while True:
+        await asyncio.sleep(until_tick(ttl / 3))
+        try:
+            await put()
+        except Exception as e:
+            log.warning("registry refresh of %s failed: %s", what, e)
+            with contextlib.suppress(Exception):
+                await reopen()
 
-    def __init__(self, bus: Bus, card_fn: Callable[[], WorkerCard], ttl: float = DEFAULT_TTL, together=None):
+
+class CardPublisher:
+    """Keeps one worker's card in the registry while the worker lives (the workers of one process
+    keep theirs together instead: ``mesh.cardset``)."""
+
+    def __init__(self, bus: Bus, card_fn: Callable[[], WorkerCard], ttl: float = DEFAULT_TTL):
         self.bus = bus
         self.card_fn = card_fn
         self.ttl = ttl
-        self.together = together
         self._kv: KeyValue | None = None
         self._task: asyncio.Task | None = None
         self._key = ""
-        self._member = ""  # with ``together``: the worker's id once its card is in the set
         self._put_at = time.monotonic()  # when the last put that succeeded began (its card's ``updated``)
 
     async def start(self) -> None:
-        if self.together is not None:
-            self._member = await self.together.add(self.card_fn)
-            return
         self._kv = await open_bucket(self.bus, self.ttl)
         await self.put()
-        self._task = asyncio.create_task(self._refresh(), name="registry-refresh")
+        self._task = asyncio.create_task(refresh_forever(self.ttl, self.put, self._reopen, self._key),
+                                         name="registry-refresh")
+
+    async def _reopen(self) -> None:
+        self._kv = await open_bucket(self.bus, self.ttl)
 
     async def put(self) -> None:
-        if self.together is not None:
-            await self.together.put()
-            return
         card = self.card_fn()
         began, card.updated = time.monotonic(), time.time()
         self._key = card_key(card)
@@ -134,24 +144,9 @@ class CardPublisher:
     def age(self) -> float:
         """Seconds since the newest card that reached the registry was made: a watcher counts this
         worker gone once that is its TTL (a partition, or a registry it cannot reach)."""
-        return self.together.age() if self.together is not None else time.monotonic() - self._put_at
-
-    async def _refresh(self) -> None:
-        while True:
-            await asyncio.sleep(until_tick(self.ttl / 3))  # with the process's other cards (worker.host)
-            try:
-                await self.put()
-            except Exception as e:  # reconnecting, or the server lost the bucket: open it anew
-                log.warning("registry refresh failed: %s", e)
-                with contextlib.suppress(Exception):
-                    self._kv = await open_bucket(self.bus, self.ttl)
+        return time.monotonic() - self._put_at
 
     async def stop(self) -> None:
-        if self.together is not None:
-            if self._member:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.together.remove(self._member), 2.0)
-            return
         if self._task:
             await cancel_and_wait([self._task])
         if self._kv and self._key:
@@ -339,7 +334,7 @@ class Membership:
         held = self._raw.get(key)
         updated = None if held is None else _refreshed(held[1], value)
         if updated is not None and all(w in self._cards for w in held[0]):
-            for w in held[0]:  # a refresh: the cards as held, newer (500 a second at 1,000 workers, unread)
+            for w in held[0]:  # a refresh: the cards as held, newer (not decoded)
                 card = self._cards[w]
                 card.updated = updated
                 self._keep(card, card, key)

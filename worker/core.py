@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mesh.bus import Bus
-from mesh.cardset import CardSet
+from mesh.cardset import CardSet, Member
 from mesh.kvevents import KvBatcher
 from mesh.loads import LoadBatcher
 from mesh.natsauth import retry_unavailable
@@ -103,7 +103,7 @@ class WorkerCore:
         self.counters = Counters()
         self.ready = asyncio.Event()
         self.bus: Bus | None = None
-        self.cards: CardPublisher | None = None
+        self.cards: CardPublisher | Member | None = None
         self.last_load: LoadReport | None = None
         self.metrics_port = 0
         self.exit_code = 0
@@ -164,8 +164,8 @@ class WorkerCore:
             await asyncio.to_thread(self.warm_up)
             self._serve_metrics()
             await self.start(stack, stop)
-            self.cards = CardPublisher(self.bus, self.card, ttl=s.registry_ttl,
-                                       together=self.shared.cards if self.shared is not None else None)
+            self.cards = (CardPublisher(self.bus, self.card, ttl=s.registry_ttl) if self.shared is None
+                          else self.shared.cards.member(self.card))  # kept with the process's others
             await retry_unavailable(self.cards.start, "the worker registry")
             stack.push_async_callback(self.cards.stop)
             load = asyncio.create_task(self._report_load(), name="load")

@@ -53,7 +53,7 @@ async def test_a_process_cards_are_seen_one_by_one_and_refreshed_as_a_few_keys(n
     status = {f"w{i}": "ready" for i in range(10)}
     cards = CardSet(host, "proc-a", ttl=1.5, max_cards=4)  # refreshes every 0.5 s; 3 parts for 10 workers
     await cards.start()
-    pubs = [CardPublisher(host, lambda w=w: card(w, status=status[w]), ttl=1.5, together=cards) for w in status]
+    pubs = [cards.member(lambda w=w: card(w, status=status[w])) for w in status]
     await asyncio.gather(*(p.start() for p in pubs[:6]))  # before the view: its replay reads them
     view = Membership(bus, ttl=1.5)
     prefill_view = Membership(bus, ttl=1.5, role="prefill")  # a view of the other role sees none of them
@@ -113,8 +113,7 @@ async def test_a_card_outgrowing_its_part_moves_without_looking_gone_and_the_las
     adapters: dict[str, list[str]] = {"a": [], "b": [], "c": []}
     cards = CardSet(host, "proc-b", ttl=3.0)
     await cards.start()
-    pubs = {w: CardPublisher(host, lambda w=w: card(w, adapters=adapters[w]), ttl=3.0, together=cards)
-            for w in adapters}
+    pubs = {w: cards.member(lambda w=w: card(w, adapters=adapters[w])) for w in adapters}
     for p in pubs.values():
         await p.start()
     view = Membership(bus, ttl=3.0)
