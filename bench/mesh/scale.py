@@ -162,6 +162,17 @@ def _by_client(run: dict) -> float | None:
     return u["gateway"] / u["client"] if u.get("gateway") and u.get("client") else None
 
 
+def _pairs(small: list[dict], large: list[dict], measure) -> float | dict | None:
+    """``measure`` of each large run over the small run's before it: the one ratio, or with
+    ``--repeat`` each and their median (the upper of the middle two for an even count)."""
+    each = [round(measure(b) / measure(a), 2) if measure(a) and measure(b) else None
+            for a, b in zip(small, large, strict=False)]
+    if len(each) == 1:
+        return each[0]
+    known = sorted(x for x in each if x is not None)
+    return {"each": each, "median": known[len(known) // 2] if known else None}
+
+
 def checks(out: dict) -> dict:
     """The issue's targets, read off the runs (None: the run that would say was not made)."""
     runs, router = out.get("runs", []), out.get("router") or {}
@@ -172,21 +183,12 @@ def checks(out: dict) -> dict:
     for (w, c, g), rs in by.items():
         small = by.get((min(x[0] for x in by), c, g))
         if w == max(x[0] for x in by) and small is not None and small is not rs:
-            # each large run against the small run just before it (the machine as it was then)
-            each = [round(b["cpu_us_per_token"]["gateway"] / a["cpu_us_per_token"]["gateway"], 2)
-                    if a["cpu_us_per_token"]["gateway"] and b["cpu_us_per_token"]["gateway"] else None
-                    for a, b in zip(small, rs, strict=False)]
-            known = sorted(x for x in each if x is not None)
-            ratios[f"{c} streams, {g} gateway"] = (each[0] if len(each) == 1 else
-                                                    {"each": each, "median": known[len(known) // 2] if known else None})
+            # each large run against the small run just before it (the machine as it was then); and
             # the same over the client's CPU per token in each run: the client's work is the same at
             # every size (the streams, tokens and requests), so this cancels the machine's own speed,
             # which moved every component's CPU per token, the client's too, by up to 1.4x between runs
-            norm = [round(_by_client(b) / _by_client(a), 2) if _by_client(a) and _by_client(b) else None
-                    for a, b in zip(small, rs, strict=False)]
-            known = sorted(x for x in norm if x is not None)
-            ratios[f"{c} streams, {g} gateway, over the client's"] = (
-                norm[0] if len(norm) == 1 else {"each": norm, "median": known[len(known) // 2] if known else None})
+            ratios[f"{c} streams, {g} gateway"] = _pairs(small, rs, lambda r: r["cpu_us_per_token"]["gateway"])
+            ratios[f"{c} streams, {g} gateway, over the client's"] = _pairs(small, rs, _by_client)
     biggest = max(runs, key=lambda r: (r["workers"], r["streams"]), default=None)
     kill = out.get("kill")
     return {
